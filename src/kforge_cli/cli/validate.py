@@ -1,0 +1,85 @@
+"""`kforge validate-config`: resolve, validate and explain a configuration (no torch without --plan)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Annotated, Any
+
+import typer
+
+from kforge_cli.cli.common import OVERRIDES, ConfigOpt, ProfileOpt, resolve
+
+
+def register(app: typer.Typer) -> None:
+    app.command("validate-config", context_settings=OVERRIDES)(validate_config)
+
+
+def validate_config(
+    ctx: typer.Context,
+    profile: ProfileOpt = None,
+    config: ConfigOpt = None,
+    world_size: Annotated[
+        int | None,
+        typer.Option("--world-size", "-n", help="Processes the job runs with (default: slurm.nodes x slurm.gpus_per_node)."),
+    ] = None,
+    fmt: Annotated[
+        str | None, typer.Option("--format", help="Print the resolved config as 'toml' or 'json'.")
+    ] = None,
+    explain: Annotated[
+        str | None, typer.Option("--explain", help="Describe one key (e.g. model.dim): type, default, value, source.")
+    ] = None,
+    plan: Annotated[bool, typer.Option("--plan", help="Also simulate the parallel plan and per-GPU memory.")] = False,
+    rank: Annotated[int, typer.Option("--rank", help="With --plan: the rank to report.")] = 0,
+) -> None:
+    """Check a configuration: fields, cross-section rules and world-size rules, all at once.
+
+    Overrides follow the options: `kforge validate-config -p h100x64 --model.n_layers=48`.
+    Exit code 0 when valid, 2 when not (every problem listed with its dotted key).
+    """
+    from kforge_cli.errors import ConfigError, InvalidInputError
+    from kforge_cli.settings import resolve_dims
+    from kforge_cli.settings.explain import explain_key, param_count, to_toml
+
+    resolved = resolve(profile, config, list(ctx.args))
+    s = resolved.settings
+    if explain:
+        typer.echo(explain_key(resolved, explain))
+        return
+    n = world_size if world_size is not None else s.slurm.world_size
+    if n < 1:
+        raise InvalidInputError(f"--world-size must be >= 1 (got {n})")
+    try:
+        dims = resolve_dims(s, n)
+    except ConfigError:
+        raise
+    if fmt is not None:
+        if fmt == "toml":
+            typer.echo(to_toml(s), nl=False)
+        elif fmt == "json":
+            typer.echo(json.dumps(s.model_dump(mode="json"), indent=2))
+        else:
+            raise InvalidInputError(f"--format must be 'toml' or 'json' (got {fmt!r})")
+    else:
+        m = s.model
+        tokens = s.train.batch_size * s.train.seq_len * s.train.grad_accum_steps * dims.dp
+        typer.echo(f"config is valid: profile {s.profile or '-'}, world size {n}")
+        typer.echo(
+            f"  mesh: pp={dims.pp} dp_replicate={dims.dp_replicate} dp_shard={dims.dp_shard} tp={dims.tp}"
+        )
+        typer.echo(
+            f"  model: {param_count(s) / 1e6:,.1f}M parameters, dim {m.dim}, {m.n_layers} layers, "
+            f"{m.n_heads} heads ({m.kv_heads} kv), vocab {m.vocab_size}"
+        )
+        typer.echo(f"  tokens per step: {tokens:,} (global batch {tokens // s.train.seq_len} x {s.train.seq_len})")
+    if plan:
+        _plan(s, n, rank, fmt)
+
+
+def _plan(settings: Any, world_size: int, rank: int, fmt: str | None) -> None:
+    from kforge_cli.errors import NotBuiltYetError
+
+    raise NotBuiltYetError("validate-config --plan is not built yet (the parallel plan simulation is a later issue)")
+
+
+__all__ = ["Path", "register", "validate_config"]

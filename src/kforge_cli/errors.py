@@ -1,0 +1,64 @@
+"""Errors a user can cause.
+
+Every mistake a researcher can make (a bad config value, a missing file, an
+incompatible checkpoint) raises a :class:`KforgeError` subclass whose message says
+what is wrong and how to fix it. The CLI prints the message without a traceback and
+exits with the error's ``exit_code``. This module imports nothing heavy.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+EXIT_OK = 0
+EXIT_FAILURE = 1
+EXIT_INVALID_INPUT = 2
+EXIT_REQUEUE = 75  # stopped on a signal after saving a checkpoint: requeue me
+
+
+class KforgeError(Exception):
+    """Base class of errors caused by the user's input or environment."""
+
+    exit_code: int = EXIT_FAILURE
+
+
+class InvalidInputError(KforgeError):
+    """Bad input (a file, a flag, a path): exit code 2."""
+
+    exit_code = EXIT_INVALID_INPUT
+
+
+@dataclass(frozen=True)
+class ConfigIssue:
+    """One problem with a configuration, tied to the dotted path of the field."""
+
+    path: str
+    message: str
+
+    def __str__(self) -> str:
+        return f"{self.path}: {self.message}" if self.path else self.message
+
+
+class ConfigError(KforgeError):
+    """One or more problems with the resolved configuration: all are reported at once."""
+
+    exit_code = EXIT_INVALID_INPUT
+
+    def __init__(self, issues: list[ConfigIssue], header: str = "invalid configuration") -> None:
+        self.issues = list(issues)
+        n = len(self.issues)
+        lines = [f"{header} ({n} problem{'s' if n != 1 else ''}):"]
+        lines += [f"  - {issue}" for issue in self.issues]
+        super().__init__("\n".join(lines))
+
+
+class NotBuiltYetError(KforgeError):
+    """A subcommand whose engine does not exist yet (exit 1, one line)."""
+
+    exit_code = EXIT_FAILURE
+
+
+class TrainingAborted(KforgeError):
+    """Training stopped because of a policy decision (e.g. NaN abort): exit 1."""
+
+    exit_code = EXIT_FAILURE

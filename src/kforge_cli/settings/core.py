@@ -1,0 +1,120 @@
+"""Sections that shape the model and the optimisation: model, train, optimizer, scheduler."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from kforge_cli.settings.base import Section, field
+
+
+class ModelSettings(Section):
+    """A Llama-style decoder-only Transformer."""
+
+    dim: int = field(256, "Hidden size of the residual stream.", gt=0)
+    n_layers: int = field(4, "Number of Transformer blocks.", gt=0)
+    n_heads: int = field(8, "Number of attention (query) heads.", gt=0)
+    n_kv_heads: int | None = field(
+        None, "Key/value heads for grouped-query attention (None = n_heads, i.e. MHA).", gt=0
+    )
+    vocab_size: int = field(512, "Vocabulary size of the embedding and output head.", gt=0)
+    max_seq_len: int = field(2048, "Longest sequence the model supports (RoPE table length).", gt=0)
+    ffn_hidden_dim: int | None = field(
+        None, "Hidden size of the MLP (None = 8/3*dim for SwiGLU, 4*dim for GELU, rounded up).", gt=0
+    )
+    ffn_dim_multiplier: float = field(1.0, "Multiplier on the automatic MLP hidden size.", gt=0)
+    multiple_of: int = field(64, "Round the automatic MLP hidden size up to a multiple of this.", gt=0)
+    rope_theta: float = field(10000.0, "RoPE base frequency (theta).", gt=0)
+    norm: Literal["rmsnorm", "layernorm"] = field("rmsnorm", "Normalisation layer type.")
+    norm_eps: float = field(1e-5, "Epsilon of the normalisation layers.", gt=0)
+    activation: Literal["swiglu", "gelu"] = field("swiglu", "MLP type: SwiGLU (gated) or GELU.")
+    qk_norm: bool = field(False, "Normalise queries and keys per head before RoPE.")
+    tie_embeddings: bool = field(False, "Share the token embedding with the output head.")
+    init_std: float = field(0.02, "Std of the normal initialisation of weights.", gt=0)
+
+    @property
+    def kv_heads(self) -> int:
+        return self.n_kv_heads or self.n_heads
+
+    @property
+    def head_dim(self) -> int:
+        return self.dim // self.n_heads
+
+    @property
+    def resolved_ffn_hidden_dim(self) -> int:
+        """The MLP hidden size actually built (explicit, or derived from dim)."""
+        if self.ffn_hidden_dim is not None:
+            return self.ffn_hidden_dim
+        hidden = int(2 * 4 * self.dim / 3) if self.activation == "swiglu" else 4 * self.dim
+        hidden = int(self.ffn_dim_multiplier * hidden)
+        return self.multiple_of * ((hidden + self.multiple_of - 1) // self.multiple_of)
+
+
+class TrainSettings(Section):
+    """The training loop: batch shape, steps, precision, memory/speed trade-offs."""
+
+    run_dir: str | None = field(
+        None, "Run directory (None = runs/<profile>-<timestamp>); an existing one auto-resumes."
+    )
+    batch_size: int = field(8, "Micro-batch size in sequences per data-parallel rank.", gt=0)
+    seq_len: int = field(256, "Tokens per training sequence.", gt=0)
+    max_steps: int = field(1000, "Number of optimizer steps to train for.", gt=0)
+    grad_accum_steps: int = field(
+        1, "Micro-batches per optimizer step (also the pipeline micro-batch count).", gt=0
+    )
+    grad_clip_norm: float = field(1.0, "Clip the global gradient norm to this (0 = no clipping).", ge=0)
+    seed: int = field(42, "Seed for model initialisation and every RNG.")
+    data_seed: int | None = field(None, "Seed of the data order (None = train.seed).")
+    device: Literal["auto", "cpu", "cuda"] = field("auto", "Device to train on (auto = cuda if available).")
+    mixed_precision: Literal["auto", "fp32", "bf16", "fp16"] = field(
+        "auto", "Compute dtype (auto = bf16 on CUDA, fp32 on CPU); parameters stay in master_dtype."
+    )
+    master_dtype: Literal["fp32", "bf16"] = field(
+        "fp32", "Dtype of parameters and optimizer state (the master weights)."
+    )
+    activation_checkpointing: Literal["none", "full", "selective"] = field(
+        "none", "Activation checkpointing: none, full (every block) or selective."
+    )
+    ac_selective_mode: Literal["block", "op"] = field(
+        "block", "Selective AC: every k-th block, or op-level (save matmul outputs only)."
+    )
+    ac_every_n_blocks: int = field(2, "Selective block AC checkpoints every k-th block.", gt=0)
+    compile_model: bool = field(False, "torch.compile each Transformer block.")
+    float8: bool = field(False, "Train linear layers in float8 (torchao).")
+    float8_recipe: Literal["tensorwise", "rowwise"] = field("tensorwise", "torchao float8 scaling recipe.")
+    loss_chunk_size: int = field(
+        0, "Compute cross-entropy in chunks of this many tokens, never materialising all logits (0 = off).", ge=0
+    )
+    z_loss_weight: float = field(0.0, "Weight of the z-loss (log(Z)^2) regulariser (0 = off).", ge=0)
+    hooks: list[str] = field(list, "Training hooks by import path, e.g. 'my_pkg.hooks:LogGradNorms'.")
+    num_threads: int | None = field(None, "torch CPU threads per process (None = torch's default).", gt=0)
+
+
+class OptimizerSettings(Section):
+    """The optimizer. Parameters and state are kept in train.master_dtype."""
+
+    name: Literal["adamw", "lion", "muon"] = field("adamw", "Optimizer: adamw, lion or muon.")
+    lr: float = field(3e-4, "Peak learning rate.", gt=0)
+    weight_decay: float = field(0.1, "Decoupled weight decay.", ge=0)
+    betas: tuple[float, float] = field((0.9, 0.95), "Adam/Lion betas (beta1, beta2).")
+    eps: float = field(1e-8, "Adam epsilon.", gt=0)
+    fused: bool | None = field(None, "Use the fused AdamW kernel (None = when available).")
+    decay_norms_and_biases: bool = field(False, "Apply weight decay to norm weights and biases too.")
+    decay_embeddings: bool = field(False, "Apply weight decay to embeddings too.")
+    muon_lr: float = field(0.02, "Learning rate of Muon's 2-D weights (the rest use optimizer.lr).", gt=0)
+    muon_momentum: float = field(0.95, "Muon momentum.", ge=0, lt=1)
+    muon_nesterov: bool = field(True, "Nesterov momentum in Muon.")
+    muon_ns_steps: int = field(5, "Newton-Schulz iterations in Muon.", gt=0)
+
+
+class SchedulerSettings(Section):
+    """Learning-rate schedule (a multiplier on optimizer.lr)."""
+
+    name: Literal["cosine", "linear", "wsd", "constant", "rex"] = field(
+        "cosine", "Schedule after warmup: cosine, linear, wsd (warmup-stable-decay), constant, rex."
+    )
+    warmup_steps: int = field(100, "Linear warmup steps from 0 to the peak LR.", ge=0)
+    decay_steps: int | None = field(
+        None, "Steps of decay (None = all steps after warmup; for wsd: the cooldown length)."
+    )
+    min_lr_ratio: float = field(0.1, "Final LR as a fraction of the peak.", ge=0, le=1)
+    wsd_cooldown: Literal["cosine", "linear", "sqrt"] = field("linear", "Shape of the WSD cooldown.")

@@ -1,0 +1,46 @@
+"""Sections for the data pipeline and evaluation."""
+
+from __future__ import annotations
+
+from kforge_cli.settings.base import Section, field
+
+
+class DatasetSpec(Section):
+    """One dataset of a mixture."""
+
+    name: str = field(..., "Name used in logs and in phase weights.")
+    path: str = field(..., "A directory made by `kforge prepare-data`.")
+    weight: float = field(1.0, "Sampling weight before temperature.", gt=0)
+
+
+class DataPhase(Section):
+    """A data phase (e.g. an annealing phase) starting at a given step."""
+
+    start_step: int = field(..., "First optimizer step of this phase.", ge=0)
+    dataset_weights: dict[str, float] = field(dict, "Mixture weights by dataset name for this phase.")
+    lr_scale: float = field(1.0, "Multiplier on the scheduled learning rate during this phase.", gt=0)
+
+
+class DataSettings(Section):
+    """Training data: a prepared token directory, or a weighted mixture with phases."""
+
+    path: str | None = field(
+        None, "Prepared data directory (`kforge prepare-data`); None = the built-in demo corpus."
+    )
+    tokenizer: str = field("byte", "Tokenizer: 'byte' or a path to a Hugging Face tokenizer.json.")
+    datasets: list[DatasetSpec] = field(list, "A mixture of prepared datasets (instead of data.path).")
+    temperature: float = field(1.0, "Mixture temperature: weights ** (1/temperature), renormalised.", gt=0)
+    phases: list[DataPhase] = field(list, "Data phases by start step (mixture weights, lr_scale).")
+    document_masking: bool = field(False, "Keep attention and labels inside document boundaries.")
+    num_workers: int = field(0, "Data loader worker processes per rank.", ge=0)
+    prefetch_factor: int = field(2, "Batches prefetched per worker (num_workers > 0).", gt=0)
+    pin_memory: bool = field(True, "Pin host memory for faster copies to the GPU.")
+
+
+class EvalSettings(Section):
+    """Periodic evaluation on the validation split."""
+
+    interval: int = field(0, "Evaluate every N steps (0 = never).", ge=0)
+    steps: int = field(10, "Batches per evaluation.", gt=0)
+    path: str | None = field(None, "Prepared eval data directory (None = the val split of data.path).")
+    batch_size: int | None = field(None, "Eval micro-batch size (None = train.batch_size).", gt=0)

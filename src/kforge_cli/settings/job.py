@@ -1,0 +1,72 @@
+"""`JobSettings`: the ONE settings model every subcommand and the engine share."""
+
+from __future__ import annotations
+
+from pydantic import ConfigDict
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+from kforge_cli.settings.base import field
+from kforge_cli.settings.core import ModelSettings, OptimizerSettings, SchedulerSettings, TrainSettings
+from kforge_cli.settings.data import DataSettings, EvalSettings
+from kforge_cli.settings.run import (
+    CheckpointSettings,
+    DistributedSettings,
+    MetricsSettings,
+    ProfilingSettings,
+    ResilienceSettings,
+    SlurmSettings,
+)
+from kforge_cli.settings.vlm import AdapterSettings, VideoSettings, VisionEncoderSettings, VLMSettings
+
+SECTION_NAMES = (
+    "model", "train", "optimizer", "scheduler", "data", "eval", "distributed", "checkpoint",
+    "metrics", "profiling", "resilience", "slurm", "vision_encoder", "adapter", "vlm", "video",
+)  # fmt: skip
+
+
+class JobSettings(BaseSettings):
+    """Everything a kforge job needs, validated.
+
+    Built by :func:`kforge_cli.settings.load_settings` from, lowest to highest
+    precedence: defaults, a profile, a TOML config file, ``KFORGE_SECTION__KEY``
+    environment variables and ``--section.key=value`` command-line overrides.
+    Constructing it directly in Python reads the environment too (keyword arguments win).
+    """
+
+    model_config = SettingsConfigDict(  # type: ignore[assignment]
+        env_prefix="KFORGE_",
+        env_nested_delimiter="__",
+        extra="forbid",
+        validate_assignment=True,
+        case_sensitive=False,
+    )
+
+    profile: str | None = field(None, "Name of the profile this configuration was built from.")
+    model: ModelSettings = field(ModelSettings, "Transformer architecture.")
+    train: TrainSettings = field(TrainSettings, "Training loop.")
+    optimizer: OptimizerSettings = field(OptimizerSettings, "Optimizer.")
+    scheduler: SchedulerSettings = field(SchedulerSettings, "Learning-rate schedule.")
+    data: DataSettings = field(DataSettings, "Training data.")
+    eval: EvalSettings = field(EvalSettings, "Evaluation.")
+    distributed: DistributedSettings = field(DistributedSettings, "Parallelism.")
+    checkpoint: CheckpointSettings = field(CheckpointSettings, "Checkpointing and resume.")
+    metrics: MetricsSettings = field(MetricsSettings, "Metrics and experiment tracking.")
+    profiling: ProfilingSettings = field(ProfilingSettings, "torch.profiler window.")
+    resilience: ResilienceSettings = field(ResilienceSettings, "NaN policy and signals.")
+    slurm: SlurmSettings = field(SlurmSettings, "Cluster shape and SLURM options.")
+    vision_encoder: VisionEncoderSettings | None = field(None, "Vision encoder (VLM jobs only).")
+    adapter: AdapterSettings | None = field(None, "Vision-to-text adapter (VLM jobs only).")
+    vlm: VLMSettings | None = field(None, "Vision-language architecture (VLM jobs only).")
+    video: VideoSettings | None = field(None, "Video clips (video VLM jobs only).")
+
+    @property
+    def is_vlm(self) -> bool:
+        return self.vlm is not None
+
+    @property
+    def data_seed(self) -> int:
+        """The seed of the data order (train.data_seed, defaulting to train.seed)."""
+        return self.train.seed if self.train.data_seed is None else self.train.data_seed
+
+
+__all__ = ["JobSettings", "SECTION_NAMES", "ConfigDict"]

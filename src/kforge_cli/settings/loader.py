@@ -1,0 +1,227 @@
+"""Building `JobSettings` from its layered sources, remembering where each value came from.
+
+Precedence, lowest to highest: defaults < profile < ``--config FILE.toml`` <
+environment ``KFORGE_SECTION__KEY`` < command line ``--section.key=value``.
+"""
+
+from __future__ import annotations
+
+import difflib
+import sys
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from pydantic import BaseModel, ValidationError
+from pydantic_settings import EnvSettingsSource
+
+from kforge_cli.errors import ConfigError, ConfigIssue, InvalidInputError
+from kforge_cli.settings.job import JobSettings
+from kforge_cli.settings.profiles import DEFAULT_PROFILE, deep_merge, load_profile, read_toml
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover
+    import tomli as tomllib
+
+
+@dataclass
+class ResolvedSettings:
+    """Validated settings plus the source of every value that is not a default."""
+
+    settings: JobSettings
+    sources: dict[str, str] = field(default_factory=dict)
+
+    def source_of(self, dotted: str) -> str:
+        """Where the value at `dotted` came from (the key itself or an enclosing one)."""
+        parts = dotted.split(".")
+        for i in range(len(parts), 0, -1):
+            hit = self.sources.get(".".join(parts[:i]))
+            if hit:
+                return hit
+        prefix = dotted + "."
+        if any(k.startswith(prefix) for k in self.sources):
+            return "several sources (see the keys below it)"
+        return "default"
+
+
+def parse_override_value(raw: str) -> Any:
+    """A command-line value in TOML syntax (numbers, booleans, lists, inline tables), else a string."""
+    try:
+        return tomllib.loads(f"v = {raw}")["v"]
+    except tomllib.TOMLDecodeError:
+        return raw
+
+
+def parse_overrides(args: list[str]) -> list[tuple[str, Any]]:
+    """`--section.key=value` or `--section.key value` pairs, in order."""
+    pairs: list[tuple[str, Any]] = []
+    i = 0
+    while i < len(args):
+        arg = args[i]
+        if not arg.startswith("--") or "." not in arg.split("=", 1)[0]:
+            raise InvalidInputError(
+                f"unexpected argument {arg!r}: overrides look like --section.key=value "
+                "(e.g. --model.dim=512)"
+            )
+        if "=" in arg:
+            key, raw = arg[2:].split("=", 1)
+        elif i + 1 < len(args) and not args[i + 1].startswith("--"):
+            key, raw = arg[2:], args[i + 1]
+            i += 1
+        else:
+            raise InvalidInputError(f"override {arg} has no value: write {arg}=VALUE")
+        pairs.append((key.replace("-", "_"), parse_override_value(raw)))
+        i += 1
+    return pairs
+
+
+def nest(dotted: str, value: Any) -> dict[str, Any]:
+    """'a.b.c', v -> {'a': {'b': {'c': v}}}."""
+    out: Any = value
+    for part in reversed(dotted.split(".")):
+        out = {part: out}
+    return out
+
+
+def leaf_paths(data: dict[str, Any], prefix: str = "") -> list[str]:
+    """Dotted paths of the non-dict values of a nested dict."""
+    paths: list[str] = []
+    for key, value in data.items():
+        path = f"{prefix}{key}"
+        if isinstance(value, dict) and value:
+            paths += leaf_paths(value, path + ".")
+        else:
+            paths.append(path)
+    return paths
+
+
+def load_settings(
+    profile: str | None = None,
+    config: str | Path | None = None,
+    overrides: list[str] | None = None,
+    *,
+    use_env: bool = True,
+    base: dict[str, Any] | None = None,
+    base_source: str = "saved config",
+) -> ResolvedSettings:
+    """Resolve and validate settings from every source; raise ConfigError listing all problems.
+
+    `base`, when given, replaces the profile layer (used by `kforge resume` with a run's
+    saved config.toml).
+    """
+    layers: list[tuple[str, dict[str, Any]]] = []
+    if base is not None:
+        layers.append((base_source, base))
+    else:
+        name = profile or DEFAULT_PROFILE
+        data, path = load_profile(name)
+        data = {"profile": name, **data}
+        layers.append((f"profile {name} ({path})", data))
+    if config is not None:
+        layers.append((f"config {config}", read_toml(Path(config), "config file")))
+    if use_env:
+        env = EnvSettingsSource(JobSettings)()
+        for path in leaf_paths(env):
+            layers.append((f"env KFORGE_{path.upper().replace('.', '__')}", nest(path, _get(env, path))))
+    for key, value in parse_overrides(overrides or []):
+        layers.append((f"command line --{key}", nest(key, value)))
+
+    merged: dict[str, Any] = {}
+    sources: dict[str, str] = {}
+    for source, data in layers:
+        merged = deep_merge(merged, data)
+        for path in leaf_paths(data):
+            for existing in [k for k in sources if k.startswith(path + ".")]:
+                del sources[existing]
+            sources[path] = source
+
+    try:
+        settings = JobSettings.model_validate(merged)
+    except ValidationError as exc:
+        raise ConfigError([_issue_from_pydantic(err, sources) for err in exc.errors()]) from None
+    from kforge_cli.settings.rules import config_issues
+
+    problems = config_issues(settings)
+    if problems:
+        raise ConfigError(problems)
+    return ResolvedSettings(settings=settings, sources=sources)
+
+
+def _get(data: dict[str, Any], dotted: str) -> Any:
+    for part in dotted.split("."):
+        data = data[part]
+    return data
+
+
+def _issue_from_pydantic(err: Any, sources: dict[str, str]) -> ConfigIssue:
+    loc = [str(p) for p in err["loc"]]
+    path = ".".join(loc)
+    if err["type"] == "extra_forbidden":
+        hint = suggest_key(loc)
+        where = sources.get(path)
+        message = "unknown key" + (f" (from {where})" if where else "")
+        return ConfigIssue(path, message + (f"; did you mean {hint}?" if hint else ""))
+    value = err.get("input")
+    shown = f" (got {value!r})" if not isinstance(value, dict | list) else ""
+    where = sources.get(path)
+    origin = f" [from {where}]" if where else ""
+    return ConfigIssue(path, f"{err['msg']}{shown}{origin}")
+
+
+def _model_at(loc: list[str]) -> type[BaseModel] | None:
+    """The settings model class that holds the fields at `loc` (a list of names/indices)."""
+    model: type[BaseModel] = JobSettings
+    for part in loc:
+        if part.isdigit():
+            continue
+        info = model.model_fields.get(part)
+        if info is None:
+            return None
+        inner = _section_class(info.annotation)
+        if inner is None:
+            return None
+        model = inner
+    return model
+
+
+def _section_class(annotation: Any) -> type[BaseModel] | None:
+    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+        return annotation
+    origin = typing.get_origin(annotation)
+    if origin in (typing.Union, types.UnionType, list, tuple, dict):
+        for arg in typing.get_args(annotation):
+            found = _section_class(arg)
+            if found is not None:
+                return found
+    return None
+
+
+def all_keys() -> list[str]:
+    """Every dotted settings key (sections' fields), for suggestions and --explain."""
+    keys: list[str] = []
+    for name, info in JobSettings.model_fields.items():
+        section = _section_class(info.annotation)
+        if section is None:
+            keys.append(name)
+            continue
+        keys += [f"{name}.{sub}" for sub in section.model_fields]
+    return keys
+
+
+def suggest_key(loc: list[str]) -> str | None:
+    """The closest valid key to an unknown one: a near spelling, or the same name in another section."""
+    parent = _model_at(loc[:-1])
+    name = loc[-1]
+    prefix = ".".join(loc[:-1])
+    if parent is not None:
+        close = difflib.get_close_matches(name, list(parent.model_fields), n=1, cutoff=0.6)
+        if close:
+            return f"{prefix}.{close[0]}" if prefix else close[0]
+    elsewhere = [k for k in all_keys() if k.rsplit(".", 1)[-1] == name]
+    if elsewhere:
+        return elsewhere[0]
+    close = difflib.get_close_matches(".".join(loc), all_keys(), n=1, cutoff=0.6)
+    return close[0] if close else None

@@ -1,0 +1,197 @@
+"""Validation rules beyond single fields, in two stages.
+
+Stage 1 (`config_issues`) needs nothing but the config. Stage 2 (`world_size_issues`)
+needs the world size the job will run at. Every rule adds a ConfigIssue naming the
+field to change; all issues are collected and reported together.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from kforge_cli.errors import ConfigError, ConfigIssue
+from kforge_cli.settings.job import JobSettings
+
+INTERLEAVED_SCHEDULES = ("interleaved_1f1b", "interleaved_zero_bubble", "zbv_zero_bubble", "dualpipev")
+V_SCHEDULES = ("zbv_zero_bubble", "dualpipev")  # exactly two stages per rank
+
+
+def config_issues(s: JobSettings) -> list[ConfigIssue]:
+    """Cross-field and cross-section rules that need only the config."""
+    out: list[ConfigIssue] = []
+    m, t = s.model, s.train
+    if m.dim % m.n_heads:
+        out.append(ConfigIssue("model.dim", f"{m.dim} is not divisible by model.n_heads ({m.n_heads})"))
+    elif m.head_dim % 2:
+        out.append(ConfigIssue("model.dim", f"head dim dim/n_heads = {m.head_dim} must be even for RoPE"))
+    if m.n_heads % m.kv_heads:
+        out.append(
+            ConfigIssue("model.n_kv_heads", f"{m.kv_heads} does not divide model.n_heads ({m.n_heads})")
+        )
+    if t.seq_len > m.max_seq_len:
+        out.append(ConfigIssue("train.seq_len", f"{t.seq_len} exceeds model.max_seq_len ({m.max_seq_len})"))
+    if s.data.datasets and s.data.path:
+        out.append(ConfigIssue("data.datasets", "set either data.path or data.datasets, not both"))
+    names = [d.name for d in s.data.datasets]
+    dupes = sorted({n for n in names if names.count(n) > 1})
+    if dupes:
+        out.append(ConfigIssue("data.datasets", f"duplicate dataset names: {', '.join(dupes)}"))
+    last = -1
+    for i, phase in enumerate(s.data.phases):
+        if phase.start_step <= last:
+            out.append(
+                ConfigIssue(f"data.phases.{i}.start_step", f"{phase.start_step} must be greater than the previous phase's ({last})")
+            )
+        last = phase.start_step
+        unknown = sorted(set(phase.dataset_weights) - set(names))
+        if unknown:
+            out.append(
+                ConfigIssue(
+                    f"data.phases.{i}.dataset_weights",
+                    f"unknown dataset(s) {', '.join(unknown)}; data.datasets has: {', '.join(names) or 'none'}",
+                )
+            )
+    if s.scheduler.decay_steps is not None and s.scheduler.decay_steps < 0:
+        out.append(ConfigIssue("scheduler.decay_steps", "must be >= 0"))
+    if s.scheduler.warmup_steps > t.max_steps:
+        out.append(
+            ConfigIssue("scheduler.warmup_steps", f"{s.scheduler.warmup_steps} exceeds train.max_steps ({t.max_steps})")
+        )
+    if s.profiling.enabled and s.profiling.end_step < s.profiling.start_step:
+        out.append(ConfigIssue("profiling.end_step", "must not be before profiling.start_step"))
+    if t.activation_checkpointing == "selective" and t.ac_selective_mode == "block" and t.ac_every_n_blocks > m.n_layers:
+        out.append(ConfigIssue("train.ac_every_n_blocks", f"exceeds model.n_layers ({m.n_layers})"))
+    out += _vlm_issues(s)
+    return out
+
+
+def _vlm_issues(s: JobSettings) -> list[ConfigIssue]:
+    out: list[ConfigIssue] = []
+    vlm_only = [n for n in ("vision_encoder", "adapter", "video") if getattr(s, n) is not None]
+    if s.vlm is None:
+        out += [ConfigIssue(n, f"[{n}] is set but [vlm] is not: add a [vlm] section") for n in vlm_only]
+        return out
+    enc = s.vision_encoder
+    if enc is None:
+        out.append(ConfigIssue("vision_encoder", "a VLM needs a vision encoder: add a [vision_encoder] section"))
+        return out
+    if enc.type == "hf" and not enc.path:
+        out.append(ConfigIssue("vision_encoder.path", "type = 'hf' needs the path of a local model directory"))
+    if enc.image_size % enc.patch_size:
+        out.append(ConfigIssue("vision_encoder.image_size", f"{enc.image_size} is not divisible by patch_size {enc.patch_size}"))
+    if enc.dim % enc.n_heads:
+        out.append(ConfigIssue("vision_encoder.dim", f"{enc.dim} is not divisible by n_heads {enc.n_heads}"))
+    tokens = enc.tokens_per_frame
+    if s.adapter is not None and s.adapter.type == "avgpool":
+        side = enc.image_size // enc.patch_size
+        if side % s.adapter.pool:
+            out.append(ConfigIssue("adapter.pool", f"{s.adapter.pool} does not divide the {side}x{side} patch grid"))
+        tokens = (side // s.adapter.pool) ** 2
+    frames = s.video.max_frames if s.video is not None else 1
+    if s.vlm.arch != "cross_attention":
+        need = frames * tokens + s.vlm.max_text_len
+        if need > s.train.seq_len:
+            out.append(
+                ConfigIssue(
+                    "train.seq_len",
+                    f"{s.train.seq_len} is too short for {frames} frame(s) x {tokens} image tokens "
+                    f"+ vlm.max_text_len {s.vlm.max_text_len} = {need}",
+                )
+            )
+    elif s.vlm.max_text_len > s.train.seq_len:
+        out.append(ConfigIssue("vlm.max_text_len", f"exceeds train.seq_len ({s.train.seq_len})"))
+    if s.vlm.arch == "mot" and "text" not in s.vlm.modalities:
+        out.append(ConfigIssue("vlm.modalities", "a MoT model needs a 'text' modality"))
+    last = -1
+    for i, stage in enumerate(s.vlm.freeze_schedule):
+        if stage.start_step <= last:
+            out.append(ConfigIssue(f"vlm.freeze_schedule.{i}.start_step", "stages must start at increasing steps"))
+        last = stage.start_step
+    return out
+
+
+@dataclass(frozen=True)
+class ParallelDims:
+    """The resolved device mesh shape."""
+
+    pp: int
+    dp_replicate: int
+    dp_shard: int
+    tp: int
+
+    @property
+    def world_size(self) -> int:
+        return self.pp * self.dp_replicate * self.dp_shard * self.tp
+
+    @property
+    def dp(self) -> int:
+        """Data-parallel degree: how many different batches are processed per step."""
+        return self.dp_replicate * self.dp_shard
+
+
+def world_size_issues(s: JobSettings, world_size: int) -> list[ConfigIssue]:
+    """Rules that depend on the number of processes the job runs with."""
+    out: list[ConfigIssue] = []
+    d, m = s.distributed, s.model
+    fixed = d.dp_replicate * d.tp * d.pp * (d.dp_shard if d.dp_shard > 0 else 1)
+    if d.dp_shard == -1:
+        if world_size % fixed:
+            out.append(
+                ConfigIssue(
+                    "distributed.dp_shard",
+                    f"world size {world_size} is not divisible by dp_replicate*tp*pp = {fixed}",
+                )
+            )
+    elif d.dp_shard == 0:
+        out.append(ConfigIssue("distributed.dp_shard", "must be -1 (the rest) or >= 1"))
+    elif fixed != world_size:
+        out.append(
+            ConfigIssue(
+                "distributed",
+                f"pp*dp_replicate*dp_shard*tp = {d.pp}*{d.dp_replicate}*{d.dp_shard}*{d.tp} = {fixed} "
+                f"but the world size is {world_size}",
+            )
+        )
+    if m.n_heads % d.tp:
+        out.append(ConfigIssue("distributed.tp", f"{d.tp} does not divide model.n_heads ({m.n_heads})"))
+    if m.kv_heads % d.tp:
+        out.append(ConfigIssue("distributed.tp", f"{d.tp} does not divide the KV heads ({m.kv_heads})"))
+    if m.resolved_ffn_hidden_dim % d.tp:
+        out.append(ConfigIssue("distributed.tp", f"{d.tp} does not divide the MLP hidden size ({m.resolved_ffn_hidden_dim})"))
+    if d.tp > 1 and d.loss_parallel and m.vocab_size % d.tp:
+        out.append(ConfigIssue("model.vocab_size", f"{m.vocab_size} is not divisible by distributed.tp ({d.tp})"))
+    if d.tp > 1 and d.sequence_parallel and s.train.seq_len % d.tp:
+        out.append(ConfigIssue("train.seq_len", f"{s.train.seq_len} is not divisible by distributed.tp ({d.tp}) (sequence parallel)"))
+    interleaved = d.pp_schedule in INTERLEAVED_SCHEDULES
+    stages = d.pp * d.pp_stages_per_rank
+    if d.pp > 1:
+        if interleaved and d.pp_stages_per_rank < 2:
+            out.append(ConfigIssue("distributed.pp_stages_per_rank", f"schedule {d.pp_schedule} needs >= 2 stages per rank"))
+        if d.pp_schedule in V_SCHEDULES and d.pp_stages_per_rank != 2:
+            out.append(ConfigIssue("distributed.pp_stages_per_rank", f"schedule {d.pp_schedule} needs exactly 2 stages per rank"))
+        if not interleaved and d.pp_stages_per_rank != 1:
+            out.append(ConfigIssue("distributed.pp_stages_per_rank", f"schedule {d.pp_schedule} runs one stage per rank"))
+        if stages > m.n_layers:
+            out.append(ConfigIssue("distributed.pp", f"{stages} pipeline stages exceed model.n_layers ({m.n_layers})"))
+        if s.train.grad_accum_steps < d.pp:
+            out.append(
+                ConfigIssue(
+                    "train.grad_accum_steps",
+                    f"{s.train.grad_accum_steps} micro-batches are fewer than the {d.pp} pipeline ranks",
+                )
+            )
+        if s.vlm is not None:
+            out.append(ConfigIssue("distributed.pp", "pipeline parallelism is not supported for VLM models"))
+    if d.tp > s.slurm.gpus_per_node and s.slurm.nodes > 1:
+        out.append(ConfigIssue("distributed.tp", f"{d.tp} exceeds slurm.gpus_per_node ({s.slurm.gpus_per_node}): TP must stay within a node"))
+    return out
+
+
+def resolve_dims(s: JobSettings, world_size: int) -> ParallelDims:
+    """The mesh shape for `world_size`; raises ConfigError listing every world-size problem."""
+    issues = world_size_issues(s, world_size)
+    if issues:
+        raise ConfigError(issues, header=f"configuration does not fit world size {world_size}")
+    d = s.distributed
+    dp_shard = d.dp_shard if d.dp_shard > 0 else world_size // (d.dp_replicate * d.tp * d.pp)
+    return ParallelDims(pp=d.pp, dp_replicate=d.dp_replicate, dp_shard=dp_shard, tp=d.tp)

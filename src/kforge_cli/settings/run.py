@@ -1,0 +1,125 @@
+"""Sections for running a job: parallelism, checkpoints, metrics, profiling, resilience, SLURM."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from kforge_cli.settings.base import Section, field
+
+PipelineSchedule = Literal[
+    "gpipe", "1f1b", "interleaved_1f1b", "interleaved_zero_bubble", "zbv_zero_bubble", "dualpipev"
+]
+
+
+class DistributedSettings(Section):
+    """Parallelism over the device mesh pp x dp_replicate x dp_shard x tp."""
+
+    dp_shard: int = field(-1, "FSDP shard degree (-1 = whatever remains of the world size).", ge=-1)
+    dp_replicate: int = field(1, "Replicate degree (> 1 with dp_shard > 1 means HSDP).", gt=0)
+    tp: int = field(1, "Tensor-parallel degree (keep within one node).", gt=0)
+    pp: int = field(1, "Pipeline-parallel degree (number of pipeline ranks).", gt=0)
+    pp_schedule: PipelineSchedule = field("1f1b", "Pipeline schedule.")
+    pp_stages_per_rank: int = field(1, "Pipeline stages per rank (> 1 for interleaved schedules).", gt=0)
+    sequence_parallel: bool = field(True, "Shard norms/activations along the sequence under TP.")
+    loss_parallel: bool = field(True, "Keep logits vocab-sharded under TP and compute a parallel loss.")
+    reshard_after_forward: bool | None = field(
+        None, "FSDP2: free gathered params after forward (None = yes, except where unsafe)."
+    )
+    backend: str = field("cpu:gloo,cuda:nccl", "torch.distributed backend string.")
+    timeout_s: int = field(1800, "Timeout of collectives, in seconds.", gt=0)
+
+
+class CheckpointSettings(Section):
+    """Distributed checkpoints (DCP) with durable auto-resume."""
+
+    dir: str | None = field(None, "Checkpoint directory (None = RUN_DIR/checkpoints).")
+    interval: int = field(500, "Save every N steps (0 = only at the end and on signals).", ge=0)
+    async_mode: Literal["disabled", "async", "async_with_pinned_mem"] = field(
+        "disabled", "Save synchronously, or in the background while training continues."
+    )
+    keep_last_n: int = field(3, "Keep this many complete checkpoints (0 = keep all).", ge=0)
+    save_final: bool = field(True, "Save at the end of training even off the interval.")
+    resume: Literal["auto", "never", "require"] = field(
+        "auto", "Resume from RUN_DIR's latest checkpoint: auto (if any), never, require."
+    )
+    load_path: str | None = field(None, "Resume from this checkpoint instead of RUN_DIR's latest.")
+    init_from: str | None = field(
+        None, "Warm start: load weights only from this checkpoint (fresh optimizer, step 0)."
+    )
+    exclude_from_loading: list[str] = field(list, "Parameter-name patterns not loaded by init_from.")
+
+
+class MetricsSettings(Section):
+    """Logging and experiment tracking (jsonl always on)."""
+
+    log_interval: int = field(10, "Log metrics every N steps.", gt=0)
+    backends: list[Literal["jsonl", "wandb", "mlflow"]] = field(
+        lambda: ["jsonl"], "Metrics backends; jsonl (RUN_DIR/metrics.jsonl) is always on."
+    )
+    run_name: str | None = field(None, "Run name in trackers (None = the run directory's name).")
+    tags: list[str] = field(list, "Tags attached to the run in trackers.")
+    wandb_project: str = field("kforge", "Weights & Biases project.")
+    wandb_entity: str | None = field(None, "Weights & Biases entity (team or user).")
+    wandb_group: str | None = field(None, "Weights & Biases run group.")
+    wandb_mode: Literal["online", "offline", "auto"] = field(
+        "auto", "W&B mode (auto = online with an API key and network, else offline)."
+    )
+    wandb_run_id: str | None = field(None, "W&B run id to continue (normally taken from the checkpoint).")
+    mlflow_tracking_uri: str | None = field(None, "MLflow tracking URI (server URL or sqlite:///file.db).")
+    mlflow_experiment: str = field("kforge", "MLflow experiment name.")
+    mlflow_run_id: str | None = field(None, "MLflow run id to continue (normally taken from the checkpoint).")
+    progress_bar: Literal["auto", "on", "off"] = field("auto", "Rich progress bar (auto = on a terminal).")
+    peak_tflops: float | None = field(
+        None, "Peak dense TFLOP/s per device for MFU (None = from the GPU name table).", gt=0
+    )
+
+
+class ProfilingSettings(Section):
+    """A torch.profiler window writing one trace per rank."""
+
+    enabled: bool = field(False, "Record a torch.profiler trace.")
+    start_step: int = field(5, "First profiled step.", ge=0)
+    end_step: int = field(8, "Last profiled step.", ge=0)
+    trace_dir: str | None = field(None, "Trace directory (None = RUN_DIR/profile).")
+    record_shapes: bool = field(False, "Record operator input shapes.")
+    profile_memory: bool = field(False, "Record memory allocations.")
+    with_stack: bool = field(False, "Record Python stacks.")
+
+
+class ResilienceSettings(Section):
+    """What to do with NaN/Inf losses and shutdown signals."""
+
+    nan_policy: Literal["warn", "skip", "abort"] = field(
+        "skip", "On a NaN/Inf loss or gradient: warn (step anyway), skip the update, or abort."
+    )
+    nan_max_consecutive: int = field(
+        5, "Abort after this many consecutive bad steps (skip and abort policies).", gt=0
+    )
+    shutdown_signals: list[str] = field(
+        lambda: ["SIGTERM", "SIGUSR1"], "Signals that stop training at the next step boundary."
+    )
+
+
+class SlurmSettings(Section):
+    """The cluster shape and SLURM job options (also the default world size)."""
+
+    nodes: int = field(1, "Number of nodes.", gt=0)
+    gpus_per_node: int = field(1, "GPUs (= training processes) per node.", gt=0)
+    gpu_type: str = field("cpu", "Accelerator type: h100, h200, a100, cpu, ...")
+    gpu_memory_gb: float = field(80.0, "Memory of one accelerator in GB.", gt=0)
+    partition: str | None = field(None, "SLURM partition.")
+    account: str | None = field(None, "SLURM account.")
+    qos: str | None = field(None, "SLURM quality of service.")
+    constraint: str | None = field(None, "SLURM node constraint.")
+    time_limit: str = field("24:00:00", "Job time limit (SLURM --time).")
+    cpus_per_task: int = field(8, "CPUs per training process.", gt=0)
+    mem: str | None = field("0", "Memory per node (SLURM --mem; '0' = all).")
+    job_name: str = field("kforge", "SLURM job name.")
+    signal_before_s: int = field(300, "Send USR1 this many seconds before the time limit.", ge=0)
+    network_interface: str | None = field(None, "NCCL/gloo socket interface (e.g. ib0).")
+    extra_sbatch: list[str] = field(list, "Extra '#SBATCH' lines, e.g. '--exclusive'.")
+    env: dict[str, str] = field(dict, "Extra environment variables exported in the job script.")
+
+    @property
+    def world_size(self) -> int:
+        return self.nodes * self.gpus_per_node
