@@ -21,11 +21,11 @@ def validate_config(
     config: ConfigOpt = None,
     world_size: Annotated[
         int | None,
-        typer.Option("--world-size", "-n", help="Processes the job runs with (default: slurm.nodes x slurm.gpus_per_node)."),
+        typer.Option(
+            "--world-size", "-n", help="Processes the job runs with (default: slurm.nodes x slurm.gpus_per_node)."
+        ),
     ] = None,
-    fmt: Annotated[
-        str | None, typer.Option("--format", help="Print the resolved config as 'toml' or 'json'.")
-    ] = None,
+    fmt: Annotated[str | None, typer.Option("--format", help="Print the resolved config as 'toml' or 'json'.")] = None,
     explain: Annotated[
         str | None, typer.Option("--explain", help="Describe one key (e.g. model.dim): type, default, value, source.")
     ] = None,
@@ -64,9 +64,7 @@ def validate_config(
         m = s.model
         tokens = s.train.batch_size * s.train.seq_len * s.train.grad_accum_steps * dims.dp
         typer.echo(f"config is valid: profile {s.profile or '-'}, world size {n}")
-        typer.echo(
-            f"  mesh: pp={dims.pp} dp_replicate={dims.dp_replicate} dp_shard={dims.dp_shard} tp={dims.tp}"
-        )
+        typer.echo(f"  mesh: pp={dims.pp} dp_replicate={dims.dp_replicate} dp_shard={dims.dp_shard} tp={dims.tp}")
         typer.echo(
             f"  model: {param_count(s) / 1e6:,.1f}M parameters, dim {m.dim}, {m.n_layers} layers, "
             f"{m.n_heads} heads ({m.kv_heads} kv), vocab {m.vocab_size}"

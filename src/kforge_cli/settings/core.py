@@ -58,9 +58,7 @@ class TrainSettings(Section):
     batch_size: int = field(8, "Micro-batch size in sequences per data-parallel rank.", gt=0)
     seq_len: int = field(256, "Tokens per training sequence.", gt=0)
     max_steps: int = field(1000, "Number of optimizer steps to train for.", gt=0)
-    grad_accum_steps: int = field(
-        1, "Micro-batches per optimizer step (also the pipeline micro-batch count).", gt=0
-    )
+    grad_accum_steps: int = field(1, "Micro-batches per optimizer step (also the pipeline micro-batch count).", gt=0)
     grad_clip_norm: float = field(1.0, "Clip the global gradient norm to this (0 = no clipping).", ge=0)
     seed: int = field(42, "Seed for model initialisation and every RNG.")
     data_seed: int | None = field(None, "Seed of the data order (None = train.seed).")

@@ -24,9 +24,7 @@ class DataPhase(Section):
 class DataSettings(Section):
     """Training data: a prepared token directory, or a weighted mixture with phases."""
 
-    path: str | None = field(
-        None, "Prepared data directory (`kforge prepare-data`); None = the built-in demo corpus."
-    )
+    path: str | None = field(None, "Prepared data directory (`kforge prepare-data`); None = the built-in demo corpus.")
     tokenizer: str = field("byte", "Tokenizer: 'byte' or a path to a Hugging Face tokenizer.json.")
     datasets: list[DatasetSpec] = field(list, "A mixture of prepared datasets (instead of data.path).")
     temperature: float = field(1.0, "Mixture temperature: weights ** (1/temperature), renormalised.", gt=0)

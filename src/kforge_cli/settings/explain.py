@@ -67,7 +67,9 @@ def explain_key(resolved: ResolvedSettings, key: str) -> str:
             ]
             return "\n".join(lines)
         if section is None:
-            raise InvalidInputError(f"{'.'.join(parts[: i + 1])} is not a section; try --explain {'.'.join(parts[: i + 1])}")
+            raise InvalidInputError(
+                f"{'.'.join(parts[: i + 1])} is not a section; try --explain {'.'.join(parts[: i + 1])}"
+            )
         model = section
     raise InvalidInputError(f"unknown key {key!r}")
 

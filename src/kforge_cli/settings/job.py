@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from pydantic import ConfigDict
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from kforge_cli.settings.base import field
@@ -69,4 +68,4 @@ class JobSettings(BaseSettings):
         return self.train.seed if self.train.data_seed is None else self.train.data_seed
 
 
-__all__ = ["JobSettings", "SECTION_NAMES", "ConfigDict"]
+__all__ = ["SECTION_NAMES", "JobSettings"]

@@ -7,7 +7,7 @@ environment ``KFORGE_SECTION__KEY`` < command line ``--section.key=value``.
 from __future__ import annotations
 
 import difflib
-import sys
+import tomllib
 import types
 import typing
 from dataclasses import dataclass, field
@@ -20,11 +20,6 @@ from pydantic_settings import EnvSettingsSource
 from kforge_cli.errors import ConfigError, ConfigIssue, InvalidInputError
 from kforge_cli.settings.job import JobSettings
 from kforge_cli.settings.profiles import DEFAULT_PROFILE, deep_merge, load_profile, read_toml
-
-if sys.version_info >= (3, 11):
-    import tomllib
-else:  # pragma: no cover
-    import tomli as tomllib
 
 
 @dataclass
@@ -63,8 +58,7 @@ def parse_overrides(args: list[str]) -> list[tuple[str, Any]]:
         arg = args[i]
         if not arg.startswith("--") or "." not in arg.split("=", 1)[0]:
             raise InvalidInputError(
-                f"unexpected argument {arg!r}: overrides look like --section.key=value "
-                "(e.g. --model.dim=512)"
+                f"unexpected argument {arg!r}: overrides look like --section.key=value (e.g. --model.dim=512)"
             )
         if "=" in arg:
             key, raw = arg[2:].split("=", 1)

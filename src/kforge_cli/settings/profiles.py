@@ -3,16 +3,11 @@
 from __future__ import annotations
 
 import os
-import sys
+import tomllib
 from pathlib import Path
 from typing import Any
 
 from kforge_cli.errors import InvalidInputError
-
-if sys.version_info >= (3, 11):
-    import tomllib
-else:  # pragma: no cover
-    import tomli as tomllib
 
 DEFAULT_PROFILE = "cpu-debug"
 PROFILE_ONLY_KEYS = ("extends", "description")

@@ -25,9 +25,7 @@ def config_issues(s: JobSettings) -> list[ConfigIssue]:
     elif m.head_dim % 2:
         out.append(ConfigIssue("model.dim", f"head dim dim/n_heads = {m.head_dim} must be even for RoPE"))
     if m.n_heads % m.kv_heads:
-        out.append(
-            ConfigIssue("model.n_kv_heads", f"{m.kv_heads} does not divide model.n_heads ({m.n_heads})")
-        )
+        out.append(ConfigIssue("model.n_kv_heads", f"{m.kv_heads} does not divide model.n_heads ({m.n_heads})"))
     if t.seq_len > m.max_seq_len:
         out.append(ConfigIssue("train.seq_len", f"{t.seq_len} exceeds model.max_seq_len ({m.max_seq_len})"))
     if s.data.datasets and s.data.path:
@@ -40,7 +38,10 @@ def config_issues(s: JobSettings) -> list[ConfigIssue]:
     for i, phase in enumerate(s.data.phases):
         if phase.start_step <= last:
             out.append(
-                ConfigIssue(f"data.phases.{i}.start_step", f"{phase.start_step} must be greater than the previous phase's ({last})")
+                ConfigIssue(
+                    f"data.phases.{i}.start_step",
+                    f"{phase.start_step} must be greater than the previous phase's ({last})",
+                )
             )
         last = phase.start_step
         unknown = sorted(set(phase.dataset_weights) - set(names))
@@ -59,7 +60,11 @@ def config_issues(s: JobSettings) -> list[ConfigIssue]:
         )
     if s.profiling.enabled and s.profiling.end_step < s.profiling.start_step:
         out.append(ConfigIssue("profiling.end_step", "must not be before profiling.start_step"))
-    if t.activation_checkpointing == "selective" and t.ac_selective_mode == "block" and t.ac_every_n_blocks > m.n_layers:
+    if (
+        t.activation_checkpointing == "selective"
+        and t.ac_selective_mode == "block"
+        and t.ac_every_n_blocks > m.n_layers
+    ):
         out.append(ConfigIssue("train.ac_every_n_blocks", f"exceeds model.n_layers ({m.n_layers})"))
     out += _vlm_issues(s)
     return out
@@ -78,7 +83,11 @@ def _vlm_issues(s: JobSettings) -> list[ConfigIssue]:
     if enc.type == "hf" and not enc.path:
         out.append(ConfigIssue("vision_encoder.path", "type = 'hf' needs the path of a local model directory"))
     if enc.image_size % enc.patch_size:
-        out.append(ConfigIssue("vision_encoder.image_size", f"{enc.image_size} is not divisible by patch_size {enc.patch_size}"))
+        out.append(
+            ConfigIssue(
+                "vision_encoder.image_size", f"{enc.image_size} is not divisible by patch_size {enc.patch_size}"
+            )
+        )
     if enc.dim % enc.n_heads:
         out.append(ConfigIssue("vision_encoder.dim", f"{enc.dim} is not divisible by n_heads {enc.n_heads}"))
     tokens = enc.tokens_per_frame
@@ -157,20 +166,34 @@ def world_size_issues(s: JobSettings, world_size: int) -> list[ConfigIssue]:
     if m.kv_heads % d.tp:
         out.append(ConfigIssue("distributed.tp", f"{d.tp} does not divide the KV heads ({m.kv_heads})"))
     if m.resolved_ffn_hidden_dim % d.tp:
-        out.append(ConfigIssue("distributed.tp", f"{d.tp} does not divide the MLP hidden size ({m.resolved_ffn_hidden_dim})"))
+        out.append(
+            ConfigIssue("distributed.tp", f"{d.tp} does not divide the MLP hidden size ({m.resolved_ffn_hidden_dim})")
+        )
     if d.tp > 1 and d.loss_parallel and m.vocab_size % d.tp:
         out.append(ConfigIssue("model.vocab_size", f"{m.vocab_size} is not divisible by distributed.tp ({d.tp})"))
     if d.tp > 1 and d.sequence_parallel and s.train.seq_len % d.tp:
-        out.append(ConfigIssue("train.seq_len", f"{s.train.seq_len} is not divisible by distributed.tp ({d.tp}) (sequence parallel)"))
+        out.append(
+            ConfigIssue(
+                "train.seq_len", f"{s.train.seq_len} is not divisible by distributed.tp ({d.tp}) (sequence parallel)"
+            )
+        )
     interleaved = d.pp_schedule in INTERLEAVED_SCHEDULES
     stages = d.pp * d.pp_stages_per_rank
     if d.pp > 1:
         if interleaved and d.pp_stages_per_rank < 2:
-            out.append(ConfigIssue("distributed.pp_stages_per_rank", f"schedule {d.pp_schedule} needs >= 2 stages per rank"))
+            out.append(
+                ConfigIssue("distributed.pp_stages_per_rank", f"schedule {d.pp_schedule} needs >= 2 stages per rank")
+            )
         if d.pp_schedule in V_SCHEDULES and d.pp_stages_per_rank != 2:
-            out.append(ConfigIssue("distributed.pp_stages_per_rank", f"schedule {d.pp_schedule} needs exactly 2 stages per rank"))
+            out.append(
+                ConfigIssue(
+                    "distributed.pp_stages_per_rank", f"schedule {d.pp_schedule} needs exactly 2 stages per rank"
+                )
+            )
         if not interleaved and d.pp_stages_per_rank != 1:
-            out.append(ConfigIssue("distributed.pp_stages_per_rank", f"schedule {d.pp_schedule} runs one stage per rank"))
+            out.append(
+                ConfigIssue("distributed.pp_stages_per_rank", f"schedule {d.pp_schedule} runs one stage per rank")
+            )
         if stages > m.n_layers:
             out.append(ConfigIssue("distributed.pp", f"{stages} pipeline stages exceed model.n_layers ({m.n_layers})"))
         if s.train.grad_accum_steps < d.pp:
@@ -183,7 +206,12 @@ def world_size_issues(s: JobSettings, world_size: int) -> list[ConfigIssue]:
         if s.vlm is not None:
             out.append(ConfigIssue("distributed.pp", "pipeline parallelism is not supported for VLM models"))
     if d.tp > s.slurm.gpus_per_node and s.slurm.nodes > 1:
-        out.append(ConfigIssue("distributed.tp", f"{d.tp} exceeds slurm.gpus_per_node ({s.slurm.gpus_per_node}): TP must stay within a node"))
+        out.append(
+            ConfigIssue(
+                "distributed.tp",
+                f"{d.tp} exceeds slurm.gpus_per_node ({s.slurm.gpus_per_node}): TP must stay within a node",
+            )
+        )
     return out
 
 

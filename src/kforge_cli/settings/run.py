@@ -43,9 +43,7 @@ class CheckpointSettings(Section):
         "auto", "Resume from RUN_DIR's latest checkpoint: auto (if any), never, require."
     )
     load_path: str | None = field(None, "Resume from this checkpoint instead of RUN_DIR's latest.")
-    init_from: str | None = field(
-        None, "Warm start: load weights only from this checkpoint (fresh optimizer, step 0)."
-    )
+    init_from: str | None = field(None, "Warm start: load weights only from this checkpoint (fresh optimizer, step 0).")
     exclude_from_loading: list[str] = field(list, "Parameter-name patterns not loaded by init_from.")
 
 
@@ -92,9 +90,7 @@ class ResilienceSettings(Section):
     nan_policy: Literal["warn", "skip", "abort"] = field(
         "skip", "On a NaN/Inf loss or gradient: warn (step anyway), skip the update, or abort."
     )
-    nan_max_consecutive: int = field(
-        5, "Abort after this many consecutive bad steps (skip and abort policies).", gt=0
-    )
+    nan_max_consecutive: int = field(5, "Abort after this many consecutive bad steps (skip and abort policies).", gt=0)
     shutdown_signals: list[str] = field(
         lambda: ["SIGTERM", "SIGUSR1"], "Signals that stop training at the next step boundary."
     )

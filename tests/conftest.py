@@ -1,0 +1,47 @@
+"""Shared test fixtures: paths, the kforge command, and the shared data directory."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+SHARED_DATA = REPO.parent / "shared" / "data"
+
+
+def kforge_cmd() -> list[str]:
+    """The installed `kforge` console script (falls back to `python -m kforge_cli`)."""
+    exe = shutil.which("kforge", path=str(Path(sys.executable).parent)) or shutil.which("kforge")
+    return [exe] if exe else [sys.executable, "-m", "kforge_cli"]
+
+
+def run_kforge(
+    *args: str, cwd: Path | None = None, env: dict[str, str] | None = None, timeout: float = 600
+) -> subprocess.CompletedProcess[str]:
+    full_env = {**os.environ, **(env or {})}
+    return subprocess.run(
+        [*kforge_cmd(), *args], cwd=cwd, env=full_env, capture_output=True, text=True, timeout=timeout
+    )
+
+
+@pytest.fixture
+def kforge():
+    return run_kforge
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    try:
+        import torch
+
+        has_cuda = torch.cuda.is_available()
+    except ImportError:  # pragma: no cover
+        has_cuda = False
+    skip_gpu = pytest.mark.skip(reason="needs CUDA (gpu marker); run on a GPU machine")
+    for item in items:
+        if "gpu" in item.keywords and not has_cuda:
+            item.add_marker(skip_gpu)
