@@ -88,9 +88,11 @@ class ResilienceSettings(Section):
     """What to do with NaN/Inf losses and shutdown signals."""
 
     nan_policy: Literal["warn", "skip", "abort"] = field(
-        "skip", "On a NaN/Inf loss or gradient: warn (step anyway), skip the update, or abort."
+        "skip",
+        "On a NaN/Inf loss or gradient norm: warn (apply the update anyway), skip the update, "
+        "or abort (skip, and stop after nan_max_consecutive bad steps in a row).",
     )
-    nan_max_consecutive: int = field(5, "Abort after this many consecutive bad steps (skip and abort policies).", gt=0)
+    nan_max_consecutive: int = field(5, "abort policy: stop after this many consecutive bad steps.", gt=0)
     shutdown_signals: list[str] = field(
         lambda: ["SIGTERM", "SIGUSR1"], "Signals that stop training at the next step boundary."
     )

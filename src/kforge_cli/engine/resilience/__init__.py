@@ -1,1 +1,6 @@
-"""engine.resilience"""
+"""engine.resilience (layer 1): NaN/Inf policy and graceful shutdown on signals."""
+
+from kforge_cli.engine.resilience.nan_guard import NanGuard
+from kforge_cli.engine.resilience.shutdown import ShutdownHandler
+
+__all__ = ["NanGuard", "ShutdownHandler"]

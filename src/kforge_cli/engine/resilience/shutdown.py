@@ -1,0 +1,77 @@
+"""Graceful shutdown: a signal (SIGTERM from the cluster, SIGUSR1 before the time limit)
+stops training at the next step boundary instead of killing it mid-step.
+
+The handler only sets a flag. At each step boundary `should_stop()` all-reduces the flag
+(MAX) so that a signal delivered to only some ranks still stops every rank at the same step.
+"""
+
+from __future__ import annotations
+
+import logging
+import signal
+import threading
+from collections.abc import Callable
+from types import FrameType
+from typing import Any
+
+from kforge_cli.errors import InvalidInputError
+
+log = logging.getLogger("kforge")
+
+
+class ShutdownHandler:
+    """Installs handlers for `signals`; restore the previous ones with `close()`."""
+
+    def __init__(self, signals: list[str]) -> None:
+        self.signal_name: str | None = None
+        self._previous: dict[int, Any] = {}
+        self._installed = False
+        self._signals = [self._lookup(name) for name in signals]
+
+    @staticmethod
+    def _lookup(name: str) -> signal.Signals:
+        key = name.upper() if name.upper().startswith("SIG") else "SIG" + name.upper()
+        try:
+            return signal.Signals[key]
+        except KeyError:
+            raise InvalidInputError(f"resilience.shutdown_signals: unknown signal {name!r}") from None
+
+    def install(self) -> ShutdownHandler:
+        if threading.current_thread() is not threading.main_thread():
+            log.warning("not on the main thread: shutdown signals are not handled")
+            return self
+        for sig in self._signals:
+            self._previous[sig] = signal.signal(sig, self._on_signal)
+        self._installed = True
+        return self
+
+    def _on_signal(self, signum: int, frame: FrameType | None) -> None:
+        if self.signal_name is None:
+            self.signal_name = signal.Signals(signum).name
+            log.warning("received %s: stopping at the next step boundary", self.signal_name)
+
+    @property
+    def requested(self) -> bool:
+        """This rank received a signal."""
+        return self.signal_name is not None
+
+    def should_stop(self, all_reduce_max: Callable[[bool], bool] | None = None) -> bool:
+        """True when any rank received a signal (collective when `all_reduce_max` is given)."""
+        flag = self.requested
+        if all_reduce_max is not None:
+            flag = all_reduce_max(flag)
+            if flag and self.signal_name is None:
+                self.signal_name = "peer signal"
+        return flag
+
+    def close(self) -> None:
+        if self._installed:
+            for sig, previous in self._previous.items():
+                signal.signal(sig, previous)
+            self._installed = False
+
+    def __enter__(self) -> ShutdownHandler:
+        return self.install()
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
