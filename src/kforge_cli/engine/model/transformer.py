@@ -1,0 +1,170 @@
+"""A Llama-style decoder-only Transformer.
+
+Parameter names are a checkpoint contract (DCP keys, HF export, MoT conversion):
+``tok_embeddings``, ``layers.<i>.{attention_norm, attention.{wq,wk,wv,wo,q_norm,k_norm},
+ffn_norm, feed_forward.{w1,w2,w3}}``, ``norm``, ``output``. ``layers`` is a
+``ModuleDict`` keyed by the global block index so a pipeline stage can delete the
+blocks it does not own (and set ``tok_embeddings``/``norm``/``output`` to ``None``)
+without renaming the ones it keeps.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from kforge_cli.engine.model.attention import Attention, residual_std
+from kforge_cli.engine.model.layers import build_norm, reset_norm, rope_tables
+from kforge_cli.engine.model.mlp import FeedForward
+from kforge_cli.settings.core import ModelSettings
+
+LossFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+"""``loss_fn(hidden [B, T, D], head_weight [V, D], labels [B, T]) -> loss``."""
+
+
+class TransformerBlock(nn.Module):
+    """Pre-norm block: ``h = x + attn(norm(x)); out = h + mlp(norm(h))``."""
+
+    def __init__(self, cfg: ModelSettings) -> None:
+        super().__init__()
+        self.attention_norm = build_norm(cfg.norm, cfg.dim, cfg.norm_eps)
+        self.attention = Attention(cfg)
+        self.ffn_norm = build_norm(cfg.norm, cfg.dim, cfg.norm_eps)
+        self.feed_forward = FeedForward(cfg)
+
+    def init_weights(self, std: float, out_std: float) -> None:
+        """Norms to one, projections ~ N(0, std), residual outputs ~ N(0, out_std); fixed order."""
+        reset_norm(self.attention_norm)
+        self.attention.init_weights(std, out_std)
+        reset_norm(self.ffn_norm)
+        self.feed_forward.init_weights(std, out_std)
+
+    def forward(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        h = x + self.attention(self.attention_norm(x), cos, sin, mask)
+        return h + self.feed_forward(self.ffn_norm(h))
+
+
+class Transformer(nn.Module):
+    """Decoder-only Transformer configured by :class:`ModelSettings`.
+
+    The constructor builds the modules on the meta device and then materialises them
+    on the ambient default device (unless that is ``meta``) before calling
+    :meth:`init_weights`. This makes the weights depend only on the RNG state at
+    construction: ``torch.manual_seed(s); Transformer(cfg)`` equals building under
+    ``torch.device("meta")``, ``to_empty(device=...)`` and ``init_weights()`` with
+    the same seed, which is how the parallel builder creates large models.
+    """
+
+    rope_cos: torch.Tensor
+    rope_sin: torch.Tensor
+
+    def __init__(self, cfg: ModelSettings) -> None:
+        super().__init__()
+        self.cfg = cfg
+        target = torch.get_default_device()
+        with torch.device("meta"):  # skip torch's default inits: they would consume the RNG
+            self.tok_embeddings: nn.Embedding | None = nn.Embedding(cfg.vocab_size, cfg.dim)
+            self.layers = nn.ModuleDict({str(i): TransformerBlock(cfg) for i in range(cfg.n_layers)})
+            self.norm: nn.Module | None = build_norm(cfg.norm, cfg.dim, cfg.norm_eps)
+            self.output: nn.Linear | None = (
+                None if cfg.tie_embeddings else nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
+            )
+            cos, sin = rope_tables(cfg.head_dim, cfg.max_seq_len, cfg.rope_theta)
+        # Non-persistent: derived from the config, so not part of checkpoints.
+        self.register_buffer("rope_cos", cos, persistent=False)
+        self.register_buffer("rope_sin", sin, persistent=False)
+        if target.type != "meta":
+            self.to_empty(device=target)
+            self.init_weights()
+
+    @torch.no_grad()
+    def init_weights(self, buffer_device: torch.device | None = None) -> None:
+        """(Re-)initialise every parameter and buffer this module (or pipeline stage) still has.
+
+        Embedding and projections ~ N(0, init_std); the residual output projections
+        (``attention.wo``, ``feed_forward.w2``) ~ N(0, init_std / sqrt(2 * n_layers))
+        with the *full* model's ``n_layers``; norms to one; RoPE tables recomputed on
+        ``buffer_device`` (default: where the buffers already are). Parameters are
+        visited in a fixed order (embedding, blocks by index, norm, head) so a given
+        seed always gives the same weights.
+        """
+        device = buffer_device if buffer_device is not None else self.rope_cos.device
+        self.rope_cos, self.rope_sin = rope_tables(self.cfg.head_dim, self.cfg.max_seq_len, self.cfg.rope_theta, device)
+        std, out_std = self.cfg.init_std, residual_std(self.cfg)
+        if self.tok_embeddings is not None:
+            nn.init.normal_(self.tok_embeddings.weight, mean=0.0, std=std)
+        for key in sorted(self.layers.keys(), key=int):
+            block = self.layers[key]
+            assert isinstance(block, TransformerBlock)
+            block.init_weights(std, out_std)
+        if self.norm is not None:
+            reset_norm(self.norm)
+        if self.output is not None:
+            nn.init.normal_(self.output.weight, mean=0.0, std=std)
+
+    def head_weight(self) -> torch.Tensor | None:
+        """The ``[vocab, dim]`` output projection (the embedding when tied), or None on a non-last stage."""
+        if self.output is not None:
+            return self.output.weight
+        if self.cfg.tie_embeddings and self.tok_embeddings is not None:
+            return self.tok_embeddings.weight
+        return None
+
+    def forward(
+        self,
+        tokens: torch.Tensor,
+        *,
+        doc_ids: torch.Tensor | None = None,
+        positions: torch.Tensor | None = None,
+        labels: torch.Tensor | None = None,
+        loss_fn: LossFn | None = None,
+    ) -> torch.Tensor:
+        """Logits ``[B, T, vocab]``, or the loss, or hidden states on a non-last pipeline stage.
+
+        ``tokens`` are token ids ``[B, T]`` (or hidden states ``[B, T, D]`` when this
+        stage has no embedding). ``positions`` ``[B, T]`` are RoPE positions (default
+        ``0..T-1``). ``doc_ids`` ``[B, T]`` restrict attention to earlier tokens of
+        the same document (packed sequences). With ``labels`` and ``loss_fn`` the
+        result is ``loss_fn(normed_hidden, head_weight, labels)``, so a chunked loss
+        never materialises the full logits yet still runs inside ``forward`` (where
+        FSDP2's hooks keep the head weight unsharded).
+        """
+        if (labels is None) != (loss_fn is None):
+            raise ValueError("pass both labels and loss_fn to get a loss, or neither to get logits")
+        h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens
+        seqlen = h.shape[1]
+        if positions is None:
+            if seqlen > self.cfg.max_seq_len:
+                raise ValueError(f"sequence length {seqlen} exceeds model.max_seq_len={self.cfg.max_seq_len}")
+            cos, sin = self.rope_cos[:seqlen], self.rope_sin[:seqlen]
+        else:
+            cos, sin = self.rope_cos[positions], self.rope_sin[positions]
+        mask = document_causal_mask(doc_ids) if doc_ids is not None else None
+        for block in self.layers.values():
+            h = block(h, cos, sin, mask)
+        if self.norm is None:
+            return h
+        h = self.norm(h)
+        weight = self.head_weight()
+        if weight is None:
+            return h
+        if loss_fn is not None and labels is not None:
+            return loss_fn(h, weight, labels)
+        return self.output(h) if self.output is not None else F.linear(h, weight)
+
+
+def document_causal_mask(doc_ids: torch.Tensor) -> torch.Tensor:
+    """Boolean SDPA mask ``[B, 1, T, T]``: True where query ``i`` may attend key ``j``.
+
+    ``j <= i`` and both tokens belong to the same document, so packed documents
+    never see each other. The diagonal is always True, so no row is fully masked.
+    """
+    seqlen = doc_ids.shape[1]
+    same_doc = doc_ids.unsqueeze(2) == doc_ids.unsqueeze(1)
+    causal = torch.ones(seqlen, seqlen, dtype=torch.bool, device=doc_ids.device).tril()
+    return (same_doc & causal).unsqueeze(1)
