@@ -1,0 +1,106 @@
+"""Model FLOP utilisation: achieved FLOP/s over the hardware's peak.
+
+MFU compares runs across cluster sizes and parallelism layouts, which tokens/s
+alone cannot. The peak is the vendor's *dense* tensor-core number (the datasheet's
+"with sparsity" figure halved), per device and per compute dtype. A device not in
+the table gives ``None`` (MFU is then omitted rather than wrong); the user can set
+``metrics.peak_tflops`` instead.
+
+Note that fp32 matmuls run on tensor cores as TF32 when
+``torch.backends.cuda.matmul.allow_tf32`` is on: pass ``"tf32"`` then.
+"""
+
+from __future__ import annotations
+
+import re
+
+import torch
+
+_T = 1e12
+
+# TFLOP/s, dense. Keys are matched as whole tokens of the upper-cased device name,
+# most specific (longest) first, so "GH200" is not read as "H200" and "H100 PCIE"
+# wins over "H100".
+_H100_SXM = {"bf16": 989.4, "fp16": 989.4, "fp8": 1978.9, "tf32": 494.7, "fp32": 66.9}
+_NVL = {"bf16": 835.5, "fp16": 835.5, "fp8": 1670.5, "tf32": 417.5, "fp32": 60.0}
+PEAK_TFLOPS: dict[str, dict[str, float]] = {
+    "GH200": _H100_SXM,
+    "H200 NVL": _NVL,
+    "H200": _H100_SXM,
+    "H100 NVL": _NVL,
+    "H100 PCIE": {"bf16": 756.5, "fp16": 756.5, "fp8": 1513.0, "tf32": 378.0, "fp32": 51.2},
+    "H100": _H100_SXM,
+    "A100": {"bf16": 312.0, "fp16": 312.0, "tf32": 156.0, "fp32": 19.5},
+    "B200": {"bf16": 2250.0, "fp16": 2250.0, "fp8": 4500.0},
+    "L40S": {"bf16": 362.05, "fp16": 362.05, "fp8": 733.0, "tf32": 183.0, "fp32": 91.6},
+    "L40": {"bf16": 181.05, "fp16": 181.05, "fp8": 362.0, "tf32": 90.5, "fp32": 90.5},
+    "L4": {"bf16": 121.0, "fp16": 121.0, "fp8": 242.5, "tf32": 60.0, "fp32": 30.3},
+    "V100 PCIE": {"fp16": 112.0, "fp32": 14.0},
+    "V100": {"fp16": 125.0, "fp32": 15.7},
+    "MI300X": {"bf16": 1307.4, "fp16": 1307.4, "fp8": 2614.9, "tf32": 653.7, "fp32": 163.4},
+}
+
+_DTYPE_ALIASES = {
+    "bf16": "bf16",
+    "bfloat16": "bf16",
+    "fp16": "fp16",
+    "float16": "fp16",
+    "half": "fp16",
+    "fp8": "fp8",
+    "float8": "fp8",
+    "float8_e4m3fn": "fp8",
+    "float8_e5m2": "fp8",
+    "tf32": "tf32",
+    "fp32": "fp32",
+    "float32": "fp32",
+    "float": "fp32",
+}
+
+_KEY_PATTERNS = [
+    (key, re.compile(rf"(?<![A-Z0-9]){re.escape(key)}(?![A-Z0-9])"))
+    for key in sorted(PEAK_TFLOPS, key=len, reverse=True)
+]
+
+
+def _normalise_dtype(dtype: str) -> str | None:
+    return _DTYPE_ALIASES.get(dtype.lower().removeprefix("torch."))
+
+
+def peak_flops(device_name: str, dtype: str) -> float | None:
+    """Peak dense FLOP/s of one device named like ``torch.cuda.get_device_name()``.
+
+    ``None`` when the device or the dtype on that device is unknown.
+    """
+    name = device_name.upper()
+    dtype_key = _normalise_dtype(dtype)
+    if dtype_key is None:
+        return None
+    for key, pattern in _KEY_PATTERNS:
+        if pattern.search(name):
+            tflops = PEAK_TFLOPS[key].get(dtype_key)
+            return None if tflops is None else tflops * _T
+    return None
+
+
+def device_peak_flops(device: torch.device, dtype: str, override_tflops: float | None) -> float | None:
+    """Peak FLOP/s of ``device``: the user's override, else the table (CUDA only).
+
+    A CPU has no meaningful tensor-core peak, so it gets ``None`` unless overridden.
+    """
+    if override_tflops is not None:
+        return override_tflops * _T
+    if device.type != "cuda" or not torch.cuda.is_available():
+        return None
+    return peak_flops(torch.cuda.get_device_name(device), dtype)
+
+
+def mfu(flops_per_token: float, tokens_per_sec: float, num_devices: int, peak: float | None) -> float | None:
+    """Fraction of the cluster's peak achieved: ``flops_per_token * tokens_per_sec / (num_devices * peak)``.
+
+    ``tokens_per_sec`` is the throughput of the whole job (all devices together) and
+    ``flops_per_token`` counts forward and backward (about 6 x parameters plus
+    attention). ``None`` when the peak is unknown.
+    """
+    if peak is None or peak <= 0 or num_devices <= 0:
+        return None
+    return flops_per_token * tokens_per_sec / (num_devices * peak)
