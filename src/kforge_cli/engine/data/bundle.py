@@ -1,0 +1,229 @@
+"""`build_data`: settings -> the train loader, val data and tokenizer of one rank.
+
+Training data is, in order of precedence, a mixture (``data.datasets``), one prepared
+directory (``data.path``), or the built-in demo corpus. Validation data is
+``eval.path`` (its val split, or its train split if it has none) or the val splits of
+the training datasets. Every mismatch a user can cause (vocabulary larger than the
+model's, sequences longer than the data, mixed tokenizers) is a KforgeError here,
+before any step runs.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from kforge_cli.engine.data.builtin_corpus import builtin_tokens
+from kforge_cli.engine.data.loader import BatchFetcher, StatefulLoader
+from kforge_cli.engine.data.mixture import MixtureSchedule
+from kforge_cli.engine.data.sampler import SampleOrder
+from kforge_cli.engine.data.shards import load_prepared
+from kforge_cli.engine.data.tokenizer import ByteTokenizer, HFTokenizer, Tokenizer
+from kforge_cli.engine.data.tokens import ArrayTokens, ShardedTokens, TokenStream, Windows, make_batch
+from kforge_cli.errors import InvalidInputError
+from kforge_cli.settings import JobSettings
+
+log = logging.getLogger(__name__)
+
+BUILTIN_NAME = "builtin"
+
+
+@dataclass
+class Source:
+    """One dataset: its token streams and the tokenizer identity they were made with."""
+
+    name: str
+    origin: str
+    train: TokenStream
+    val: TokenStream | None
+    tokenizer: dict[str, Any]
+    root: Path | None = None
+
+
+class ValData:
+    """Deterministic validation micro-batches, partitioned over data-parallel ranks.
+
+    Batch ``b`` comes from val dataset ``b % D`` (round robin); within a dataset, rank
+    ``r`` reads consecutive windows starting at ``(k * dp_size + r) * batch_size`` for its
+    ``k``-th batch there, wrapping around. Every call yields the same batches.
+    """
+
+    def __init__(
+        self,
+        windows: list[Windows],
+        dataset_ids: list[int],
+        dataset_names: list[str],
+        *,
+        eos_id: int,
+        document_masking: bool,
+        dp_rank: int,
+        dp_size: int,
+    ) -> None:
+        self.windows, self.dataset_ids, self.dataset_names = windows, dataset_ids, dataset_names
+        self.eos_id, self.document_masking = eos_id, document_masking
+        self.dp_rank, self.dp_size = dp_rank, dp_size
+
+    def iter_batches(self, num_batches: int, batch_size: int) -> Iterator[dict[str, Any]]:
+        """``num_batches`` micro-batches of ``batch_size`` sequences (dataset_ids index dataset_names)."""
+        for b in range(num_batches):
+            which = b % len(self.windows)
+            win, k = self.windows[which], b // len(self.windows)
+            start = (k * self.dp_size + self.dp_rank) * batch_size
+            idx = (start + np.arange(batch_size)) % win.num_windows
+            ids = np.full(batch_size, self.dataset_ids[which], dtype=np.int64)
+            yield make_batch(win.rows(idx), ids, self.eos_id, self.document_masking)
+
+
+@dataclass
+class DataBundle:
+    """What the training loop gets from the data layer for one rank."""
+
+    train: StatefulLoader
+    val: ValData | None
+    vocab_size: int
+    dataset_names: list[str]
+    tokenizer: Tokenizer
+
+
+def _prepared_source(name: str, path: str) -> Source:
+    meta = load_prepared(path)
+    val = meta.splits.get("val")
+    return Source(
+        name=name,
+        origin=str(meta.root),
+        train=ShardedTokens(meta.splits["train"]),
+        val=ShardedTokens(val) if val and meta.split_tokens("val") else None,
+        tokenizer=meta.tokenizer,
+        root=meta.root,
+    )
+
+
+def _training_sources(settings: JobSettings) -> list[Source]:
+    data = settings.data
+    if data.datasets:
+        return [_prepared_source(d.name, d.path) for d in data.datasets]
+    if data.path:
+        return [_prepared_source(Path(data.path).name or "data", data.path)]
+    if data.tokenizer != "byte":
+        raise InvalidInputError(
+            f"data.tokenizer={data.tokenizer!r} but no data.path: the built-in corpus is byte-tokenized. "
+            "Prepare your data with `kforge prepare-data --tokenizer PATH` and set data.path."
+        )
+    tokens = builtin_tokens()
+    return [
+        Source(BUILTIN_NAME, "built-in corpus", ArrayTokens(tokens["train"]), ArrayTokens(tokens["val"]),
+               ByteTokenizer().describe())
+    ]  # fmt: skip
+
+
+def _tokenizer_for(sources: list[Source], requested: str) -> Tokenizer:
+    """The tokenizer all sources share (refusing a mix), checked against data.tokenizer."""
+    first = sources[0]
+    for s in sources[1:]:
+        if s.tokenizer != first.tokenizer:
+            raise InvalidInputError(
+                f"datasets {first.name!r} ({first.origin}) and {s.name!r} ({s.origin}) were prepared with different "
+                "tokenizers; prepare every dataset of a mixture with the same --tokenizer"
+            )
+    if first.tokenizer.get("kind") == "byte":
+        if requested != "byte":
+            raise InvalidInputError(
+                f"data.tokenizer={requested!r} but {first.origin} was prepared with the byte tokenizer; "
+                "set data.tokenizer=byte or prepare the data again with your tokenizer"
+            )
+        return ByteTokenizer()
+    assert first.root is not None
+    tok = HFTokenizer(first.root / "tokenizer.json")
+    if tok.sha256 != first.tokenizer.get("sha256"):
+        raise InvalidInputError(f"{first.root / 'tokenizer.json'} does not match the tokenizer in its metadata.json")
+    if requested != "byte":
+        path = Path(requested).expanduser()
+        if not path.is_file() or hashlib.sha256(path.read_bytes()).hexdigest() != tok.sha256:
+            raise InvalidInputError(
+                f"data.tokenizer={requested!r} is not the tokenizer {first.origin} was prepared with; "
+                "leave data.tokenizer at its default to use the prepared one"
+            )
+    return tok
+
+
+def _windows(source: Source, stream: TokenStream, split: str, seq_len: int) -> Windows:
+    win = Windows(stream, seq_len)
+    if win.num_windows < 1:
+        raise InvalidInputError(
+            f"the {split} split of {source.origin} has {len(stream)} tokens, fewer than train.seq_len + 1 = "
+            f"{seq_len + 1}: lower train.seq_len or prepare more data"
+        )
+    return win
+
+
+def _val_data(
+    settings: JobSettings, sources: list[Source], tok: Tokenizer, dp_rank: int, dp_size: int
+) -> ValData | None:
+    seq_len = settings.train.seq_len
+    if settings.eval.path:
+        src = _prepared_source("eval", settings.eval.path)
+        if src.tokenizer != sources[0].tokenizer:
+            raise InvalidInputError(f"eval.path {src.origin} was prepared with another tokenizer than the train data")
+        stream = src.val or src.train
+        pairs = [(0, _windows(src, stream, "val" if src.val else "train", seq_len))]
+        names = ["eval"]
+    else:
+        names = [s.name for s in sources]
+        pairs = [(i, Windows(s.val, seq_len)) for i, s in enumerate(sources) if s.val is not None]
+        for i, w in pairs:
+            if w.num_windows < 1:
+                log.warning("val split of %s is shorter than seq_len + 1 tokens; not evaluated", sources[i].origin)
+        pairs = [(i, w) for i, w in pairs if w.num_windows >= 1]
+    if not pairs:
+        return None
+    return ValData(
+        [w for _, w in pairs],
+        [i for i, _ in pairs],
+        names,
+        eos_id=tok.eos_id,
+        document_masking=settings.data.document_masking,
+        dp_rank=dp_rank,
+        dp_size=dp_size,
+    )
+
+
+def build_data(settings: JobSettings, *, dp_rank: int, dp_size: int) -> DataBundle:
+    """The train loader, val data and tokenizer of data-parallel rank ``dp_rank`` of ``dp_size``."""
+    data, train = settings.data, settings.train
+    sources = _training_sources(settings)
+    tok = _tokenizer_for(sources, data.tokenizer)
+    if tok.vocab_size > settings.model.vocab_size:
+        raise InvalidInputError(
+            f"the data's tokenizer ({tok.name}) has {tok.vocab_size} ids but model.vocab_size is "
+            f"{settings.model.vocab_size}: set --model.vocab_size={tok.vocab_size} or more (a multiple of 64 is fastest)"
+        )
+    windows = [_windows(s, s.train, "train", train.seq_len) for s in sources]
+    names = [s.name for s in sources]
+    weights = [d.weight for d in data.datasets] if data.datasets else [1.0]
+    schedule = MixtureSchedule.build(names, weights, data.temperature, data.phases)
+    order = SampleOrder(
+        names,
+        [w.num_windows for w in windows],
+        schedule,
+        seed=settings.data_seed,
+        batch_size=train.batch_size,
+        dp_rank=dp_rank,
+        dp_size=dp_size,
+        grad_accum_steps=train.grad_accum_steps,
+    )
+    loader = StatefulLoader(
+        order,
+        BatchFetcher(windows, tok.eos_id, data.document_masking),
+        seq_len=train.seq_len,
+        num_workers=data.num_workers,
+        prefetch_factor=data.prefetch_factor,
+        pin_memory=data.pin_memory,
+    )
+    val = _val_data(settings, sources, tok, dp_rank, dp_size)
+    return DataBundle(train=loader, val=val, vocab_size=tok.vocab_size, dataset_names=names, tokenizer=tok)

@@ -1,0 +1,173 @@
+"""The stateful training loader: micro-batches forever, and a state that resumes exactly.
+
+The sample order is a pure function of a :class:`Cursor`, so the loader's state is that
+cursor (plus what it was computed for, to refuse an incompatible resume). With
+``num_workers > 0`` a torch ``DataLoader`` reads windows in worker processes from a
+request stream that starts at the cursor; each batch carries the cursor *after* it,
+and the loader records it only when the batch is handed out. Batches prefetched but
+not consumed before a checkpoint are therefore simply produced again after a resume.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterator, Sequence
+from dataclasses import asdict
+from typing import Any
+
+import numpy as np
+import torch
+from torch.utils.data import DataLoader, Dataset
+
+from kforge_cli.engine.data.sampler import BatchPlan, Cursor, SampleOrder
+from kforge_cli.engine.data.tokens import Windows, make_batch
+from kforge_cli.errors import KforgeError
+
+log = logging.getLogger(__name__)
+
+STATE_VERSION = 1
+
+
+class DataStateError(KforgeError):
+    """A checkpoint's data-loader state cannot continue this run's data order."""
+
+
+class BatchFetcher:
+    """Reads the windows a plan names and builds the batch dict (runs in workers too)."""
+
+    def __init__(self, windows: Sequence[Windows], eos_id: int, document_masking: bool) -> None:
+        self.windows = list(windows)
+        self.eos_id = eos_id
+        self.document_masking = document_masking
+
+    def __call__(self, dataset_ids: np.ndarray, window_ids: np.ndarray) -> dict[str, Any]:
+        rows = np.empty((len(window_ids), self.windows[0].seq_len + 1), dtype=np.int64)
+        for d in np.unique(dataset_ids).tolist():
+            sel = dataset_ids == d
+            rows[sel] = self.windows[d].rows(window_ids[sel])
+        return make_batch(rows, dataset_ids, self.eos_id, self.document_masking)
+
+
+class _PlanStream:
+    """The sampler handed to DataLoader: one request per micro-batch, from a cursor on."""
+
+    def __init__(self, order: SampleOrder, cursor: Cursor) -> None:
+        self.order, self.cursor = order, cursor
+
+    def __iter__(self) -> Iterator[BatchPlan]:
+        cursor = self.cursor
+        while True:
+            plan = self.order.next_batch(cursor)
+            cursor = plan.after
+            yield plan
+
+
+class _FetchDataset(Dataset[tuple[dict[str, Any], Cursor]]):
+    def __init__(self, fetch: BatchFetcher) -> None:
+        self.fetch = fetch
+
+    def __getitem__(self, plan: BatchPlan) -> tuple[dict[str, Any], Cursor]:  # type: ignore[override]
+        return self.fetch(plan.dataset_ids, plan.windows), plan.after
+
+
+def _as_is(item: Any) -> Any:
+    return item
+
+
+class StatefulLoader:
+    """``iter()`` yields this rank's micro-batches forever; ``state_dict()`` resumes exactly."""
+
+    def __init__(
+        self,
+        order: SampleOrder,
+        fetch: BatchFetcher,
+        *,
+        seq_len: int,
+        num_workers: int = 0,
+        prefetch_factor: int = 2,
+        pin_memory: bool = False,
+    ) -> None:
+        self.order, self.fetch, self.seq_len = order, fetch, seq_len
+        self.num_workers, self.prefetch_factor = num_workers, prefetch_factor
+        self.pin_memory = pin_memory and torch.cuda.is_available()
+        self.cursor = Cursor.start(len(order.names))
+
+    @property
+    def step(self) -> int:
+        """Optimizer step of the next micro-batch."""
+        return self.order.step_of(self.cursor)
+
+    def mixture_weights(self, step: int | None = None) -> dict[str, float]:
+        """Dataset probabilities in force at ``step`` (default: the next batch's step)."""
+        return self.order.schedule.weights_at(self.step if step is None else step)
+
+    def __iter__(self) -> Iterator[dict[str, Any]]:
+        if self.num_workers == 0:
+            while True:
+                plan = self.order.next_batch(self.cursor)
+                batch = self.fetch(plan.dataset_ids, plan.windows)
+                self.cursor = plan.after
+                yield batch
+        loader = DataLoader(
+            _FetchDataset(self.fetch),
+            sampler=_PlanStream(self.order, self.cursor),  # type: ignore[arg-type]
+            batch_size=None,
+            num_workers=self.num_workers,
+            prefetch_factor=self.prefetch_factor,
+            pin_memory=self.pin_memory,
+            collate_fn=_as_is,
+        )
+        for batch, after in loader:
+            self.cursor = after
+            yield batch
+
+    def state_dict(self) -> dict[str, Any]:
+        """JSON-serialisable position plus the facts a resume must agree with."""
+        o = self.order
+        return {
+            "version": STATE_VERSION,
+            **asdict(self.cursor),
+            "counts": list(self.cursor.counts),
+            "epochs": [c // n for c, n in zip(self.cursor.counts, o.num_windows, strict=True)],
+            "dataset_names": list(o.names),
+            "dataset_windows": list(o.num_windows),
+            "seq_len": self.seq_len,
+            "data_seed": o.seed,
+            "batch_size": o.batch_size,
+            "dp_size": o.dp_size,
+            "grad_accum_steps": o.grad_accum_steps,
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Continue from ``state``; call before iterating. Refuses a state for other data."""
+        o = self.order
+        if not isinstance(state, dict) or state.get("version") != STATE_VERSION:
+            raise DataStateError(f"data loader state has version {state.get('version')!r}, expected {STATE_VERSION}")
+        fixed = {
+            "dataset_names": list(o.names),
+            "dataset_windows": list(o.num_windows),
+            "seq_len": self.seq_len,
+            "data_seed": o.seed,
+        }
+        for key, ours in fixed.items():
+            if state.get(key) != ours:
+                raise DataStateError(
+                    f"the checkpoint's data order was for {key}={state.get(key)!r}, this run has {ours!r}: "
+                    "the data order cannot continue exactly. Restore the original data settings, or start "
+                    "from the weights only (checkpoint.init_from) to begin a fresh data order."
+                )
+        batch = int(state["batch"])
+        old_accum = int(state["grad_accum_steps"])
+        if old_accum != o.grad_accum_steps:
+            if batch % old_accum:
+                raise DataStateError(
+                    f"the checkpoint stopped mid-step ({batch} micro-batches, grad_accum_steps {old_accum}); "
+                    f"cannot change train.grad_accum_steps to {o.grad_accum_steps} from there"
+                )
+            batch = batch // old_accum * o.grad_accum_steps
+        if (state["dp_size"], state["batch_size"]) != (o.dp_size, o.batch_size):
+            log.info(
+                "data order re-partitioned: dp_size %s -> %s, batch_size %s -> %s, continuing at global sample %s",
+                state["dp_size"], o.dp_size, state["batch_size"], o.batch_size, state["sample"],
+            )  # fmt: skip
+        self.cursor = Cursor(batch, int(state["sample"]), tuple(int(c) for c in state["counts"]))

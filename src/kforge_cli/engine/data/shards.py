@@ -1,0 +1,179 @@
+"""The on-disk format of a prepared directory: `.npy` token shards plus `metadata.json`.
+
+    DIR/metadata.json        tokenizer, vocab size, dtype, token counts, sources, options
+    DIR/train-00000.npy ...  1-D arrays of token ids, split "train"
+    DIR/val-00000.npy ...    split "val" (absent when --val-fraction is 0)
+    DIR/tokenizer.json       a copy of the Hugging Face tokenizer (byte tokenizer: none)
+
+Shards are written as a stream (their length is unknown until the end), so the `.npy`
+header has a fixed size and is rewritten with the final shape on close. Readers take
+the dtype from metadata.json and check it against each shard's header: a dtype is
+never guessed from a file size.
+"""
+
+from __future__ import annotations
+
+import json
+import struct
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, BinaryIO
+
+import numpy as np
+
+from kforge_cli.errors import InvalidInputError
+
+METADATA = "metadata.json"
+FORMAT = "kforge-tokens"
+FORMAT_VERSION = 1
+SPLITS = ("train", "val")
+_HEADER_BYTES = 128  # multiple of 64, room for any 1-D shape
+
+
+def shard_name(split: str, index: int) -> str:
+    return f"{split}-{index:05d}.npy"
+
+
+def _npy_header(dtype: np.dtype[Any], length: int) -> bytes:
+    body = repr({"descr": np.lib.format.dtype_to_descr(dtype), "fortran_order": False, "shape": (length,)})
+    magic = b"\x93NUMPY\x01\x00"
+    pad = _HEADER_BYTES - len(magic) - 2 - len(body) - 1
+    return magic + struct.pack("<H", _HEADER_BYTES - len(magic) - 2) + body.encode("latin1") + b" " * pad + b"\n"
+
+
+class NpyStreamWriter:
+    """Append 1-D chunks to a `.npy` file whose final length is unknown up front."""
+
+    def __init__(self, path: Path, dtype: np.dtype[Any]) -> None:
+        self.path = path
+        self.dtype = dtype
+        self.length = 0
+        self._f: BinaryIO = open(path, "wb")  # noqa: SIM115 - closed in close()
+        self._f.write(_npy_header(dtype, 0))
+
+    def append(self, tokens: np.ndarray) -> None:
+        np.ascontiguousarray(tokens, dtype=self.dtype).tofile(self._f)
+        self.length += len(tokens)
+
+    def close(self) -> None:
+        self._f.seek(0)
+        self._f.write(_npy_header(self.dtype, self.length))
+        self._f.close()
+
+
+class SplitWriter:
+    """Writes one split as shards of at most ``shard_tokens`` tokens; counts documents (EOS ids)."""
+
+    def __init__(self, root: Path, split: str, dtype: np.dtype[Any], shard_tokens: int, eos_id: int) -> None:
+        self.root, self.split, self.dtype = root, split, dtype
+        self.shard_tokens, self.eos_id = shard_tokens, eos_id
+        self.shards: list[dict[str, Any]] = []
+        self.tokens = 0
+        self.documents = 0
+        self._cur: NpyStreamWriter | None = None
+
+    def append(self, tokens: np.ndarray) -> None:
+        self.tokens += len(tokens)
+        self.documents += int(np.count_nonzero(tokens == self.eos_id))
+        while len(tokens):
+            if self._cur is None:
+                self._cur = NpyStreamWriter(self.root / shard_name(self.split, len(self.shards)), self.dtype)
+            room = self.shard_tokens - self._cur.length
+            self._cur.append(tokens[:room])
+            tokens = tokens[room:]
+            if self._cur.length >= self.shard_tokens:
+                self._finish_shard()
+
+    def _finish_shard(self) -> None:
+        assert self._cur is not None
+        self._cur.close()
+        self.shards.append({"file": self._cur.path.name, "tokens": self._cur.length})
+        self._cur = None
+
+    def close(self) -> dict[str, Any]:
+        if self._cur is not None:
+            self._finish_shard()
+        return {"tokens": self.tokens, "documents": self.documents, "shards": self.shards}
+
+
+@dataclass(frozen=True)
+class ShardInfo:
+    path: Path
+    tokens: int
+
+
+@dataclass(frozen=True)
+class PreparedMeta:
+    """metadata.json of a prepared directory, checked against the shards on disk."""
+
+    root: Path
+    tokenizer: dict[str, Any]
+    vocab_size: int
+    eos_id: int
+    dtype: np.dtype[Any]
+    splits: dict[str, list[ShardInfo]]
+    raw: dict[str, Any]
+
+    def split_tokens(self, split: str) -> int:
+        return sum(s.tokens for s in self.splits.get(split, []))
+
+
+def _bad(root: Path, what: str) -> InvalidInputError:
+    return InvalidInputError(f"prepared data directory {root}: {what}; re-run `kforge prepare-data` to rebuild it")
+
+
+def read_metadata(root: Path) -> dict[str, Any]:
+    """Parse DIR/metadata.json, or fail saying the directory is not prepared data."""
+    path = root / METADATA
+    if not root.is_dir():
+        raise InvalidInputError(f"data directory {root} does not exist; create it with `kforge prepare-data`")
+    if not path.is_file():
+        raise InvalidInputError(f"{root} has no {METADATA}: it is not a directory made by `kforge prepare-data`")
+    try:
+        meta = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise _bad(root, f"{METADATA} is unreadable ({exc})") from exc
+    if not isinstance(meta, dict) or meta.get("format") != FORMAT:
+        raise _bad(root, f"{METADATA} is not kforge token metadata (format != {FORMAT!r})")
+    if meta.get("format_version") != FORMAT_VERSION:
+        raise _bad(root, f"format_version {meta.get('format_version')} is not supported (expected {FORMAT_VERSION})")
+    return meta
+
+
+def load_prepared(root: str | Path) -> PreparedMeta:
+    """Read metadata.json and check every shard exists with the recorded dtype and length."""
+    root = Path(root).expanduser().resolve()
+    meta = read_metadata(root)
+    try:
+        vocab, eos = int(meta["vocab_size"]), int(meta["eos_id"])
+        dtype = np.dtype(meta["dtype"])
+        split_meta: dict[str, Any] = meta["splits"]
+        tokenizer: dict[str, Any] = meta["tokenizer"]
+    except (KeyError, TypeError, ValueError) as exc:
+        raise _bad(root, f"{METADATA} lacks or has a bad field: {exc}") from exc
+    if dtype.kind != "u" or vocab - 1 > np.iinfo(dtype).max:
+        raise _bad(root, f"dtype {dtype} cannot hold a vocabulary of {vocab}")
+    splits: dict[str, list[ShardInfo]] = {}
+    for split, info in split_meta.items():
+        shards = []
+        for entry in info.get("shards", []):
+            path = root / entry["file"]
+            if not path.is_file():
+                raise _bad(root, f"shard {entry['file']} listed in {METADATA} is missing")
+            try:
+                arr = np.load(path, mmap_mode="r", allow_pickle=False)
+            except (OSError, ValueError) as exc:
+                raise _bad(root, f"shard {entry['file']} is unreadable ({exc})") from exc
+            if arr.dtype != dtype or arr.shape != (int(entry["tokens"]),):
+                raise _bad(
+                    root,
+                    f"shard {entry['file']} holds {arr.dtype}{list(arr.shape)} but {METADATA} says "
+                    f"{dtype}[{entry['tokens']}]",
+                )
+            shards.append(ShardInfo(path, int(entry["tokens"])))
+        if sum(s.tokens for s in shards) != int(info.get("tokens", -1)):
+            raise _bad(root, f"split {split!r}: shard lengths do not add up to its token count {info.get('tokens')}")
+        splits[split] = shards
+    if not splits.get("train"):
+        raise _bad(root, "it has no train split")
+    return PreparedMeta(root, tokenizer, vocab, eos, dtype, splits, meta)
