@@ -1,0 +1,142 @@
+"""`run_training_loop`: the one training loop (step, NaN policy, schedule, logs, eval, stop)."""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Literal
+
+import torch
+
+from kforge_cli.engine.observe import mfu, peak_memory_stats
+from kforge_cli.engine.runtime import all_reduce_max
+from kforge_cli.engine.train.evaluation import evaluate
+from kforge_cli.engine.train.hooks import StepInfo
+
+if TYPE_CHECKING:
+    from kforge_cli.engine.train.session import TrainingSession
+    from kforge_cli.engine.train.step import Batch, StepFn
+
+log = logging.getLogger("kforge")
+
+Status = Literal["completed", "stopped"]
+
+
+@dataclass
+class TrainOutcome:
+    status: Status
+    step: int
+    last_loss: float | None
+    last_eval_loss: float | None
+    signal: str | None = None
+    checkpoint_saved: bool = False
+
+
+class _Meter:
+    """Throughput over the steps since the last log line (excludes eval and logging time)."""
+
+    def __init__(self) -> None:
+        self.tokens = 0
+        self.steps = 0
+        self.seconds = 0.0
+
+    def add(self, tokens: int, seconds: float) -> None:
+        self.tokens += tokens
+        self.steps += 1
+        self.seconds += seconds
+
+    def take(self) -> tuple[float, float]:
+        tps = self.tokens / self.seconds if self.seconds > 0 else 0.0
+        step_time = self.seconds / self.steps if self.steps else 0.0
+        self.__init__()
+        return tps, step_time
+
+
+def _to_device(batch: dict[str, Any], device: torch.device) -> Batch:
+    return {k: v.to(device, non_blocking=True) for k, v in batch.items() if isinstance(v, torch.Tensor)}
+
+
+def _stop_requested(session: TrainingSession) -> bool:
+    if session.runtime.world_size == 1:
+        return session.shutdown.should_stop()
+
+    def reduce(flag: bool) -> bool:
+        t = torch.tensor([1.0 if flag else 0.0], device=session.runtime.device)
+        return bool(all_reduce_max(t).item() > 0)
+
+    return session.shutdown.should_stop(reduce)
+
+
+def _log_step(session: TrainingSession, info: StepInfo, meter: _Meter) -> None:
+    tps, step_time = meter.take()
+    record: dict[str, Any] = {
+        "step": info.step,
+        "loss": info.loss,
+        "lr": info.lr,
+        "grad_norm": info.grad_norm,
+        "tokens_seen": info.tokens_seen,
+        "tokens_per_sec": tps,
+        "step_time_s": step_time,
+    }
+    util = mfu(session.flops_per_token, tps, session.runtime.world_size, session.peak_flops)
+    if util is not None:
+        record["mfu"] = util
+    if session.nan_guard.total_bad:
+        record["nan_steps"] = session.nan_guard.total_bad
+    record.update(peak_memory_stats(session.runtime.device))
+    if session.metrics is not None:
+        session.metrics.write(record)
+    session.progress.update(info.step, record)
+
+
+def _run_eval(session: TrainingSession) -> float | None:
+    eval_loss = evaluate(session)
+    if eval_loss is None:
+        return None
+    step = session.state.step
+    if session.metrics is not None:
+        session.metrics.write({"step": step, "eval_loss": eval_loss})
+    session.progress.log_eval(step, eval_loss)
+    session.hooks.on_eval_end(session, step, eval_loss)
+    return eval_loss
+
+
+def run_training_loop(session: TrainingSession, step_fn: StepFn) -> TrainOutcome:
+    """Train until train.max_steps or a shutdown signal (agreed by all ranks at a step boundary)."""
+    s = session.settings
+    state, device = session.state, session.runtime.device
+    batches = iter(session.data.train)
+    meter = _Meter()
+    last_loss: float | None = None
+    last_eval: float | None = None
+    session.hooks.on_train_begin(session)
+    while state.step < s.train.max_steps:
+        if _stop_requested(session):
+            log.warning("stopping at step %d (%s)", state.step, session.shutdown.signal_name)
+            return TrainOutcome("stopped", state.step, last_loss, last_eval, session.shutdown.signal_name)
+        t0 = time.perf_counter()
+        micro = [_to_device(next(batches), device) for _ in range(s.train.grad_accum_steps)]
+        result = step_fn(session, micro)
+        step = state.step + 1
+        lr = session.current_lr()
+        action = session.nan_guard.decide(step, result.loss, result.grad_norm)
+        if action == "apply":
+            session.optimizer.step()
+        session.optimizer.zero_grad(set_to_none=True)
+        session.scheduler.step()  # also on skipped steps: the schedule never drifts from the step
+        state.step = step
+        state.tokens_seen += session.tokens_per_step
+        elapsed = time.perf_counter() - t0
+        meter.add(session.tokens_per_step, elapsed)
+        session.profiler.step(step)
+        last_loss = result.loss
+        info = StepInfo(step, result.loss, result.grad_norm, lr, state.tokens_seen, elapsed, action == "skip")
+        if step % s.metrics.log_interval == 0 or step == s.train.max_steps or step == 1:
+            _log_step(session, info, meter)
+        session.hooks.on_step_end(session, info)
+        if s.eval.interval and step % s.eval.interval == 0:
+            last_eval = _run_eval(session)
+    if s.eval.interval and state.step % s.eval.interval != 0:
+        last_eval = _run_eval(session)
+    return TrainOutcome("completed", state.step, last_loss, last_eval)

@@ -1,0 +1,40 @@
+"""The run directory: chosen by rank 0, broadcast, and stamped with the resolved config."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import torch.distributed as dist
+
+from kforge_cli.engine.runtime import RuntimeContext
+from kforge_cli.settings import JobSettings
+from kforge_cli.settings.explain import to_toml
+
+
+def default_run_dir(settings: JobSettings) -> Path:
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    return Path("runs") / f"{settings.profile or 'custom'}-{stamp}"
+
+
+def resolve_run_dir(settings: JobSettings, runtime: RuntimeContext) -> Path:
+    """RUN_DIR: train.run_dir, or runs/<profile>-<timestamp> decided by rank 0 for every rank."""
+    chosen = [str(settings.train.run_dir or default_run_dir(settings))]
+    if runtime.distributed:
+        dist.broadcast_object_list(chosen, src=0)
+    run_dir = Path(chosen[0]).resolve()
+    if runtime.is_main:
+        (run_dir / "logs").mkdir(parents=True, exist_ok=True)
+    if runtime.distributed:
+        dist.barrier()
+    settings.train.run_dir = str(run_dir)
+    return run_dir
+
+
+def write_config(settings: JobSettings, run_dir: Path) -> Path:
+    """RUN_DIR/config.toml: the fully resolved settings (written atomically)."""
+    path = run_dir / "config.toml"
+    tmp = path.with_suffix(".toml.tmp")
+    tmp.write_text(to_toml(settings))
+    tmp.replace(path)
+    return path

@@ -1,0 +1,87 @@
+"""Step functions: one optimizer step's forward/backward over the micro-batches.
+
+A step function takes the session and the step's micro-batches (already on the device)
+and returns a `StepResult`; the loop owns the optimizer update, NaN policy and logging.
+The loss is normalised by the number of valid (non-ignored) label tokens across ALL
+micro-batches of the step and all data-parallel ranks, not averaged per micro-batch, so
+gradient accumulation and data parallelism give the same update as one big batch.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+
+from kforge_cli.engine.runtime import all_reduce_sum
+from kforge_cli.engine.train.loss import IGNORE_INDEX
+
+if TYPE_CHECKING:
+    from kforge_cli.engine.train.session import TrainingSession
+    from kforge_cli.settings import JobSettings
+
+Batch = dict[str, torch.Tensor]
+
+
+@dataclass
+class StepResult:
+    loss: float  # global mean loss per valid token
+    grad_norm: float  # total gradient norm before clipping
+    valid_tokens: int  # global number of label tokens that counted
+
+
+StepFn = Callable[["TrainingSession", list[Batch]], StepResult]
+
+
+def _forward_loss_sum(session: TrainingSession, batch: Batch) -> torch.Tensor:
+    model, loss_fn = session.model, session.loss_fn
+    kwargs = {k: batch[k] for k in ("doc_ids", "positions") if k in batch}
+    with session.autocast():
+        if loss_fn.chunked:
+            return model(batch["input_ids"], labels=batch["labels"], loss_fn=loss_fn, **kwargs)
+        logits = model(batch["input_ids"], **kwargs)
+    return loss_fn.from_logits(logits, batch["labels"])
+
+
+def clip_gradients(session: TrainingSession) -> float:
+    """Clip to train.grad_clip_norm (0 = only measure); returns the pre-clip total norm."""
+    max_norm = session.settings.train.grad_clip_norm or math.inf
+    params = [p for p in session.model.parameters() if p.grad is not None]
+    if not params:
+        return 0.0
+    norm = torch.nn.utils.clip_grad_norm_(params, max_norm=max_norm, foreach=True)
+    if hasattr(norm, "full_tensor"):
+        norm = norm.full_tensor()  # type: ignore[union-attr]
+    return float(norm)
+
+
+def plain_step(session: TrainingSession, micro_batches: list[Batch]) -> StepResult:
+    """Gradient accumulation over micro-batches with token-count normalisation."""
+    device = session.runtime.device
+    group = session.runtime.dp_group()
+    local_valid = sum(int((mb["labels"] != IGNORE_INDEX).sum()) for mb in micro_batches)
+    n_valid = all_reduce_sum(torch.tensor(float(local_valid), device=device), group)
+    # Data-parallel gradient reduction averages over ranks; multiply back so the
+    # effective loss is (global sum) / (global valid tokens).
+    scale = session.runtime.dp_size / n_valid.clamp(min=1.0)
+    total = torch.zeros((), device=device, dtype=torch.float32)
+    last = len(micro_batches) - 1
+    for i, batch in enumerate(micro_batches):
+        sync = getattr(session.model, "set_requires_gradient_sync", None)
+        if sync is not None:
+            sync(i == last)
+        loss_sum = _forward_loss_sum(session, batch)
+        (loss_sum * scale).backward()
+        total += loss_sum.detach().float()
+    total = all_reduce_sum(total, group)
+    grad_norm = clip_gradients(session)
+    n = float(n_valid)
+    return StepResult(loss=float(total) / max(n, 1.0), grad_norm=grad_norm, valid_tokens=int(n))
+
+
+def select_step_fn(settings: JobSettings) -> StepFn:
+    """The step function for this configuration (pipeline and VLM variants register here)."""
+    return plain_step

@@ -1,0 +1,1 @@
+"""Importable test helpers (hooks referenced by import path from settings)."""

@@ -1,0 +1,100 @@
+"""The plain step: gradient accumulation normalised by valid tokens across micro-batches."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from kforge_cli.engine.observe import ProgressReporter, build_profiler
+from kforge_cli.engine.parallel import build_parallel_model
+from kforge_cli.engine.resilience import NanGuard, ShutdownHandler
+from kforge_cli.engine.runtime import init_runtime
+from kforge_cli.engine.train.hooks import HookList
+from kforge_cli.engine.train.loss import build_loss_fn
+from kforge_cli.engine.train.optimizer import build_optimizer
+from kforge_cli.engine.train.scheduler import build_scheduler
+from kforge_cli.engine.train.session import TrainingSession
+from kforge_cli.engine.train.step import plain_step
+from kforge_cli.settings import load_settings
+
+TINY = ["--model.dim=32", "--model.n_layers=2", "--model.n_heads=4", "--model.n_kv_heads=2",
+        "--model.vocab_size=64", "--model.max_seq_len=32", "--train.seq_len=16", "--train.device=cpu",
+        "--train.mixed_precision=fp32", "--train.grad_clip_norm=0"]  # fmt: skip
+
+
+def make_session(tmp_path: Path, extra: list[str] | None = None) -> TrainingSession:
+    s = load_settings(overrides=TINY + (extra or [])).settings
+    runtime = init_runtime(s)
+    model, _ = build_parallel_model(s, runtime)
+    optimizer = build_optimizer(model, s)
+    import logging
+
+    return TrainingSession(
+        settings=s, runtime=runtime, run_dir=tmp_path, model=model, pipeline=None, optimizer=optimizer,
+        scheduler=build_scheduler(optimizer, s), loss_fn=build_loss_fn(s), data=None, hooks=HookList([]),
+        metrics=None, progress=ProgressReporter(1, 0, "off", False, logging.getLogger("kforge")),
+        profiler=build_profiler(s.profiling, tmp_path, 0), nan_guard=NanGuard.from_settings(s.resilience),
+        shutdown=ShutdownHandler([]), compute_dtype=torch.float32, flops_per_token=1.0, peak_flops=None,
+    )  # fmt: skip
+
+
+def make_batch(n: int = 8, t: int = 16, seed: int = 0) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    tokens = torch.randint(0, 64, (n, t + 1), generator=g)
+    labels = tokens[:, 1:].clone()
+    for i in range(n):  # a different number of valid label tokens in every sequence
+        labels[i, t - 2 * i :] = -100
+    return {"input_ids": tokens[:, :-1], "labels": labels}
+
+
+def grads(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    return {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+@pytest.mark.parametrize("chunk", [0, 24])
+def test_four_micro_batches_of_two_equal_one_batch_of_eight(tmp_path: Path, chunk: int) -> None:
+    one = make_session(tmp_path, [f"--train.loss_chunk_size={chunk}"])
+    four = make_session(tmp_path, [f"--train.loss_chunk_size={chunk}"])
+    four.model.load_state_dict(one.model.state_dict())
+    batch = make_batch()
+    r1 = plain_step(one, [batch])
+    r4 = plain_step(four, [{k: v[i : i + 2] for k, v in batch.items()} for i in range(0, 8, 2)])
+    assert r1.valid_tokens == r4.valid_tokens == int((batch["labels"] != -100).sum())
+    assert r4.loss == pytest.approx(r1.loss, rel=1e-6)
+    g1, g4 = grads(one.model), grads(four.model)
+    assert g1.keys() == g4.keys() and len(g1) > 0
+    for name in g1:
+        torch.testing.assert_close(g4[name], g1[name], rtol=1e-5, atol=1e-7, msg=name)
+    assert r4.grad_norm == pytest.approx(r1.grad_norm, rel=1e-5)
+    # and the update after one optimizer step is the same
+    one.optimizer.step()
+    four.optimizer.step()
+    for (n, a), (_, b) in zip(one.model.named_parameters(), four.model.named_parameters(), strict=True):
+        torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-7, msg=n)
+
+
+def test_per_micro_batch_averaging_would_differ(tmp_path: Path) -> None:
+    """Guards the test above: a naive mean of per-micro-batch means gives a different loss."""
+    session = make_session(tmp_path)
+    batch = make_batch()
+    reference = plain_step(session, [batch]).loss
+    naive = 0.0
+    with torch.no_grad():
+        for i in range(0, 8, 2):
+            labels = batch["labels"][i : i + 2]
+            logits = session.model(batch["input_ids"][i : i + 2])
+            naive += float(session.loss_fn.from_logits(logits, labels)) / int((labels != -100).sum()) / 4
+    assert abs(naive - reference) > 1e-3
+
+
+def test_grad_norm_is_reported_before_clipping(tmp_path: Path) -> None:
+    clipped = make_session(tmp_path, ["--train.grad_clip_norm=0.01"])
+    free = make_session(tmp_path)
+    free.model.load_state_dict(clipped.model.state_dict())
+    batch = make_batch()
+    rc, rf = plain_step(clipped, [batch]), plain_step(free, [batch])
+    assert rc.grad_norm == pytest.approx(rf.grad_norm, rel=1e-6) and rc.grad_norm > 0.01
+    total = torch.sqrt(sum((p.grad**2).sum() for p in clipped.model.parameters() if p.grad is not None))
+    assert float(total) == pytest.approx(0.01, rel=1e-3)
