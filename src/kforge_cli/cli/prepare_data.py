@@ -20,8 +20,49 @@ def prepare_data(
     shard_tokens: Annotated[int, typer.Option("--shard-tokens", help="Tokens per shard file.")] = 100_000_000,
     text_field: Annotated[str, typer.Option("--text-field", help="JSONL field holding the text.")] = "text",
     skip_bad_records: Annotated[bool, typer.Option("--skip-bad-records", help="Skip and count bad records.")] = False,
+    workers: Annotated[
+        int, typer.Option("--workers", help="Tokenizer processes (0 = all cores the input keeps busy).", min=0)
+    ] = 0,
+    quiet: Annotated[bool, typer.Option("--quiet", "-q", help="No progress bar.")] = False,
 ) -> None:
     """Tokenize inputs into .npy shards plus metadata.json (streaming, all cores)."""
-    from kforge_cli.errors import NotBuiltYetError
+    from rich.console import Console
+    from rich.progress import BarColumn, DownloadColumn, Progress, TimeRemainingColumn, TransferSpeedColumn
 
-    raise NotBuiltYetError("prepare-data is not built yet (data issue)")
+    from kforge_cli.engine.data.prepare import prepare_data as run
+
+    err = Console(stderr=True)
+    columns = (
+        "[progress.description]{task.description}",
+        BarColumn(),
+        DownloadColumn(),
+        TransferSpeedColumn(),
+        TimeRemainingColumn(),
+    )
+    with Progress(*columns, console=err, disable=quiet, transient=True) as progress:
+        task = progress.add_task("tokenizing", total=None)
+        result = run(
+            inputs,
+            out,
+            tokenizer=tokenizer,
+            val_fraction=val_fraction,
+            shard_tokens=shard_tokens,
+            text_field=text_field,
+            skip_bad_records=skip_bad_records,
+            workers=workers or None,
+            on_progress=lambda done, total: progress.update(task, completed=done, total=total),
+        )
+    if result.reused:
+        typer.echo(f"{result.out} is up to date with its inputs: nothing to do")
+        return
+    typer.echo(
+        f"wrote {result.out}: {result.tokens['train']:,} train + {result.tokens['val']:,} val tokens "
+        f"({result.documents['train']:,} + {result.documents['val']:,} documents), {result.dtype}, "
+        f"vocab {result.vocab_size}"
+    )
+    typer.echo(
+        f"{result.input_bytes / 1e6:,.1f} MB in {result.seconds:.2f} s with {result.workers} worker(s): "
+        f"{result.tokens_per_second:,.0f} tokens/s"
+    )
+    if result.skipped_records or result.skipped_files:
+        typer.echo(f"skipped {result.skipped_records} bad record(s) and {result.skipped_files} empty file(s)")

@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from kforge_cli.engine.data.bundle import DataBundle, ValData, build_data
     from kforge_cli.engine.data.loader import DataStateError, StatefulLoader
+    from kforge_cli.engine.data.prepare import PrepareResult, prepare_data
     from kforge_cli.engine.data.tokenizer import ByteTokenizer, HFTokenizer, Tokenizer, load_tokenizer
 
 _EXPORTS = {
@@ -24,6 +25,8 @@ _EXPORTS = {
     "build_data": "bundle",
     "DataStateError": "loader",
     "StatefulLoader": "loader",
+    "PrepareResult": "prepare",
+    "prepare_data": "prepare",
     "ByteTokenizer": "tokenizer",
     "HFTokenizer": "tokenizer",
     "Tokenizer": "tokenizer",
@@ -35,11 +38,13 @@ __all__ = [
     "DataBundle",
     "DataStateError",
     "HFTokenizer",
+    "PrepareResult",
     "StatefulLoader",
     "Tokenizer",
     "ValData",
     "build_data",
     "load_tokenizer",
+    "prepare_data",
 ]
 
 

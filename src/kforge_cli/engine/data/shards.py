@@ -14,6 +14,7 @@ never guessed from a file size.
 from __future__ import annotations
 
 import json
+import os
 import struct
 from dataclasses import dataclass
 from pathlib import Path
@@ -41,6 +42,19 @@ def _npy_header(dtype: np.dtype[Any], length: int) -> bytes:
     return magic + struct.pack("<H", _HEADER_BYTES - len(magic) - 2) + body.encode("latin1") + b" " * pad + b"\n"
 
 
+def copy_range(src_fd: int, src_offset: int, dst_fd: int, nbytes: int) -> None:
+    """Copy ``nbytes`` from ``src_fd`` at ``src_offset`` to ``dst_fd``'s position (in the kernel when it can)."""
+    while nbytes > 0:
+        try:
+            n = os.copy_file_range(src_fd, dst_fd, nbytes, src_offset)
+        except (AttributeError, OSError):  # no copy_file_range here (other OS, other filesystem)
+            n = os.write(dst_fd, os.pread(src_fd, min(nbytes, 1 << 23), src_offset))
+        if n <= 0:
+            raise OSError(f"short copy: {nbytes} bytes left")
+        src_offset += n
+        nbytes -= n
+
+
 class NpyStreamWriter:
     """Append 1-D chunks to a `.npy` file whose final length is unknown up front."""
 
@@ -48,12 +62,17 @@ class NpyStreamWriter:
         self.path = path
         self.dtype = dtype
         self.length = 0
-        self._f: BinaryIO = open(path, "wb")  # noqa: SIM115 - closed in close()
+        self._f: BinaryIO = open(path, "wb", buffering=0)  # noqa: SIM115 - closed in close()
         self._f.write(_npy_header(dtype, 0))
 
     def append(self, tokens: np.ndarray) -> None:
-        np.ascontiguousarray(tokens, dtype=self.dtype).tofile(self._f)
+        self._f.write(np.ascontiguousarray(tokens, dtype=self.dtype).tobytes())
         self.length += len(tokens)
+
+    def copy_from(self, fd: int, byte_offset: int, length: int) -> None:
+        """Append ``length`` tokens stored raw (this dtype) in file ``fd`` at ``byte_offset``."""
+        copy_range(fd, byte_offset, self._f.fileno(), length * self.dtype.itemsize)
+        self.length += length
 
     def close(self) -> None:
         self._f.seek(0)
@@ -72,16 +91,33 @@ class SplitWriter:
         self.documents = 0
         self._cur: NpyStreamWriter | None = None
 
+    def _shard(self) -> NpyStreamWriter:
+        if self._cur is None:
+            self._cur = NpyStreamWriter(self.root / shard_name(self.split, len(self.shards)), self.dtype)
+        return self._cur
+
     def append(self, tokens: np.ndarray) -> None:
         self.tokens += len(tokens)
         self.documents += int(np.count_nonzero(tokens == self.eos_id))
         while len(tokens):
-            if self._cur is None:
-                self._cur = NpyStreamWriter(self.root / shard_name(self.split, len(self.shards)), self.dtype)
-            room = self.shard_tokens - self._cur.length
-            self._cur.append(tokens[:room])
+            cur = self._shard()
+            room = self.shard_tokens - cur.length
+            cur.append(tokens[:room])
             tokens = tokens[room:]
-            if self._cur.length >= self.shard_tokens:
+            if cur.length >= self.shard_tokens:
+                self._finish_shard()
+
+    def copy_from(self, fd: int, byte_offset: int, length: int, documents: int) -> None:
+        """Append ``length`` raw tokens from file ``fd`` (a worker's part file) holding ``documents`` EOS."""
+        self.tokens += length
+        self.documents += documents
+        while length:
+            cur = self._shard()
+            take = min(length, self.shard_tokens - cur.length)
+            cur.copy_from(fd, byte_offset, take)
+            byte_offset += take * self.dtype.itemsize
+            length -= take
+            if cur.length >= self.shard_tokens:
                 self._finish_shard()
 
     def _finish_shard(self) -> None:

@@ -34,6 +34,10 @@ class Tokenizer(Protocol):
         """Tokenize UTF-8 ``data`` (already validated) straight into an array of ``dtype``."""
         ...
 
+    def encode_batch(self, texts: list[str], dtype: np.dtype[Any]) -> list[np.ndarray]:
+        """Tokenize several documents (JSONL records) into arrays of ``dtype``."""
+        ...
+
     def describe(self) -> dict[str, Any]:
         """JSON-able identity written to metadata.json (kind, checksum, sizes)."""
         ...
@@ -55,6 +59,9 @@ class ByteTokenizer:
     def encode_bytes(self, data: bytes, dtype: np.dtype[Any]) -> np.ndarray:
         # UTF-8 bytes are the ids: a widening copy, no Python loop.
         return np.frombuffer(data, dtype=np.uint8).astype(dtype)
+
+    def encode_batch(self, texts: list[str], dtype: np.dtype[Any]) -> list[np.ndarray]:
+        return [self.encode_bytes(t.encode("utf-8"), dtype) for t in texts]
 
     def describe(self) -> dict[str, Any]:
         return {"kind": "byte", "vocab_size": self.vocab_size, "eos_id": self.eos_id}
@@ -96,6 +103,9 @@ class HFTokenizer:
 
     def encode_bytes(self, data: bytes, dtype: np.dtype[Any]) -> np.ndarray:
         return np.asarray(self.encode(data.decode("utf-8")), dtype=dtype)
+
+    def encode_batch(self, texts: list[str], dtype: np.dtype[Any]) -> list[np.ndarray]:
+        return [np.asarray(e.ids, dtype=dtype) for e in self._tok.encode_batch(texts, add_special_tokens=False)]
 
     def describe(self) -> dict[str, Any]:
         return {

@@ -1,0 +1,156 @@
+"""The prepare-data worker: read one work unit's segments, validate them, tokenize them.
+
+Runs in a pool of spawned processes (or inline for small jobs). It imports numpy and
+tokenizers, never torch. The tokens go to a raw *part file* next to the output (the
+main process copies them into the shards in the kernel), not back through a pipe:
+pickling hundreds of MB of arrays through the pool costs more than tokenizing them.
+Errors are :class:`InvalidInputError` naming the file and line; with
+``--skip-bad-records`` a bad JSONL record or a text line with invalid UTF-8 is
+dropped and counted instead.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from kforge_cli.engine.data.inputs import WorkUnit, cut, line_number
+from kforge_cli.engine.data.tokenizer import ByteTokenizer, HFTokenizer, load_tokenizer
+from kforge_cli.errors import InvalidInputError
+
+MAX_EXAMPLES = 3  # skipped records quoted in the summary
+
+_TOKENIZER: ByteTokenizer | HFTokenizer | None = None
+
+
+def init_worker(tokenizer_spec: str) -> None:
+    """Pool initializer: load the tokenizer once per process, single-threaded."""
+    global _TOKENIZER
+    os.environ["TOKENIZERS_PARALLELISM"] = "false"
+    _TOKENIZER = load_tokenizer(tokenizer_spec)
+
+
+@dataclass
+class SegmentResult:
+    """Where one segment's tokens are in the part file.
+
+    JSONL: every record followed by EOS; text: a piece of one document, no EOS.
+    """
+
+    split: str
+    kind: str
+    file_index: int
+    start: int  # token offset in the part file
+    length: int  # tokens
+    documents: int = 0  # EOS ids among them
+    records: int = 0  # JSONL records tokenized
+
+
+@dataclass
+class UnitResult:
+    part: str
+    segments: list[SegmentResult]
+    bytes_read: int
+    skipped: int = 0
+    examples: list[str] = field(default_factory=list)
+
+
+class _Bad:
+    """Collects skipped records, or raises when skipping is off."""
+
+    def __init__(self, unit: WorkUnit, result: UnitResult) -> None:
+        self.unit, self.result = unit, result
+
+    def __call__(self, offset: int, what: str, hint: str) -> None:
+        path = self.unit.file.path
+        if not self.unit.skip_bad_records:
+            raise InvalidInputError(f"{path} line {line_number(path, offset)}: {what}; {hint}")
+        self.result.skipped += 1
+        if len(self.result.examples) < MAX_EXAMPLES:
+            self.result.examples.append(f"{path} line {line_number(path, offset)}: {what}")
+
+
+def _text(raw: bytes, offset: int, bad: _Bad) -> bytes:
+    """``raw`` without its lines of invalid UTF-8 (each one reported to ``bad``)."""
+    pieces: list[bytes] = []
+    while True:
+        try:
+            raw.decode("utf-8")
+        except UnicodeDecodeError as exc:
+            start = raw.rfind(b"\n", 0, exc.start) + 1
+            end = raw.find(b"\n", exc.start)
+            end = len(raw) if end < 0 else end + 1
+            bad(offset + exc.start, f"invalid UTF-8 at byte {offset + exc.start}", "fix the encoding or pass "
+                "--skip-bad-records to drop such lines")  # fmt: skip
+            pieces.append(raw[:start])
+            raw, offset = raw[end:], offset + end
+            continue
+        pieces.append(raw)
+        return b"".join(pieces)
+
+
+def _records(raw: bytes, offset: int, text_field: str, bad: _Bad) -> list[str]:
+    """The text field of every JSONL record in ``raw`` (blank lines are not records)."""
+    texts: list[str] = []
+    pos = 0
+    for line in raw.split(b"\n"):
+        at, pos = offset + pos, pos + len(line) + 1
+        if not line.strip():
+            continue
+        try:
+            record: Any = json.loads(line)
+        except UnicodeDecodeError:
+            bad(at, "invalid UTF-8", "fix the encoding or pass --skip-bad-records")
+            continue
+        except ValueError as exc:
+            bad(at, f"invalid JSON ({exc})", "fix the record or pass --skip-bad-records")
+            continue
+        if not isinstance(record, dict) or text_field not in record:
+            keys = ", ".join(map(str, record)) if isinstance(record, dict) else type(record).__name__
+            bad(at, f"record has no field {text_field!r} (has: {keys})", "use --text-field or --skip-bad-records")
+            continue
+        text = record[text_field]
+        if not isinstance(text, str):
+            bad(at, f"field {text_field!r} is {type(text).__name__}, not a string", "pass --skip-bad-records")
+            continue
+        if text:
+            texts.append(text)
+    return texts
+
+
+def _segment_tokens(unit: WorkUnit, raw: bytes, offset: int, bad: _Bad, dtype: np.dtype[Any]) -> tuple[np.ndarray, int]:
+    """(tokens, JSONL records) of one segment."""
+    tok = _TOKENIZER
+    assert tok is not None, "init_worker was not called"
+    if unit.file.kind == "text":
+        return tok.encode_bytes(_text(raw, offset, bad), dtype), 0
+    docs = tok.encode_batch(_records(raw, offset, unit.text_field, bad), dtype)
+    eos = np.array([tok.eos_id], dtype=dtype)
+    parts = [p for d in docs for p in (d, eos)]
+    return (np.concatenate(parts) if parts else np.empty(0, dtype=dtype)), len(docs)
+
+
+def encode_unit(unit: WorkUnit, dtype_name: str, part: str) -> UnitResult:
+    """Tokenize one work unit's segments into the raw file ``part`` (see :mod:`inputs` for segments)."""
+    dtype = np.dtype(dtype_name)
+    f = unit.file
+    result = UnitResult(part=part, segments=[], bytes_read=0)
+    bad = _Bad(unit, result)
+    written = 0
+    with open(f.path, "rb") as fh, open(part, "wb") as out:
+        bounds = [
+            cut(fh, (unit.first_segment + i) * unit.segment_bytes, f.size, f.kind) for i in range(len(unit.splits) + 1)
+        ]
+        fh.seek(bounds[0])
+        for i, split in enumerate(unit.splits):
+            raw = fh.read(bounds[i + 1] - bounds[i])
+            result.bytes_read += len(raw)
+            tokens, records = _segment_tokens(unit, raw, bounds[i], bad, dtype)
+            out.write(tokens.tobytes())
+            result.segments.append(SegmentResult(split, f.kind, f.index, written, len(tokens), records, records))
+            written += len(tokens)
+    return result

@@ -1,0 +1,273 @@
+"""`kforge prepare-data`: text, directories and JSONL -> token shards + metadata.json.
+
+Streaming and parallel: work units (a few MiB of one file) are tokenized by a pool of
+processes, at most ``2 * workers`` in flight, each into a raw part file; the main
+process copies the parts in input order into the shards of their split and deletes
+them, so memory and scratch space stay flat however large the input.
+Source checksums are computed by a thread alongside. Everything is written to a
+hidden temporary directory next to ``--out`` and renamed into place at the end: an
+interrupted run never leaves a directory that looks complete. Re-running with the
+same inputs (path, size, mtime), tokenizer and options finds the finished directory
+and does nothing.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import multiprocessing as mp
+import os
+import secrets
+import shutil
+import time
+from collections import deque
+from collections.abc import Callable, Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from itertools import islice
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from kforge_cli import __version__
+from kforge_cli.engine.data.encode_worker import SegmentResult, UnitResult, encode_unit, init_worker
+from kforge_cli.engine.data.inputs import InputFile, WorkUnit, collect_inputs, plan_units
+from kforge_cli.engine.data.shards import FORMAT, FORMAT_VERSION, METADATA, SplitWriter, load_prepared
+from kforge_cli.engine.data.tokenizer import ByteTokenizer, HFTokenizer, load_tokenizer, token_dtype
+from kforge_cli.errors import InvalidInputError
+
+
+@dataclass
+class PrepareResult:
+    out: Path
+    reused: bool  # the directory was already up to date: nothing was done
+    tokens: dict[str, int]
+    documents: dict[str, int]
+    input_bytes: int
+    seconds: float
+    workers: int
+    skipped_records: int
+    skipped_files: int
+    dtype: str
+    vocab_size: int
+
+    @property
+    def tokens_per_second(self) -> float:
+        return sum(self.tokens.values()) / self.seconds if self.seconds > 0 else 0.0
+
+
+class _Assembler:
+    """Routes segment tokens to their split and puts one EOS after every document.
+
+    A text file is one document whose segments may alternate between splits: a split
+    closes its open document (EOS) when the next piece comes from another file, or when
+    the file's preceding piece went to the other split (a discontinuity).
+    """
+
+    def __init__(self, writers: dict[str, SplitWriter], eos_id: int, dtype: np.dtype[Any]) -> None:
+        self.writers, self.eos = writers, np.array([eos_id], dtype=dtype)
+        self.open_doc: dict[str, int | None] = dict.fromkeys(writers)
+        self.last_split: str | None = None
+        self.records = 0
+
+    def _close(self, split: str) -> None:
+        if self.open_doc[split] is not None:
+            self.writers[split].append(self.eos)
+            self.open_doc[split] = None
+
+    def add(self, seg: SegmentResult, part_fd: int, itemsize: int) -> None:
+        self.records += seg.records
+        if not seg.length:
+            return
+        if seg.kind == "jsonl" or (
+            self.open_doc[seg.split] is not None
+            and (self.open_doc[seg.split] != seg.file_index or self.last_split != seg.split)
+        ):
+            self._close(seg.split)
+        self.writers[seg.split].copy_from(part_fd, seg.start * itemsize, seg.length, seg.documents)
+        if seg.kind == "text":
+            self.open_doc[seg.split] = seg.file_index
+        self.last_split = seg.split
+
+    def finish(self) -> None:
+        for split in self.writers:
+            self._close(split)
+
+
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as fh:
+        while block := fh.read(1 << 20):
+            h.update(block)
+    return h.hexdigest()
+
+
+def _inputs_key(files: list[InputFile], tokenizer: dict[str, Any], options: dict[str, Any]) -> str:
+    ident = {
+        "format_version": FORMAT_VERSION,
+        "files": [[str(f.path), f.size, f.mtime_ns, f.kind] for f in files],
+        "tokenizer": tokenizer,
+        "options": options,
+    }
+    return hashlib.sha256(json.dumps(ident, sort_keys=True).encode()).hexdigest()
+
+
+def _up_to_date(out: Path, key: str) -> bool:
+    meta_path = out / METADATA
+    if not meta_path.is_file():
+        return False
+    try:
+        if json.loads(meta_path.read_text(encoding="utf-8")).get("inputs_key") != key:
+            return False
+        load_prepared(out)  # every shard present with the recorded dtype and length
+    except (InvalidInputError, OSError, ValueError):
+        return False
+    return True
+
+
+def _ordered_map(units: list[WorkUnit], dtype: str, workers: int, tokenizer: str, parts: Path) -> Iterator[UnitResult]:
+    """encode_unit over units in order, with at most 2 * workers units in flight."""
+    jobs = ((u, dtype, str(parts / f"unit-{i:07d}.bin")) for i, u in enumerate(units))
+    if workers <= 1:
+        init_worker(tokenizer)
+        for job in jobs:
+            yield encode_unit(*job)
+        return
+    ctx = mp.get_context("spawn")  # no fork of a process that may hold threads or torch state
+    with ctx.Pool(workers, initializer=init_worker, initargs=(tokenizer,)) as pool:
+        pending: deque[Any] = deque(pool.apply_async(encode_unit, j) for j in islice(jobs, 2 * workers))
+        while pending:
+            result = pending.popleft().get()
+            nxt = next(jobs, None)
+            if nxt is not None:
+                pending.append(pool.apply_async(encode_unit, nxt))
+            yield result
+
+
+def auto_workers(total_bytes: int, byte_level: bool) -> int:
+    """All cores, but not more processes than the input keeps busy.
+
+    Byte-level tokenization is a copy, faster in one process than the cost of starting
+    workers for less than ~64 MiB each; a BPE tokenizer pays off from ~1 MiB each.
+    """
+    per_worker = (64 << 20) if byte_level else (1 << 20)
+    return max(1, min(len(os.sched_getaffinity(0)), total_bytes // per_worker))
+
+
+def _replace_dir(tmp: Path, out: Path) -> None:
+    """Move the finished ``tmp`` to ``out``, replacing an older prepared directory."""
+    if out.exists():
+        old = out.with_name(f".{out.name}.old-{secrets.token_hex(4)}")
+        out.rename(old)
+        tmp.rename(out)
+        shutil.rmtree(old, ignore_errors=True)
+    else:
+        tmp.rename(out)
+
+
+def _check_out(out: Path) -> None:
+    if out.exists() and (not out.is_dir() or (any(out.iterdir()) and not (out / METADATA).is_file())):
+        raise InvalidInputError(
+            f"--out {out} exists and is not a prepared data directory: choose another path or remove it"
+        )
+
+
+def prepare_data(
+    inputs: list[Path],
+    out: Path,
+    *,
+    tokenizer: str = "byte",
+    val_fraction: float = 0.01,
+    shard_tokens: int = 100_000_000,
+    text_field: str = "text",
+    skip_bad_records: bool = False,
+    workers: int | None = None,
+    on_progress: Callable[[int, int], None] | None = None,
+) -> PrepareResult:
+    """Tokenize ``inputs`` into ``out``; ``on_progress(bytes_done, bytes_total)`` after each unit.
+
+    ``workers``: processes to tokenize with (None or 0 = :func:`auto_workers`).
+    """
+    if not 0 <= val_fraction < 1:
+        raise InvalidInputError(f"--val-fraction must be in [0, 1), got {val_fraction}")
+    if shard_tokens < 1:
+        raise InvalidInputError(f"--shard-tokens must be >= 1, got {shard_tokens}")
+    start = time.perf_counter()
+    out = out.expanduser().resolve()
+    tok = load_tokenizer(tokenizer)
+    dtype = token_dtype(tok.vocab_size)
+    files, skipped_files = collect_inputs(list(inputs), skip_bad_records, exclude=out)
+    options = {"val_fraction": val_fraction, "shard_tokens": shard_tokens, "text_field": text_field,
+               "skip_bad_records": skip_bad_records}  # fmt: skip
+    key = _inputs_key(files, tok.describe(), options)
+    total = sum(f.size for f in files)
+    workers = workers or auto_workers(total, isinstance(tok, ByteTokenizer))
+    units = plan_units(files, val_fraction=val_fraction, workers=workers, text_field=text_field,
+                       skip_bad_records=skip_bad_records)  # fmt: skip
+    workers = min(workers, len(units))
+    if _up_to_date(out, key):
+        meta = load_prepared(out).raw
+        splits = meta["splits"]
+        return PrepareResult(out, True, {s: v["tokens"] for s, v in splits.items()},
+                             {s: v["documents"] for s, v in splits.items()}, total, time.perf_counter() - start,
+                             0, meta["skipped_records"], len(meta["skipped_files"]), meta["dtype"], meta["vocab_size"])  # fmt: skip
+    _check_out(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}-{secrets.token_hex(4)}")
+    tmp.mkdir()
+    try:
+        with ThreadPoolExecutor(1) as hasher:
+            sums: list[Future[str]] = [hasher.submit(_sha256, f.path) for f in files]
+            writers = {s: SplitWriter(tmp, s, dtype, shard_tokens, tok.eos_id) for s in ("train", "val")}
+            asm = _Assembler(writers, tok.eos_id, dtype)
+            done, skipped, examples = 0, 0, []
+            parts = tmp / ".parts"
+            parts.mkdir()
+            spec = str(tok.path) if isinstance(tok, HFTokenizer) else "byte"
+            for res in _ordered_map(units, dtype.name, workers, spec, parts):
+                with open(res.part, "rb") as part:
+                    for seg in res.segments:
+                        asm.add(seg, part.fileno(), dtype.itemsize)
+                os.unlink(res.part)
+                done += res.bytes_read
+                skipped += res.skipped
+                examples += res.examples[: 3 - len(examples)]
+                if on_progress:
+                    on_progress(done, total)
+            asm.finish()
+            splits = {s: w.close() for s, w in writers.items()}
+            parts.rmdir()
+            sources = [{"path": str(f.path), "kind": f.kind, "bytes": f.size, "sha256": s.result()}
+                       for f, s in zip(files, sums, strict=True)]  # fmt: skip
+        if splits["train"]["tokens"] == 0:
+            raise InvalidInputError("the inputs contain no text to tokenize")
+        if isinstance(tok, HFTokenizer):
+            shutil.copyfile(tok.path, tmp / "tokenizer.json")
+        meta = {
+            "format": FORMAT,
+            "format_version": FORMAT_VERSION,
+            "kforge_version": __version__,
+            "tokenizer": tok.describe(),
+            "vocab_size": tok.vocab_size,
+            "eos_id": tok.eos_id,
+            "dtype": dtype.name,
+            "document_separator": "the EOS id follows every document (a text file or a JSONL record)",
+            "splits": splits,
+            "sources": sources,
+            "records": asm.records,
+            "skipped_records": skipped,
+            "skipped_examples": examples,
+            "skipped_files": skipped_files,
+            "options": options,
+            "inputs_key": key,
+        }
+        (tmp / METADATA).write_text(json.dumps(meta, indent=2) + "\n", encoding="utf-8")
+        _replace_dir(tmp, out)
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp, ignore_errors=True)
+    return PrepareResult(
+        out, False, {s: v["tokens"] for s, v in splits.items()}, {s: v["documents"] for s, v in splits.items()},
+        total, time.perf_counter() - start, workers, skipped, len(skipped_files), dtype.name, tok.vocab_size,
+    )  # fmt: skip
