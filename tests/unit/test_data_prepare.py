@@ -174,3 +174,11 @@ def test_val_segments_are_spread_and_at_least_one() -> None:
     assert inputs_mod.val_segments(272, 0.01) == {45, 136, 226}
     assert len(inputs_mod.val_segments(10, 0.001)) == 1
     assert inputs_mod.val_segments(10, 0.0) == set()
+
+
+def test_an_error_in_a_worker_process_reaches_the_caller(tmp_path: Path) -> None:
+    good = _write(tmp_path / "in" / "a.txt", "fine\n" * 2000)
+    bad = _write(tmp_path / "in" / "b.jsonl", '{"text": "x"}\n{"text": "y"\n')
+    with pytest.raises(InvalidInputError, match=r"b\.jsonl line 2: invalid JSON"):
+        prepare_data([good, bad], tmp_path / "out", workers=2)
+    assert not (tmp_path / "out").exists() and not list(tmp_path.glob(".out.*"))

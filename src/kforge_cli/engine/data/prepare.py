@@ -22,7 +22,7 @@ import shutil
 import time
 from collections import deque
 from collections.abc import Callable, Iterator
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future, ProcessPoolExecutor, ThreadPoolExecutor
 from dataclasses import dataclass
 from itertools import islice
 from pathlib import Path
@@ -134,15 +134,20 @@ def _ordered_map(units: list[WorkUnit], dtype: str, workers: int, tokenizer: str
         for job in jobs:
             yield encode_unit(*job)
         return
-    ctx = mp.get_context("spawn")  # no fork of a process that may hold threads or torch state
-    with ctx.Pool(workers, initializer=init_worker, initargs=(tokenizer,)) as pool:
-        pending: deque[Any] = deque(pool.apply_async(encode_unit, j) for j in islice(jobs, 2 * workers))
+    # spawn: never fork a process that may hold threads or torch state. A worker that dies
+    # (OOM killer) makes .result() raise BrokenProcessPool instead of hanging.
+    pool = ProcessPoolExecutor(workers, mp_context=mp.get_context("spawn"), initializer=init_worker,
+                               initargs=(tokenizer,))  # fmt: skip
+    try:
+        pending: deque[Future[UnitResult]] = deque(pool.submit(encode_unit, *j) for j in islice(jobs, 2 * workers))
         while pending:
-            result = pending.popleft().get()
+            result = pending.popleft().result()
             nxt = next(jobs, None)
             if nxt is not None:
-                pending.append(pool.apply_async(encode_unit, nxt))
+                pending.append(pool.submit(encode_unit, *nxt))
             yield result
+    finally:  # on an error or Ctrl-C: drop queued units, wait for the running ones (seconds at most)
+        pool.shutdown(wait=True, cancel_futures=True)
 
 
 def auto_workers(total_bytes: int, byte_level: bool) -> int:
