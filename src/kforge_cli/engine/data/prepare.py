@@ -14,6 +14,7 @@ and does nothing.
 from __future__ import annotations
 
 import hashlib
+import importlib.metadata
 import json
 import multiprocessing as mp
 import os
@@ -30,7 +31,6 @@ from typing import Any
 
 import numpy as np
 
-from kforge_cli import __version__
 from kforge_cli.engine.data.encode_worker import SegmentResult, UnitResult, encode_unit, init_worker
 from kforge_cli.engine.data.inputs import InputFile, WorkUnit, collect_inputs, plan_units
 from kforge_cli.engine.data.shards import FORMAT, FORMAT_VERSION, METADATA, SplitWriter, load_prepared
@@ -93,6 +93,13 @@ class _Assembler:
     def finish(self) -> None:
         for split in self.writers:
             self._close(split)
+
+
+def _kforge_version() -> str:
+    try:
+        return importlib.metadata.version("kforge")
+    except importlib.metadata.PackageNotFoundError:
+        return "unknown"
 
 
 def _sha256(path: Path) -> str:
@@ -252,7 +259,7 @@ def prepare_data(
         meta = {
             "format": FORMAT,
             "format_version": FORMAT_VERSION,
-            "kforge_version": __version__,
+            "kforge_version": _kforge_version(),
             "tokenizer": tok.describe(),
             "vocab_size": tok.vocab_size,
             "eos_id": tok.eos_id,
