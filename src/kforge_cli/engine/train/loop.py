@@ -102,6 +102,24 @@ def _run_eval(session: TrainingSession) -> float | None:
     return eval_loss
 
 
+def _save_checkpoint(session: TrainingSession, reason: str, *, blocking: bool | None = None) -> bool:
+    """Save the current step (unless already saved or in flight); True when a checkpoint of it exists.
+
+    `blocking` also waits for the save to be durable (signal and final saves).
+    """
+    ckpt = session.checkpointer
+    if ckpt is None:
+        return False
+    step = session.state.step
+    if ckpt.last_step != step:
+        run_ids = getattr(session.metrics, "run_ids", lambda: {})()
+        path = ckpt.save(step, reason=reason, metrics_run_ids=run_ids, blocking=blocking)
+        session.hooks.on_checkpoint_save(session, step, str(path))
+    if blocking:
+        ckpt.wait()
+    return True
+
+
 def run_training_loop(session: TrainingSession, step_fn: StepFn) -> TrainOutcome:
     """Train until train.max_steps or a shutdown signal (agreed by all ranks at a step boundary)."""
     s = session.settings
@@ -114,7 +132,8 @@ def run_training_loop(session: TrainingSession, step_fn: StepFn) -> TrainOutcome
     while state.step < s.train.max_steps:
         if _stop_requested(session):
             log.warning("stopping at step %d (%s)", state.step, session.shutdown.signal_name)
-            return TrainOutcome("stopped", state.step, last_loss, last_eval, session.shutdown.signal_name)
+            saved = _save_checkpoint(session, "signal", blocking=True)
+            return TrainOutcome("stopped", state.step, last_loss, last_eval, session.shutdown.signal_name, saved)
         t0 = time.perf_counter()
         micro = [_to_device(next(batches), device) for _ in range(s.train.grad_accum_steps)]
         result = step_fn(session, micro)
@@ -137,6 +156,14 @@ def run_training_loop(session: TrainingSession, step_fn: StepFn) -> TrainOutcome
         session.hooks.on_step_end(session, info)
         if s.eval.interval and step % s.eval.interval == 0:
             last_eval = _run_eval(session)
+        if session.checkpointer is not None:
+            session.checkpointer.poll()  # commit a finished async save
+            if session.checkpointer.due(step):
+                _save_checkpoint(session, "interval")
     if s.eval.interval and state.step % s.eval.interval != 0:
         last_eval = _run_eval(session)
+    if s.checkpoint.save_final:
+        _save_checkpoint(session, "final", blocking=True)
+    elif session.checkpointer is not None:
+        session.checkpointer.wait()
     return TrainOutcome("completed", state.step, last_loss, last_eval)

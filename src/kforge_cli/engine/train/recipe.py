@@ -10,6 +10,7 @@ from __future__ import annotations
 import logging
 from contextlib import ExitStack
 
+from kforge_cli.engine.checkpoint import CheckpointManager
 from kforge_cli.engine.data import build_data
 from kforge_cli.engine.model import flops_per_token
 from kforge_cli.engine.observe import (
@@ -54,13 +55,19 @@ def run_training(
         model, pipeline = build_parallel_model(settings, runtime)
         optimizer = build_optimizer(model, settings)
         scheduler = build_scheduler(optimizer, settings)
-        state = TrainState()  # the checkpoint issue restores it (and the rest) here
+        state = TrainState()
+        checkpointer = CheckpointManager(
+            settings, runtime, run_dir, model=model, optimizer=optimizer, scheduler=scheduler
+        )
+        stack.callback(checkpointer.close)
+        checkpointer.restore(progress=state, nan_guard=nan_guard)  # resume or warm start, if any
         metrics = MetricsFile(run_dir / "metrics.jsonl") if runtime.is_main else None
         if metrics is not None:
             stack.callback(metrics.close)
         profiler = build_profiler(settings.profiling, run_dir, runtime.rank, first_step=state.step + 1)
         stack.callback(profiler.close)
         data = build_data(settings, dp_rank=runtime.dp_rank, dp_size=runtime.dp_size)
+        checkpointer.bind_data(data.train)  # a resume continues the data order exactly
         progress = ProgressReporter(
             total_steps=settings.train.max_steps,
             start_step=state.step,
@@ -90,6 +97,7 @@ def run_training(
             flops_per_token=flops_per_token(settings.model, settings.train.seq_len),
             peak_flops=device_peak_flops(runtime.device, _DTYPE_NAMES[str(dtype)], settings.metrics.peak_tflops),
             state=state,
+            checkpointer=checkpointer,
         )
         log.info(
             "training %s on %d process(es), device %s, run dir %s",

@@ -2,14 +2,18 @@
 
 from __future__ import annotations
 
+import logging
 import time
 from pathlib import Path
 
 import torch.distributed as dist
 
+from kforge_cli.engine.checkpoint.run_config import conflicts_with_saved_config
 from kforge_cli.engine.runtime import RuntimeContext
 from kforge_cli.settings import JobSettings
 from kforge_cli.settings.explain import to_toml
+
+log = logging.getLogger("kforge")
 
 
 def default_run_dir(settings: JobSettings) -> Path:
@@ -32,8 +36,17 @@ def resolve_run_dir(settings: JobSettings, runtime: RuntimeContext) -> Path:
 
 
 def write_config(settings: JobSettings, run_dir: Path) -> Path:
-    """RUN_DIR/config.toml: the fully resolved settings (written atomically)."""
+    """RUN_DIR/config.toml: the fully resolved settings (written atomically).
+
+    On a resume the file takes the new settings, except when they change the model's
+    shape while RUN_DIR holds a checkpoint: then the original stays (the resume is refused
+    when the checkpoint is opened, and `kforge resume` still finds the run's real config).
+    """
     path = run_dir / "config.toml"
+    conflicts = conflicts_with_saved_config(settings, run_dir)
+    if conflicts:
+        log.warning("keeping %s: these settings change the model's shape (%s)", path, "; ".join(conflicts))
+        return path
     tmp = path.with_suffix(".toml.tmp")
     tmp.write_text(to_toml(settings))
     tmp.replace(path)

@@ -1,0 +1,58 @@
+"""The model-shaping part of a configuration, and its fingerprint.
+
+A checkpoint can only continue a run whose model has the same parameters and computes
+the same function, so a resume compares these fields (by a SHA-256 of them, with the
+fields themselves kept to name what changed). Everything else (steps, LR, data,
+parallelism, checkpoint cadence) may change on resume. Imports no torch.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from typing import Any
+
+from kforge_cli.settings import JobSettings
+
+# Fields that change parameters or the function the model computes. `model.init_std`
+# only matters at step 0, so it may differ on resume.
+_MODEL_EXCLUDED = frozenset({"init_std"})
+_VLM_SHAPING = ("arch", "cross_attention_every", "modalities")
+
+
+def shaping_config(settings: JobSettings) -> dict[str, Any]:
+    """Dotted key -> JSON value of every model-shaping field (absent VLM sections are None)."""
+    out: dict[str, Any] = {}
+    for name, value in settings.model.model_dump(mode="json").items():
+        if name not in _MODEL_EXCLUDED:
+            out[f"model.{name}"] = value
+    for section in ("vision_encoder", "adapter"):
+        sub = getattr(settings, section)
+        if sub is None:
+            out[section] = None
+            continue
+        for name, value in sub.model_dump(mode="json").items():
+            out[f"{section}.{name}"] = value
+    if settings.vlm is None:
+        out["vlm"] = None
+    else:
+        for name in _VLM_SHAPING:
+            out[f"vlm.{name}"] = getattr(settings.vlm, name)
+    return out
+
+
+def fingerprint(shaping: dict[str, Any]) -> str:
+    """SHA-256 of the canonical JSON of a shaping config."""
+    blob = json.dumps(shaping, sort_keys=True, separators=(",", ":")).encode()
+    return hashlib.sha256(blob).hexdigest()
+
+
+def shaping_diff(old: dict[str, Any], new: dict[str, Any]) -> list[tuple[str, Any, Any]]:
+    """(key, old value, new value) for every shaping field that differs (sorted by key)."""
+    keys = sorted(set(old) | set(new))
+    return [(k, old.get(k), new.get(k)) for k in keys if old.get(k) != new.get(k)]
+
+
+def changed_fields(old: dict[str, Any], new: dict[str, Any]) -> list[str]:
+    """`key: old -> new` for every shaping field that differs (sorted by key)."""
+    return [f"{k}: {a!r} -> {b!r}" for k, a, b in shaping_diff(old, new)]

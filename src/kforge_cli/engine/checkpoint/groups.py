@@ -1,0 +1,71 @@
+"""The process groups a checkpoint uses, separate from the training collectives.
+
+An async save runs DCP's collectives in a background thread. If that thread used the
+default group, its collectives could interleave with the training loop's on the same
+communicator and deadlock or corrupt both. So checkpointing gets its own gloo groups:
+``save`` for DCP (per pipeline stage: each stage saves its own directory) and
+``control`` (all ranks) for barriers and rank 0's broadcasts, used only from the main
+thread and only while no save is in flight on this rank.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch.distributed as dist
+
+from kforge_cli.engine.runtime import RuntimeContext
+
+
+@dataclass
+class CheckpointGroups:
+    rank: int
+    world_size: int
+    stage: int = 0
+    num_stages: int = 1
+    control: Any = None
+    save: Any = None
+
+    @property
+    def distributed(self) -> bool:
+        return self.control is not None
+
+    @classmethod
+    def build(cls, runtime: RuntimeContext) -> CheckpointGroups:
+        """Create the groups (collective: every rank calls this in the same order)."""
+        if not runtime.distributed:
+            return cls(rank=0, world_size=1)
+        control = dist.new_group(backend="gloo")
+        mesh = runtime.mesh
+        names = tuple(mesh.mesh_dim_names or ()) if mesh is not None else ()
+        if "pp" not in names or mesh["pp"].size() == 1:
+            return cls(runtime.rank, runtime.world_size, control=control, save=dist.new_group(backend="gloo"))
+        dim = names.index("pp")
+        stage, save = 0, None
+        for s in range(mesh["pp"].size()):
+            ranks = [int(r) for r in mesh.mesh.select(dim, s).flatten().tolist()]
+            group = dist.new_group(ranks, backend="gloo")
+            if runtime.rank in ranks:
+                stage, save = s, group
+        return cls(runtime.rank, runtime.world_size, stage, mesh["pp"].size(), control, save)
+
+    def broadcast(self, obj: Any) -> Any:
+        """Rank 0's `obj` on every rank."""
+        if not self.distributed:
+            return obj
+        box = [obj]
+        dist.broadcast_object_list(box, src=0, group=self.control)
+        return box[0]
+
+    def barrier(self) -> None:
+        if self.distributed:
+            dist.barrier(group=self.control)
+
+    def all_true(self, flag: bool) -> bool:
+        """True when `flag` holds on every rank."""
+        if not self.distributed:
+            return flag
+        box: list[Any] = [None] * self.world_size
+        dist.all_gather_object(box, flag, group=self.control)
+        return all(box)

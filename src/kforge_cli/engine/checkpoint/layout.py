@@ -1,0 +1,211 @@
+"""Checkpoint directories on disk: naming, the commit marker, `latest`, resolution, retention.
+
+    CKPT_ROOT/                     (RUN_DIR/checkpoints unless checkpoint.dir)
+      step_N/
+        .metadata, __R_0.distcp    DCP shards (or pp_S/ subdirectories, one per pipeline stage)
+        train_state.json           step, scheduler, data loader, NaN guard, run ids, fingerprint
+        train_state/rank_R.json    per-rank RNG state (python, numpy scalars)
+        train_state/rank_R.pt      per-rank RNG tensors (torch CPU/CUDA, numpy key); weights_only
+        metadata.json              a human-readable summary (inspect-ckpt)
+        kforge_commit.json         written LAST, after every rank finished: the checkpoint counts
+      latest                       a one-line file naming the newest durable step dir
+
+A checkpoint is *complete* only when ``kforge_commit.json`` exists and every DCP
+directory it lists has its ``.metadata``. ``latest`` is a small text file replaced with
+``os.replace`` after an fsync: rename is atomic on POSIX filesystems and on NFS/Lustre/GPFS,
+and unlike a symlink it survives copying the run directory to object storage. Imports no torch.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import re
+import shutil
+from pathlib import Path
+from typing import Any
+
+from kforge_cli.engine.checkpoint.errors import CheckpointError
+
+log = logging.getLogger("kforge")
+
+COMMIT_FILE = "kforge_commit.json"
+LATEST_FILE = "latest"
+TRAIN_STATE_FILE = "train_state.json"
+SUMMARY_FILE = "metadata.json"
+RANK_STATE_DIR = "train_state"
+DCP_METADATA = ".metadata"
+_STEP_RE = re.compile(r"^step_(\d+)$")
+_TRASH_PREFIX = ".deleting-"
+
+
+def step_dir_name(step: int) -> str:
+    return f"step_{step}"
+
+
+def step_of(path: Path) -> int | None:
+    m = _STEP_RE.match(path.name)
+    return int(m.group(1)) if m else None
+
+
+def fsync_dir(path: Path) -> None:
+    """Make a rename/creation inside `path` durable (a no-op where directories cannot be opened)."""
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def atomic_write_bytes(path: Path, data: bytes) -> None:
+    """Write `data` to `path` via a temporary file, fsync and rename: readers see all or nothing."""
+    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
+    with tmp.open("wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    fsync_dir(path.parent)
+
+
+def atomic_write_json(path: Path, obj: Any) -> None:
+    atomic_write_bytes(path, (json.dumps(obj, indent=1, sort_keys=True) + "\n").encode())
+
+
+def read_json(path: Path) -> dict[str, Any]:
+    try:
+        data = json.loads(path.read_text())
+    except FileNotFoundError:
+        raise CheckpointError(f"{path} is missing: the checkpoint is incomplete or not a kforge checkpoint") from None
+    except (OSError, ValueError) as exc:
+        raise CheckpointError(f"{path} is not valid JSON ({exc})") from None
+    if not isinstance(data, dict):
+        raise CheckpointError(f"{path} does not hold a JSON object")
+    return data
+
+
+def list_step_dirs(root: Path) -> list[tuple[int, Path]]:
+    """(step, path) of every step_N directory under `root`, oldest first."""
+    if not root.is_dir():
+        return []
+    found = [(step_of(p), p) for p in root.iterdir() if p.is_dir()]
+    return sorted((s, p) for s, p in found if s is not None)
+
+
+def commit_record(step_dir: Path) -> dict[str, Any] | None:
+    """The commit marker's content when `step_dir` is complete, else None."""
+    try:
+        record = json.loads((step_dir / COMMIT_FILE).read_text())
+    except (OSError, ValueError):
+        return None
+    if not isinstance(record, dict):
+        return None
+    dirs = record.get("dcp_dirs") or ["."]
+    if not all((step_dir / d / DCP_METADATA).is_file() for d in dirs):
+        return None
+    return record
+
+
+def is_complete(step_dir: Path) -> bool:
+    return commit_record(step_dir) is not None
+
+
+def dcp_dirs(step_dir: Path) -> list[Path]:
+    """The DCP directories of a complete checkpoint (the step dir itself, or one per pipeline stage)."""
+    record = commit_record(step_dir)
+    if record is None:
+        raise CheckpointError(f"{step_dir} is not a complete checkpoint (no {COMMIT_FILE}, or a DCP .metadata missing)")
+    return [(step_dir / d).resolve() if d != "." else step_dir for d in record.get("dcp_dirs") or ["."]]
+
+
+def read_latest(root: Path) -> Path | None:
+    """The step dir `latest` names, if the file exists."""
+    try:
+        name = (root / LATEST_FILE).read_text().strip()
+    except OSError:
+        return None
+    return root / name if name else None
+
+
+def write_latest(root: Path, step_dir: Path) -> None:
+    atomic_write_bytes(root / LATEST_FILE, (step_dir.name + "\n").encode())
+
+
+def newest_complete(root: Path) -> tuple[Path | None, list[Path]]:
+    """The newest complete checkpoint under `root`, and the newer incomplete ones skipped on the way."""
+    skipped: list[Path] = []
+    for _, path in reversed(list_step_dirs(root)):
+        if is_complete(path):
+            return path, skipped
+        skipped.append(path)
+    return None, skipped
+
+
+def resolve_checkpoint(path: str | Path) -> Path:
+    """A complete step dir from a step dir, a checkpoints dir, or a run dir (its newest complete one)."""
+    p = Path(path).expanduser().resolve()
+    if not p.exists():
+        raise CheckpointError(f"checkpoint {p} does not exist")
+    if (p / COMMIT_FILE).exists() or step_of(p) is not None:
+        if not is_complete(p):
+            raise CheckpointError(
+                f"{p} is an incomplete checkpoint (its save never finished); use an earlier step_N or the run dir"
+            )
+        return p
+    for root in (p / "checkpoints", p):
+        found, skipped = newest_complete(root)
+        for s in skipped:
+            log.warning("skipping incomplete checkpoint %s (its save never finished)", s)
+        if found is not None:
+            return found
+    raise CheckpointError(f"no complete checkpoint under {p}: expected step_N directories holding {COMMIT_FILE}")
+
+
+def remove_checkpoint(step_dir: Path) -> None:
+    """Delete a step dir so that no reader ever sees it half-deleted but complete."""
+    try:
+        (step_dir / COMMIT_FILE).unlink(missing_ok=True)
+        trash = step_dir.with_name(_TRASH_PREFIX + step_dir.name)
+        if trash.exists():
+            shutil.rmtree(trash, ignore_errors=True)
+        step_dir.rename(trash)
+        shutil.rmtree(trash, ignore_errors=True)
+    except FileNotFoundError:
+        pass
+
+
+def prune(root: Path, keep_last_n: int, protect: set[Path]) -> list[Path]:
+    """Apply retention; returns the deleted dirs.
+
+    Keeps the newest `keep_last_n` complete checkpoints (0 = all), the `latest` target
+    and everything in `protect` (an in-flight save). Incomplete dirs older than the
+    newest complete one are leftovers of killed saves and are deleted too.
+    """
+    keep = {p.resolve() for p in protect}
+    latest = read_latest(root)
+    if latest is not None:
+        keep.add(latest.resolve())
+    entries = list_step_dirs(root)
+    complete = [p for _, p in entries if is_complete(p)]
+    if not complete:
+        return []
+    newest_step = step_of(complete[-1]) or 0
+    doomed: list[Path] = []
+    if keep_last_n > 0:
+        doomed += complete[:-keep_last_n]
+    doomed += [p for s, p in entries if s < newest_step and p not in complete]
+    deleted = []
+    for p in sorted(doomed):
+        if p.resolve() in keep:
+            continue
+        remove_checkpoint(p)
+        deleted.append(p)
+    for leftover in root.glob(_TRASH_PREFIX + "*"):
+        shutil.rmtree(leftover, ignore_errors=True)
+    return deleted

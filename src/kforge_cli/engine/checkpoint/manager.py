@@ -1,0 +1,379 @@
+"""`CheckpointManager`: DCP save (sync or async), durable commit, `latest`, retention, restore.
+
+A save writes, in order: every rank's RNG state and rank 0's ``train_state.json`` /
+``metadata.json``; the DCP shards and ``.metadata`` (DCP writes ``.metadata`` after all
+ranks of the stage wrote their shards); then, once every rank has finished, rank 0
+writes ``kforge_commit.json``, swaps ``latest`` and applies retention. A process killed
+at any moment leaves either a complete checkpoint or a directory resume skips.
+At most one save is in flight: a new save first waits for the previous one.
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+import logging
+import time
+from concurrent.futures import Future
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any, Literal
+
+import torch
+import torch.distributed.checkpoint as dcp
+from torch import nn
+from torch.distributed.checkpoint import FileSystemWriter
+
+import kforge_cli
+from kforge_cli.engine.checkpoint.dcp_io import (
+    apply_training_state_dict,
+    load_from_dirs,
+    load_model_weights,
+    quiet_single_process,
+    state_nbytes,
+    training_state_dict,
+)
+from kforge_cli.engine.checkpoint.errors import CheckpointError, UnsafeCheckpointError
+from kforge_cli.engine.checkpoint.fingerprint import fingerprint, shaping_config
+from kforge_cli.engine.checkpoint.groups import CheckpointGroups
+from kforge_cli.engine.checkpoint.layout import (
+    COMMIT_FILE,
+    DCP_METADATA,
+    SUMMARY_FILE,
+    TRAIN_STATE_FILE,
+    atomic_write_json,
+    prune,
+    remove_checkpoint,
+    step_dir_name,
+    write_latest,
+)
+from kforge_cli.engine.checkpoint.resolve import check_compatible, data_phase, decide_restore, freeze_config
+from kforge_cli.engine.checkpoint.train_state import FORMAT, read_rank_state, restore_rng, write_rank_state
+from kforge_cli.engine.runtime import RuntimeContext, seed_everything
+from kforge_cli.errors import KforgeError
+from kforge_cli.settings import JobSettings
+
+log = logging.getLogger("kforge")
+
+_WRAPPER_TOKENS = ("_checkpoint_wrapped_module.", "_orig_mod.", "_fsdp_wrapped_module.")
+
+
+def _reapply_schedule(scheduler: Any, optimizer: torch.optim.Optimizer) -> None:
+    """Set each group's LR from the rebuilt schedule at the restored step.
+
+    The optimizer state carries the LR the old schedule chose; recomputing it
+    (``base_lr * lambda(step)``, exactly what LambdaLR does) gives the same value when
+    nothing changed and applies a changed ``train.max_steps`` from the first resumed step.
+    """
+    lambdas = getattr(scheduler, "lr_lambdas", None)
+    if lambdas is None:
+        return
+    for group, base, fn in zip(optimizer.param_groups, scheduler.base_lrs, lambdas, strict=True):
+        group["lr"] = base * fn(scheduler.last_epoch)
+    scheduler._last_lr = [g["lr"] for g in optimizer.param_groups]
+
+
+@dataclass
+class SaveRecord:
+    """One save as this rank saw it (the benchmark and logs read these)."""
+
+    step: int
+    reason: str
+    mode: Literal["sync", "async"]
+    nbytes: int  # this rank's tensor bytes
+    blocking_s: float  # time the training loop was held (staging for async, everything for sync)
+    total_s: float | None = None  # from start until durable on this rank (rank 0: committed)
+
+
+@dataclass
+class Restored:
+    """What `restore` loaded; `metrics_run_ids` lets trackers continue the same runs."""
+
+    kind: Literal["resume", "warm_start"]
+    path: Path
+    step: int
+    metrics_run_ids: dict[str, str]
+
+
+@dataclass
+class _Pending:
+    record: SaveRecord
+    step_dir: Path
+    future: Future[Any]
+    started: float
+
+
+class CheckpointManager:
+    """Saves and restores a run's full state; see the module docstring for the protocol."""
+
+    def __init__(
+        self,
+        settings: JobSettings,
+        runtime: RuntimeContext,
+        run_dir: Path,
+        *,
+        model: nn.Module,
+        optimizer: torch.optim.Optimizer,
+        scheduler: Any,
+        groups: CheckpointGroups | None = None,
+    ) -> None:
+        self.settings, self.cfg, self.runtime = settings, settings.checkpoint, runtime
+        self.root = Path(self.cfg.dir).expanduser().resolve() if self.cfg.dir else Path(run_dir) / "checkpoints"
+        self.model, self.optimizer, self.scheduler = model, optimizer, scheduler
+        self.groups = groups or CheckpointGroups.build(runtime)
+        self.shaping = shaping_config(settings)
+        self.fingerprint = fingerprint(self.shaping)
+        self.progress: Any = None  # has state_dict()/load_state_dict(); "step", "tokens_seen"
+        self.nan_guard: Any = None
+        self.loader: Any = None
+        self.last_step: int | None = None  # newest step saved (in flight or durable) or restored
+        self.history: list[SaveRecord] = []
+        self.restored: Restored | None = None  # set by `restore`
+        self._pending: _Pending | None = None
+        self._data_state: dict[str, Any] | None = None
+        self._pinned = self.cfg.async_mode == "async_with_pinned_mem" and torch.cuda.is_available()
+        if self.cfg.async_mode == "async_with_pinned_mem" and not self._pinned:
+            log.info("checkpoint.async_mode = async_with_pinned_mem without CUDA: staging in ordinary memory")
+        self._writer: FileSystemWriter | None = None
+        if self.is_main:
+            self.root.mkdir(parents=True, exist_ok=True)
+
+    @property
+    def is_main(self) -> bool:
+        return self.groups.rank == 0
+
+    # ---- restore -------------------------------------------------------------------------
+
+    @property
+    def restored_metrics_run_ids(self) -> dict[str, str]:
+        """Tracker run ids (e.g. {"wandb": ..., "mlflow": ...}) of the resumed run; {} on a fresh start."""
+        return dict(self.restored.metrics_run_ids) if self.restored is not None else {}
+
+    def restore(self, *, progress: Any, nan_guard: Any = None) -> Restored | None:
+        """Resume or warm start per the settings (collective). Call before `bind_data`."""
+        self.restored = self._restore(progress, nan_guard)
+        return self.restored
+
+    def _restore(self, progress: Any, nan_guard: Any) -> Restored | None:
+        self.progress, self.nan_guard = progress, nan_guard
+        decision: dict[str, Any] = {}
+        if self.is_main:
+            try:
+                decision = decide_restore(self.cfg, self.root)
+            except KforgeError as exc:
+                decision = {"error": str(exc), "unsafe": isinstance(exc, UnsafeCheckpointError)}
+        decision = self.groups.broadcast(decision)
+        if "error" in decision:
+            raise (UnsafeCheckpointError if decision["unsafe"] else CheckpointError)(decision["error"])
+        if decision["kind"] is None:
+            return None
+        path, dirs = Path(decision["path"]), [Path(d) for d in decision["dirs"]]
+        if decision["kind"] == "warm_start":
+            names = load_model_weights(self.model, dirs, list(self.cfg.exclude_from_loading), self.groups.save)
+            log.info("warm start: loaded %d tensors from %s (fresh optimizer, step 0)", len(names), path)
+            return Restored("warm_start", path, 0, {})
+        state = decision["train_state"]
+        check_compatible(state, path, self.fingerprint, self.shaping, self.settings)
+        tensors = training_state_dict(self.model, self.optimizer)
+        missing = load_from_dirs(tensors, dirs, self.groups.save)
+        if missing:
+            raise CheckpointError(f"{path} lacks {len(missing)} tensors this run needs, e.g. {sorted(missing)[:5]}")
+        apply_training_state_dict(self.model, self.optimizer, tensors)
+        self.scheduler.load_state_dict(state["scheduler"])
+        _reapply_schedule(self.scheduler, self.optimizer)
+        progress.load_state_dict(state["progress"])
+        if nan_guard is not None and state.get("nan_guard") is not None:
+            nan_guard.load_state_dict(state["nan_guard"])
+        step = int(state["step"])
+        self._restore_rng(path, state, step)
+        self._data_state = state.get("data")
+        self.last_step = step
+        log.info("resumed from %s (step %d)", path, step)
+        return Restored("resume", path, step, dict(state.get("metrics_run_ids") or {}))
+
+    def _restore_rng(self, path: Path, state: dict[str, Any], step: int) -> None:
+        if state.get("world_size") == self.groups.world_size:
+            found = read_rank_state(path, self.groups.rank)
+            if found is not None:
+                restore_rng(*found)
+                return
+        log.warning("checkpoint saved at world size %s, now %d: RNGs re-seeded from train.seed + step",
+                    state.get("world_size"), self.groups.world_size)  # fmt: skip
+        seed_everything(self.settings.train.seed + step)
+
+    def bind_data(self, loader: Any) -> None:
+        """Register the training loader (saved from now on) and restore its position if resuming."""
+        self.loader = loader
+        if self._data_state is not None:
+            loader.load_state_dict(self._data_state)
+            self._data_state = None
+
+    # ---- save ----------------------------------------------------------------------------
+
+    def due(self, step: int) -> bool:
+        """A scheduled save is due after optimizer step `step`."""
+        return self.cfg.interval > 0 and step % self.cfg.interval == 0 and step != self.last_step
+
+    def save(
+        self,
+        step: int,
+        *,
+        reason: str = "interval",
+        metrics_run_ids: dict[str, str] | None = None,
+        blocking: bool | None = None,
+    ) -> Path:
+        """Save the state after optimizer step `step` (collective). `blocking=None` follows async_mode."""
+        self.wait()
+        started = time.perf_counter()
+        step_dir = self.root / step_dir_name(step)
+        self._prepare(step_dir)
+        write_rank_state(step_dir, self.groups.rank)
+        if self.is_main:
+            self._write_global_state(step_dir, step, reason, metrics_run_ids or {})
+        tensors = training_state_dict(self.model, self.optimizer)
+        target = step_dir / f"pp_{self.groups.stage}" if self.groups.num_stages > 1 else step_dir
+        use_async = (self.cfg.async_mode != "disabled") if blocking is None else not blocking
+        record = SaveRecord(step, reason, "async" if use_async else "sync", state_nbytes(tensors), 0.0)
+        no_dist = not self.groups.distributed
+        if use_async:
+            writer = self._async_writer()
+            with quiet_single_process():
+                result = dcp.async_save(tensors, checkpoint_id=target, storage_writer=writer,
+                                        process_group=self.groups.save, no_dist=no_dist)  # fmt: skip
+            future = getattr(result, "upload_completion", result)
+            record.blocking_s = time.perf_counter() - started
+            self._pending = _Pending(record, step_dir, future, started)
+        else:
+            with quiet_single_process():
+                dcp.save(tensors, storage_writer=FileSystemWriter(target), process_group=self.groups.save,
+                         no_dist=no_dist)  # fmt: skip
+            self.groups.barrier()
+            record.blocking_s = time.perf_counter() - started
+            self._commit(step_dir, record, started)
+        self.last_step = step
+        self.history.append(record)
+        return step_dir
+
+    def _async_writer(self) -> FileSystemWriter:
+        """Pinned staging reuses one writer (its cached pinned buffers); otherwise a fresh copy each save."""
+        if not self._pinned:
+            return FileSystemWriter(self.root, cache_staged_state_dict=False)
+        if self._writer is None:
+            self._writer = FileSystemWriter(self.root, cache_staged_state_dict=True)
+        return self._writer
+
+    def _prepare(self, step_dir: Path) -> None:
+        if self.is_main:
+            if step_dir.exists():
+                log.warning("replacing the existing %s", step_dir)
+                remove_checkpoint(step_dir)
+            step_dir.mkdir(parents=True)
+            for s in range(self.groups.num_stages if self.groups.num_stages > 1 else 0):
+                (step_dir / f"pp_{s}").mkdir()
+        self.groups.barrier()
+
+    def _dcp_dir_names(self) -> list[str]:
+        n = self.groups.num_stages
+        return [f"pp_{s}" for s in range(n)] if n > 1 else ["."]
+
+    def _frozen_params(self) -> list[str]:
+        names = []
+        for name, p in self.model.named_parameters():
+            if not p.requires_grad:
+                for token in _WRAPPER_TOKENS:
+                    name = name.replace(token, "")
+                names.append(name)
+        return names
+
+    def _write_global_state(self, step_dir: Path, step: int, reason: str, run_ids: dict[str, str]) -> None:
+        progress = self.progress.state_dict() if self.progress is not None else {"step": step}
+        dims = asdict(self.runtime.dims)
+        state = {
+            "format": FORMAT,
+            "step": step,
+            "progress": progress,
+            "scheduler": self.scheduler.state_dict(),
+            "nan_guard": self.nan_guard.state_dict() if self.nan_guard is not None else None,
+            "data": self.loader.state_dict() if self.loader is not None else None,
+            "data_phase": data_phase(self.settings, step),
+            "freeze": freeze_config(self.settings),
+            "frozen_params": self._frozen_params(),
+            "metrics_run_ids": dict(run_ids),
+            "fingerprint": self.fingerprint,
+            "shaping": self.shaping,
+            "world_size": self.groups.world_size,
+            "mesh": dims,
+            "load_path": self.cfg.load_path,
+        }
+        atomic_write_json(step_dir / TRAIN_STATE_FILE, state)
+        summary = {
+            "format": "kforge-checkpoint",
+            "version": FORMAT,
+            "step": step,
+            "tokens_seen": progress.get("tokens_seen"),
+            "reason": reason,
+            "time": _dt.datetime.now(_dt.UTC).isoformat(timespec="seconds"),
+            "world_size": self.groups.world_size,
+            "mesh": dims,
+            "dcp_dirs": self._dcp_dir_names(),
+            "fingerprint": self.fingerprint,
+            "model": self.shaping,
+            "profile": self.settings.profile,
+            "kforge_version": kforge_cli.__version__,
+            "torch_version": torch.__version__,
+        }
+        atomic_write_json(step_dir / SUMMARY_FILE, summary)
+
+    def _commit(self, step_dir: Path, record: SaveRecord, started: float) -> None:
+        """Rank 0, after every rank finished: the commit marker, then `latest`, then retention."""
+        if self.is_main:
+            record_json = {"step": record.step, "dcp_dirs": self._dcp_dir_names(), "world_size": self.groups.world_size,
+                           "fingerprint": self.fingerprint}  # fmt: skip
+            atomic_write_json(step_dir / COMMIT_FILE, record_json)
+            write_latest(self.root, step_dir)
+            deleted = prune(self.root, self.cfg.keep_last_n, protect={step_dir})
+            for d in deleted:
+                log.info("retention: deleted %s", d)
+        record.total_s = time.perf_counter() - started
+        mb = record.nbytes / 2**20
+        log.info("checkpoint step %d (%s, %s): %.1f MB/rank in %.2f s, loop blocked %.2f s -> %s", record.step,
+                 record.reason, record.mode, mb, record.total_s, record.blocking_s, step_dir)  # fmt: skip
+
+    def _stages_written(self, step_dir: Path) -> bool:
+        return all((step_dir / d / DCP_METADATA).is_file() for d in self._dcp_dir_names())
+
+    def poll(self) -> None:
+        """Commit a finished async save (non-blocking; call at step boundaries)."""
+        p = self._pending
+        if p is None or not p.future.done():
+            return
+        p.future.result()  # re-raise a failed background save
+        if self.is_main and not self._stages_written(p.step_dir):
+            return  # another pipeline stage is still writing; try again next step
+        self._pending = None
+        self._commit(p.step_dir, p.record, p.started)
+
+    def wait(self) -> None:
+        """Block until the in-flight save (if any) is durable (collective)."""
+        p = self._pending
+        if p is None:
+            return
+        self._pending = None
+        t0 = time.perf_counter()
+        p.future.result()
+        self.groups.barrier()
+        p.record.blocking_s += time.perf_counter() - t0
+        self._commit(p.step_dir, p.record, p.started)
+
+    def close(self) -> None:
+        """Finish an in-flight save without collectives (also on the failure path)."""
+        p, self._pending = self._pending, None
+        if p is None:
+            return
+        try:
+            p.future.result(timeout=self.settings.distributed.timeout_s)
+        except Exception as exc:  # the run is ending anyway: report, keep the previous checkpoint
+            log.error("async checkpoint of step %d did not finish (%s); the previous one stays latest", p.record.step,
+                      exc)  # fmt: skip
+            return
+        if not self.is_main or self._stages_written(p.step_dir):
+            self._commit(p.step_dir, p.record, p.started)

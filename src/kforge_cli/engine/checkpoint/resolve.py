@@ -1,0 +1,104 @@
+"""What a starting run loads: decided by rank 0 (shared filesystems disagree) and broadcast.
+
+Order: the run's own newest complete checkpoint (auto-resume; a newer incomplete one is
+skipped with a warning), else ``checkpoint.load_path`` (full resume from elsewhere),
+else ``checkpoint.init_from`` (weights only). A checkpoint the run saved after starting
+from ``load_path`` records it, so a requeued job continues from its own progress while
+a changed ``load_path`` (a rollback) is honoured.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import Any
+
+from kforge_cli.engine.checkpoint.errors import CheckpointError
+from kforge_cli.engine.checkpoint.fingerprint import changed_fields
+from kforge_cli.engine.checkpoint.layout import (
+    TRAIN_STATE_FILE,
+    dcp_dirs,
+    is_complete,
+    list_step_dirs,
+    read_json,
+    read_latest,
+    resolve_checkpoint,
+)
+from kforge_cli.engine.checkpoint.train_state import FORMAT
+from kforge_cli.settings import JobSettings
+from kforge_cli.settings.run import CheckpointSettings
+
+log = logging.getLogger("kforge")
+
+
+def _own_checkpoint(root: Path, load_path: str | None) -> tuple[Path, dict[str, Any]] | None:
+    """Newest complete checkpoint under `root` that belongs to this lineage (same load_path)."""
+    for _, path in reversed(list_step_dirs(root)):
+        if not is_complete(path):
+            log.warning("skipping incomplete checkpoint %s (its save never finished); using an earlier one", path)
+            continue
+        state = read_json(path / TRAIN_STATE_FILE)
+        if state.get("load_path") == load_path:
+            return path, state
+        log.info("not resuming from %s: it was saved before checkpoint.load_path changed", path)
+    return None
+
+
+def decide_restore(cfg: CheckpointSettings, root: Path) -> dict[str, Any]:
+    """``{"kind": None | "resume" | "warm_start", "path", "dirs", "train_state"}`` (rank 0 only)."""
+    found = _own_checkpoint(root, cfg.load_path) if cfg.resume != "never" else None
+    if found is None and cfg.load_path:
+        path = resolve_checkpoint(cfg.load_path)
+        found = path, read_json(path / TRAIN_STATE_FILE)
+    if found is not None:
+        path, state = found
+        latest = read_latest(root)
+        if latest is not None and latest.resolve() != path.resolve() and path.parent.resolve() == root.resolve():
+            log.warning("%s/latest names %s, but the newest complete checkpoint is %s", root, latest.name, path.name)
+        return {"kind": "resume", "path": str(path), "dirs": [str(d) for d in dcp_dirs(path)], "train_state": state}
+    if cfg.resume == "require":
+        raise CheckpointError(
+            f"checkpoint.resume = 'require' but {root} holds no complete checkpoint; "
+            "check the run directory, or set --checkpoint.resume=auto to start fresh"
+        )
+    if cfg.init_from:
+        path = resolve_checkpoint(cfg.init_from)
+        return {"kind": "warm_start", "path": str(path), "dirs": [str(d) for d in dcp_dirs(path)]}
+    return {"kind": None}
+
+
+def freeze_config(settings: JobSettings) -> dict[str, Any] | None:
+    vlm = settings.vlm
+    if vlm is None:
+        return None
+    return {"freeze": list(vlm.freeze), "freeze_schedule": [s.model_dump(mode="json") for s in vlm.freeze_schedule]}
+
+
+def data_phase(settings: JobSettings, step: int) -> dict[str, Any] | None:
+    """The data phase in force at `step` (index in start order and its start), None before the first."""
+    current = None
+    for i, phase in enumerate(sorted(settings.data.phases, key=lambda p: p.start_step)):
+        if phase.start_step <= step:
+            current = {"index": i, "start_step": phase.start_step}
+    return current
+
+
+def check_compatible(state: dict[str, Any], path: Path, fingerprint: str, shaping: dict[str, Any],
+                     settings: JobSettings) -> None:  # fmt: skip
+    """Refuse to resume a checkpoint of another model shape or (VLM) another freeze plan."""
+    if state.get("format") != FORMAT:
+        raise CheckpointError(f"{path / TRAIN_STATE_FILE} has format {state.get('format')!r}, expected {FORMAT}")
+    if state.get("fingerprint") != fingerprint:
+        changes = changed_fields(state.get("shaping") or {}, shaping) or ["(fields unknown: fingerprint differs)"]
+        raise CheckpointError(
+            f"cannot resume from {path}: it was saved for a differently shaped model ("
+            + "; ".join(changes)
+            + "). Continue with the run's own settings (`kforge resume RUN_DIR` uses its config.toml), or start a "
+            f"new run directory from these weights with --checkpoint.init_from={path}"
+        )
+    ours = freeze_config(settings)
+    if settings.vlm is not None and state.get("freeze") != ours and not settings.vlm.allow_freeze_mismatch:
+        raise CheckpointError(
+            f"cannot resume from {path}: it was trained with freeze settings {state.get('freeze')}, this run has "
+            f"{ours}. Restore them, or set --vlm.allow_freeze_mismatch=true to resume anyway"
+        )

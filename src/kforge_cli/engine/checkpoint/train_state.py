@@ -1,0 +1,100 @@
+"""Train state without pickle: JSON for numbers and structure, tensors loaded with weights_only.
+
+Global state (written once, by rank 0) goes to ``train_state.json``; the RNG state of
+every rank goes to ``train_state/rank_R.json`` (python, numpy scalars) and
+``train_state/rank_R.pt`` (torch CPU and CUDA generators, numpy's key array: tensors
+only, read back with ``torch.load(weights_only=True)``).
+"""
+
+from __future__ import annotations
+
+import io
+import logging
+import pickle
+import random
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from kforge_cli.engine.checkpoint.errors import UnsafeCheckpointError
+from kforge_cli.engine.checkpoint.layout import RANK_STATE_DIR, atomic_write_bytes, atomic_write_json, read_json
+from kforge_cli.engine.checkpoint.safe_metadata import weights_only_reason
+
+log = logging.getLogger("kforge")
+
+FORMAT = 1
+
+
+def capture_rng() -> tuple[dict[str, Any], dict[str, Any]]:
+    """(JSON part, tensor part) of this process's python, numpy, torch CPU and CUDA generators."""
+    version, internal, gauss = random.getstate()
+    name, keys, pos, has_gauss, cached = np.random.get_state(legacy=True)  # type: ignore[misc]
+    json_part = {
+        "python": {"version": version, "state": list(internal), "gauss_next": gauss},
+        "numpy": {"name": name, "pos": int(pos), "has_gauss": int(has_gauss), "cached_gaussian": float(cached)},
+    }
+    tensors: dict[str, Any] = {
+        "torch_cpu": torch.get_rng_state(),
+        "numpy_keys": torch.from_numpy(np.asarray(keys, dtype=np.int64).copy()),
+    }
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        tensors["cuda"] = list(torch.cuda.get_rng_state_all())
+    return json_part, tensors
+
+
+def restore_rng(json_part: dict[str, Any], tensors: dict[str, Any]) -> None:
+    """Put every generator back exactly where `capture_rng` found it."""
+    py = json_part["python"]
+    random.setstate((int(py["version"]), tuple(int(x) for x in py["state"]), py["gauss_next"]))
+    npj = json_part["numpy"]
+    keys = tensors["numpy_keys"].numpy().astype(np.uint32)
+    np.random.set_state((npj["name"], keys, int(npj["pos"]), int(npj["has_gauss"]), float(npj["cached_gaussian"])))
+    torch.set_rng_state(tensors["torch_cpu"])
+    cuda = tensors.get("cuda")
+    if cuda and torch.cuda.is_available():
+        if len(cuda) != torch.cuda.device_count():
+            log.warning("checkpoint has %d CUDA generators, this node %d: CUDA RNG not restored",
+                        len(cuda), torch.cuda.device_count())  # fmt: skip
+        else:
+            torch.cuda.set_rng_state_all(cuda)
+
+
+def rank_state_paths(step_dir: Path, rank: int) -> tuple[Path, Path]:
+    base = step_dir / RANK_STATE_DIR / f"rank_{rank}"
+    return base.with_suffix(".json"), base.with_suffix(".pt")
+
+
+def write_rank_state(step_dir: Path, rank: int) -> None:
+    """This rank's RNG state, durably (called before the DCP save starts)."""
+    json_path, pt_path = rank_state_paths(step_dir, rank)
+    json_path.parent.mkdir(parents=True, exist_ok=True)
+    json_part, tensors = capture_rng()
+    buf = io.BytesIO()
+    torch.save(tensors, buf)
+    atomic_write_bytes(pt_path, buf.getvalue())
+    atomic_write_json(json_path, {"format": FORMAT, "rank": rank, "rng": json_part})
+
+
+def load_tensor_file(path: Path) -> Any:
+    """``torch.load(weights_only=True)``: a file with anything but tensors and containers is refused."""
+    try:
+        return torch.load(path, map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError as exc:
+        raise UnsafeCheckpointError(
+            f"refusing to load {path}: it holds more than tensors ({weights_only_reason(exc)}), so it could run "
+            "code. Use only checkpoints you trust; kforge writes tensors only there."
+        ) from None
+
+
+def read_rank_state(step_dir: Path, rank: int) -> tuple[dict[str, Any], dict[str, Any]] | None:
+    """(JSON part, tensors) of `rank`'s RNG state, or None when the checkpoint has no file for it."""
+    json_path, pt_path = rank_state_paths(step_dir, rank)
+    if not json_path.is_file() or not pt_path.is_file():
+        return None
+    record = read_json(json_path)
+    tensors = load_tensor_file(pt_path)
+    if not isinstance(tensors, dict) or not isinstance(tensors.get("torch_cpu"), torch.Tensor):
+        raise UnsafeCheckpointError(f"{pt_path} does not hold kforge RNG state")
+    return record["rng"], tensors
