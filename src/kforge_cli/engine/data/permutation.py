@@ -13,6 +13,7 @@ permutation of billions of windows. Two building blocks:
 
 from __future__ import annotations
 
+import functools
 import hashlib
 
 import numpy as np
@@ -23,6 +24,7 @@ _M2 = np.uint64(0x94D049BB133111EB)
 _ROUNDS = 6
 
 
+@functools.lru_cache(maxsize=4096)  # called per batch with few distinct arguments
 def derive_key(*parts: object) -> int:
     """A 64-bit key from any printable parts (stable across processes and Python versions)."""
     digest = hashlib.sha256("\x1f".join(map(str, parts)).encode()).digest()
@@ -37,13 +39,18 @@ def _mix(x: np.ndarray) -> np.ndarray:
     return z ^ (z >> np.uint64(31))
 
 
+@functools.lru_cache(maxsize=256)
+def _round_keys(key: int) -> tuple[np.uint64, ...]:
+    return tuple(np.uint64(derive_key(key, r)) for r in range(_ROUNDS))
+
+
 def permute(positions: np.ndarray, n: int, key: int) -> np.ndarray:
     """Image of ``positions`` (each in [0, n)) under a keyed pseudo-random permutation of [0, n)."""
     if n <= 0:
         raise ValueError("permute needs n >= 1")
     half = max(1, ((n - 1).bit_length() + 1) // 2)
     mask = np.uint64((1 << half) - 1)
-    keys = [np.uint64(derive_key(key, r)) for r in range(_ROUNDS)]
+    keys = _round_keys(key)
 
     def feistel(x: np.ndarray) -> np.ndarray:
         left, right = x >> np.uint64(half), x & mask
