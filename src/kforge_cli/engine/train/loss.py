@@ -24,14 +24,14 @@ from kforge_cli.settings import JobSettings
 IGNORE_INDEX = -100
 
 
-def cross_entropy_sum(logits: torch.Tensor, labels: torch.Tensor, z_loss_weight: float = 0.0) -> torch.Tensor:
-    """Sum over positions with ``label != IGNORE_INDEX`` of CE + ``z_loss_weight * logsumexp(logits)**2``.
+def cross_entropy_per_token(logits: torch.Tensor, labels: torch.Tensor, z_loss_weight: float = 0.0) -> torch.Tensor:
+    """CE + ``z_loss_weight * logsumexp(logits)**2`` per position (0 where ``label == IGNORE_INDEX``).
 
-    ``logits`` is ``[..., V]`` and ``labels`` is ``[...]``. The computation is done in
-    fp32 whatever the logits dtype (bf16 log-softmax loses too much precision over a
-    large vocabulary). The log-partition ``logsumexp`` is computed once and shared by
-    the CE (``lse - logit[label]``) and the z-loss (``lse**2``, which keeps the logits
-    from drifting, as in PaLM).
+    ``logits`` is ``[..., V]`` and ``labels`` is ``[...]``; the result has the shape of
+    ``labels``. The computation is done in fp32 whatever the logits dtype (bf16
+    log-softmax loses too much precision over a large vocabulary). The log-partition
+    ``logsumexp`` is computed once and shared by the CE (``lse - logit[label]``) and the
+    z-loss (``lse**2``, which keeps the logits from drifting, as in PaLM).
     """
     vocab = logits.shape[-1]
     flat_logits = logits.reshape(-1, vocab).float()
@@ -45,28 +45,34 @@ def cross_entropy_sum(logits: torch.Tensor, labels: torch.Tensor, z_loss_weight:
     per_token = lse - target_logit
     if z_loss_weight:
         per_token = per_token + z_loss_weight * lse.square()
-    return torch.where(valid, per_token, torch.zeros_like(per_token)).sum()
+    return torch.where(valid, per_token, torch.zeros_like(per_token)).view(labels.shape)
+
+
+def cross_entropy_sum(logits: torch.Tensor, labels: torch.Tensor, z_loss_weight: float = 0.0) -> torch.Tensor:
+    """Sum over positions with ``label != IGNORE_INDEX`` of :func:`cross_entropy_per_token`."""
+    return cross_entropy_per_token(logits, labels, z_loss_weight).sum()
 
 
 def _chunk_loss(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, z_loss_weight: float) -> torch.Tensor:
-    """Project one chunk of hidden states to logits and return its loss sum."""
-    return cross_entropy_sum(hidden @ weight.t(), labels, z_loss_weight)
+    """Project one chunk of hidden states to logits and return its per-token losses."""
+    return cross_entropy_per_token(hidden @ weight.t(), labels, z_loss_weight)
 
 
-def chunked_cross_entropy_sum(
+def chunked_cross_entropy_per_token(
     hidden: torch.Tensor,
     weight: torch.Tensor,
     labels: torch.Tensor,
     chunk_size: int,
     z_loss_weight: float = 0.0,
 ) -> torch.Tensor:
-    """:func:`cross_entropy_sum` of ``hidden @ weight.T`` without materialising all logits.
+    """:func:`cross_entropy_per_token` of ``hidden @ weight.T`` without materialising all logits.
 
     ``hidden`` is ``[B, T, D]`` (or any ``[..., D]``), ``weight`` the head ``[V, D]`` and
     ``labels`` ``[B, T]``. Tokens are processed ``chunk_size`` at a time; each chunk runs
     under non-reentrant activation checkpointing, so its logits are freed right after its
-    forward and recomputed, one chunk at a time, during the backward. The value and the
-    gradients equal those of the plain path (up to float summation order).
+    forward and recomputed, one chunk at a time, during the backward. The values and the
+    gradients equal those of the plain path (up to float summation order); only the
+    per-token losses (one float per token) are kept.
     """
     if chunk_size <= 0:
         raise ValueError(f"chunk_size must be positive, got {chunk_size}")
@@ -80,9 +86,20 @@ def chunked_cross_entropy_sum(
         checkpoint(_chunk_loss, h, weight, lab, z_loss_weight, use_reentrant=False)
         for h, lab in zip(flat_hidden.split(chunk_size), flat_labels.split(chunk_size), strict=True)
     ]
-    if not parts:  # zero tokens: a zero that still depends on the inputs
-        return (flat_hidden.sum() * 0.0 + weight.sum() * 0.0).float()
-    return torch.stack(parts).sum()
+    if not parts:  # zero tokens: an empty result that still depends on the inputs
+        return (flat_hidden.sum() * 0.0 + weight.sum() * 0.0).float().expand(labels.shape)
+    return torch.cat(parts).view(labels.shape)
+
+
+def chunked_cross_entropy_sum(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    labels: torch.Tensor,
+    chunk_size: int,
+    z_loss_weight: float = 0.0,
+) -> torch.Tensor:
+    """The sum of :func:`chunked_cross_entropy_per_token` (equals :func:`cross_entropy_sum`)."""
+    return chunked_cross_entropy_per_token(hidden, weight, labels, chunk_size, z_loss_weight).sum()
 
 
 def count_valid_tokens(labels: torch.Tensor) -> int:
@@ -119,6 +136,16 @@ class LossFn:
     def from_logits(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         """Loss sum of precomputed logits ``[..., V]``."""
         return cross_entropy_sum(logits, labels, self.z_loss_weight)
+
+    def per_token(self, hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        """Like ``__call__`` but per position (shape of ``labels``), for per-dataset losses."""
+        if self.chunked:
+            return chunked_cross_entropy_per_token(hidden, weight, labels, self.chunk_size, self.z_loss_weight)
+        return cross_entropy_per_token(F.linear(hidden, weight), labels, self.z_loss_weight)
+
+    def per_token_from_logits(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        """Like :meth:`from_logits` but per position."""
+        return cross_entropy_per_token(logits, labels, self.z_loss_weight)
 
     def __repr__(self) -> str:
         return f"LossFn(chunk_size={self.chunk_size}, z_loss_weight={self.z_loss_weight})"
