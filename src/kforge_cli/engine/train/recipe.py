@@ -14,9 +14,9 @@ from kforge_cli.engine.checkpoint import CheckpointManager
 from kforge_cli.engine.data import build_data
 from kforge_cli.engine.model import flops_per_token
 from kforge_cli.engine.observe import (
-    MetricsFile,
     ProgressReporter,
     build_profiler,
+    build_tracker,
     device_peak_flops,
     setup_logging,
 )
@@ -36,6 +36,14 @@ from kforge_cli.settings import JobSettings
 log = logging.getLogger("kforge")
 
 _DTYPE_NAMES = {"torch.bfloat16": "bf16", "torch.float16": "fp16", "torch.float32": "fp32"}
+
+
+class TrackCheckpoints(TrainHook):
+    """Records each saved checkpoint's step in the experiment trackers (rank 0 holds them)."""
+
+    def on_checkpoint_save(self, session: TrainingSession, step: int, path: str) -> None:
+        if session.metrics is not None:
+            session.metrics.log_checkpoint(step, path)
 
 
 def run_training(
@@ -61,9 +69,15 @@ def run_training(
         )
         stack.callback(checkpointer.close)
         checkpointer.restore(progress=state, nan_guard=nan_guard)  # resume or warm start, if any
-        metrics = MetricsFile(run_dir / "metrics.jsonl") if runtime.is_main else None
+        metrics = build_tracker(
+            settings,
+            is_main=runtime.is_main,
+            run_dir=run_dir,
+            world_size=runtime.world_size,
+            run_ids=checkpointer.restored_metrics_run_ids,
+        )
         if metrics is not None:
-            stack.callback(metrics.close)
+            stack.enter_context(metrics)  # on an exception: the tracked run is marked failed (Ctrl-C: stopped)
         profiler = build_profiler(settings.profiling, run_dir, runtime.rank, first_step=state.step + 1)
         stack.callback(profiler.close)
         data = build_data(settings, dp_rank=runtime.dp_rank, dp_size=runtime.dp_size)
@@ -87,7 +101,7 @@ def run_training(
             scheduler=scheduler,
             loss_fn=loss_fn,
             data=data,
-            hooks=build_hooks(settings, hooks),
+            hooks=build_hooks(settings, [*(hooks or []), TrackCheckpoints()]),
             metrics=metrics,
             progress=progress,
             profiler=profiler,
@@ -112,5 +126,7 @@ def run_training(
             session.hooks.on_train_end(session, "failed")
             raise
         session.hooks.on_train_end(session, outcome.status)
+        if metrics is not None:
+            metrics.close(outcome.status)  # completed, or stopped by a signal (the tracker's run is KILLED)
     teardown_runtime(runtime)
     return outcome

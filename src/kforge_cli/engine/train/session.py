@@ -10,7 +10,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from kforge_cli.engine.observe import MetricsFile, ProgressReporter, TrainProfiler
+from kforge_cli.engine.observe import ProgressReporter, Tracker, TrainProfiler
 from kforge_cli.engine.parallel import PipelineBundle
 from kforge_cli.engine.resilience import NanGuard, ShutdownHandler
 from kforge_cli.engine.runtime import RuntimeContext
@@ -48,7 +48,7 @@ class TrainingSession:
     loss_fn: LossFn
     data: Any  # engine.data.DataBundle
     hooks: HookList
-    metrics: MetricsFile | None  # rank 0 only
+    metrics: Tracker | None  # rank 0 only: metrics.jsonl and the experiment trackers
     progress: ProgressReporter
     profiler: TrainProfiler
     nan_guard: NanGuard
