@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from typing import Annotated
+from pathlib import Path
+from typing import Annotated, Any
 
 import typer
 
@@ -35,11 +36,55 @@ def train(
     if run_dir is not None:
         overrides.append(f"--train.run_dir={run_dir}")
     resolved = resolve(profile, config, overrides)
-    if sbatch or submit or nproc_per_node:
+    if sbatch or submit:
         from kforge_cli.errors import NotBuiltYetError
 
-        flag = "--sbatch/--submit" if (sbatch or submit) else "--nproc-per-node"
-        raise NotBuiltYetError(f"train {flag} is not built yet (SLURM and launcher issues)")
+        raise NotBuiltYetError("train --sbatch/--submit is not built yet (SLURM issue)")
+    if nproc_per_node is not None:
+        raise typer.Exit(_launch_local(resolved, nproc_per_node, profile, config, overrides))
     from kforge_cli.engine.train.entry import train_from_cli
 
-    raise typer.Exit(train_from_cli(resolved))
+    code = train_from_cli(resolved)
+    if _in_multi_process_job():
+        _exit_now(code)
+    raise typer.Exit(code)
+
+
+def _launch_local(resolved: Any, nproc: int, profile: str | None, config: Path | None, overrides: list[str]) -> int:
+    """Check the settings fit `nproc` processes, then start them (the same command minus the flag)."""
+    from kforge_cli.settings import resolve_dims
+
+    if nproc < 1:
+        raise typer.BadParameter("--nproc-per-node must be at least 1")
+    resolve_dims(resolved.settings, nproc)  # a ConfigError here beats N processes each printing it
+    child = ["train"]
+    if profile is not None:
+        child += ["--profile", profile]
+    if config is not None:
+        child += ["--config", str(config)]
+    from kforge_cli.engine.runtime.local_launch import launch_local
+
+    return launch_local(nproc, [*child, *overrides])
+
+
+def _in_multi_process_job() -> bool:
+    import os
+
+    return int(os.environ.get("WORLD_SIZE", os.environ.get("SLURM_NTASKS", "1")) or 1) > 1
+
+
+def _exit_now(code: int) -> None:
+    """Exit a distributed rank without interpreter teardown, after flushing every output.
+
+    The process group is already destroyed and every file closed, but gloo/NCCL
+    background threads can still abort the interpreter's teardown ("terminate called
+    without an active exception"), turning a successful run into a crash exit code.
+    """
+    import logging
+    import os
+    import sys
+
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)

@@ -14,6 +14,15 @@ from kforge_cli.settings.job import JobSettings
 
 INTERLEAVED_SCHEDULES = ("interleaved_1f1b", "interleaved_zero_bubble", "zbv_zero_bubble", "dualpipev")
 V_SCHEDULES = ("zbv_zero_bubble", "dualpipev")  # exactly two stages per rank
+ZERO_BUBBLE_SCHEDULES = ("interleaved_zero_bubble", "zbv_zero_bubble", "dualpipev")
+COMPILE_TP_CPU = (
+    "torch.compile of tensor-parallel blocks on CPU gives wrong gradients (measured with torch 2.13); "
+    "set --train.compile_model=false with distributed.tp > 1 on CPU (compile works with FSDP and PP)"
+)
+FLOAT8_TP_CPU = (
+    "float8 with distributed.tp > 1 needs NCCL: gloo cannot all-gather float8 tensors; "
+    "on CPU use float8 with FSDP/PP only, or --train.float8=false"
+)
 
 
 def config_issues(s: JobSettings) -> list[ConfigIssue]:
@@ -205,6 +214,8 @@ def world_size_issues(s: JobSettings, world_size: int) -> list[ConfigIssue]:
             )
         if s.vlm is not None:
             out.append(ConfigIssue("distributed.pp", "pipeline parallelism is not supported for VLM models"))
+        out += _pipeline_schedule_issues(s)
+    out += _combination_issues(s)
     if d.tp > s.slurm.gpus_per_node and s.slurm.nodes > 1:
         out.append(
             ConfigIssue(
@@ -212,6 +223,65 @@ def world_size_issues(s: JobSettings, world_size: int) -> list[ConfigIssue]:
                 f"{d.tp} exceeds slurm.gpus_per_node ({s.slurm.gpus_per_node}): TP must stay within a node",
             )
         )
+    return out
+
+
+def _pipeline_schedule_issues(s: JobSettings) -> list[ConfigIssue]:
+    """What torch's pipeline schedules require of the micro-batch count, and FSDP's zero-bubble hazard."""
+    out: list[ConfigIssue] = []
+    d, m = s.distributed, s.train.grad_accum_steps
+    stages = d.pp * d.pp_stages_per_rank
+    if d.pp_schedule in ("interleaved_1f1b", "interleaved_zero_bubble"):
+        rounds = max(1, m // d.pp)
+        if m % rounds:
+            out.append(
+                ConfigIssue(
+                    "train.grad_accum_steps",
+                    f"schedule {d.pp_schedule} needs the micro-batch count ({m}) to be a multiple of "
+                    f"{rounds} (its rounds of pp = {d.pp}); use a multiple of {d.pp}",
+                )
+            )
+    if d.pp_schedule == "dualpipev" and m < stages:
+        out.append(
+            ConfigIssue("train.grad_accum_steps", f"schedule dualpipev needs at least {stages} micro-batches, got {m}")
+        )
+    if d.pp_schedule in ZERO_BUBBLE_SCHEDULES and d.reshard_after_forward:
+        out.append(
+            ConfigIssue(
+                "distributed.reshard_after_forward",
+                f"must not be true with schedule {d.pp_schedule}: FSDP2 resharding between its split "
+                "backward passes gives wrong gradients; leave it unset (None) or false",
+            )
+        )
+    return out
+
+
+def _combination_issues(s: JobSettings) -> list[ConfigIssue]:
+    """Feature combinations kforge refuses rather than train wrong."""
+    out: list[ConfigIssue] = []
+    d, m, t = s.distributed, s.model, s.train
+    if d.pp > 1 and m.tie_embeddings:
+        out.append(
+            ConfigIssue(
+                "model.tie_embeddings",
+                "tied embeddings put the embedding (first stage) and the head (last stage) in one weight; "
+                "not supported with distributed.pp > 1",
+            )
+        )
+    if d.tp > 1 and m.tie_embeddings:
+        out.append(ConfigIssue("model.tie_embeddings", "not supported with distributed.tp > 1; untie, or use tp = 1"))
+    if d.tp > 1 and t.loss_chunk_size and not d.loss_parallel:
+        out.append(
+            ConfigIssue(
+                "train.loss_chunk_size",
+                "chunked loss is not supported with distributed.tp > 1 and loss_parallel = false; set "
+                "distributed.loss_parallel = true (it keeps the logits split over the TP ranks) or the chunk size to 0",
+            )
+        )
+    if d.tp > 1 and t.compile_model and t.device == "cpu":
+        out.append(ConfigIssue("train.compile_model", COMPILE_TP_CPU))
+    if d.tp > 1 and t.float8 and t.device == "cpu":
+        out.append(ConfigIssue("train.float8", FLOAT8_TP_CPU))
     return out
 
 

@@ -1,6 +1,20 @@
 """engine.parallel (layer 2): the parallel model build (TP, float8, AC, compile, FSDP2, PP)."""
 
 from kforge_cli.engine.parallel.activation_checkpoint import apply_activation_checkpointing
-from kforge_cli.engine.parallel.build import PipelineBundle, build_parallel_model, compute_dtype
+from kforge_cli.engine.parallel.build import build_parallel_model, compute_dtype, parallelize
+from kforge_cli.engine.parallel.grad_norm import clip_grad_norm, total_grad_norm
+from kforge_cli.engine.parallel.pipeline import PipelineBundle, PipelineModel, StageLoss
+from kforge_cli.engine.parallel.tensor_parallel import vocab_parallel_loss_sum
 
-__all__ = ["PipelineBundle", "apply_activation_checkpointing", "build_parallel_model", "compute_dtype"]
+__all__ = [
+    "PipelineBundle",
+    "PipelineModel",
+    "StageLoss",
+    "apply_activation_checkpointing",
+    "build_parallel_model",
+    "clip_grad_norm",
+    "compute_dtype",
+    "parallelize",
+    "total_grad_norm",
+    "vocab_parallel_loss_sum",
+]

@@ -3,7 +3,8 @@
 Uses torch's composable `checkpoint` (hooks, not a wrapper module), so checkpoint keys
 stay `layers.N....` whatever the AC mode. Modes:
 - full: every block recomputes its activations in backward;
-- selective/block: every k-th block (train.ac_every_n_blocks) is checkpointed;
+- selective/block: every k-th block (train.ac_every_n_blocks) is checkpointed, counting
+  global block indices (0, k, 2k, ...) so a pipeline stage agrees with the full model;
 - selective/op: every block, but the outputs of matmuls and attention are saved and
   only the cheap element-wise ops are recomputed.
 """
@@ -15,7 +16,7 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.distributed._composable import checkpoint
+from torch.distributed._composable.checkpoint_activation import checkpoint
 from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
 from kforge_cli.settings.core import TrainSettings
@@ -55,7 +56,8 @@ def apply_activation_checkpointing(model: nn.Module, cfg: TrainSettings) -> int:
     if not isinstance(layers, nn.ModuleDict):
         raise TypeError("activation checkpointing expects a model with a `layers` ModuleDict")
     done = 0
-    for index, block in enumerate(layers.values()):
+    for key, block in layers.items():
+        index = int(key)  # the global block index, so a pipeline stage picks the same blocks as the full model
         if cfg.activation_checkpointing == "full":
             checkpoint(block)
         elif cfg.ac_selective_mode == "op":

@@ -1,36 +1,45 @@
-"""`build_parallel_model`: the model for this rank, built on the meta device, with the
-parallel plan applied in order (TP -> float8 -> AC -> compile -> FSDP2), then
-materialised with `to_empty` + `init_weights` so no rank ever holds more than its shard.
+"""`build_parallel_model`: this rank's model, built on the meta device and parallelised in order
+
+    float8 (module swap) -> tensor parallel (+SP) -> activation checkpointing -> torch.compile
+    per block -> FSDP2 per block and at the root,
+
+then materialised with ``to_empty`` and initialised shard by shard (engine.parallel.init),
+so no rank ever holds more than its shard and every rank, whatever the layout, starts
+from the weights a single process would have. float8 comes first because it replaces
+``nn.Linear`` objects, which would drop TP hooks registered on the old ones. With
+pipeline parallelism the same steps run on each stage module of this rank, and the
+stages are wrapped in a schedule (`PipelineBundle`).
 """
 
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
-from typing import Any
 
 import torch
 from torch import nn
 
 from kforge_cli.engine.model import Transformer
 from kforge_cli.engine.parallel.activation_checkpoint import apply_activation_checkpointing
+from kforge_cli.engine.parallel.float8 import apply_float8, require_torchao
+from kforge_cli.engine.parallel.fsdp import apply_fsdp, resolve_reshard_after_forward
+from kforge_cli.engine.parallel.init import init_sharded
+from kforge_cli.engine.parallel.pipeline import (
+    PipelineBundle,
+    PipelineModel,
+    build_pipeline,
+    build_stage_module,
+    stage_ids_of_rank,
+    stage_layer_ids,
+)
+from kforge_cli.engine.parallel.tensor_parallel import apply_tensor_parallel
 from kforge_cli.engine.runtime import RuntimeContext
-from kforge_cli.errors import NotBuiltYetError
+from kforge_cli.errors import ConfigError, ConfigIssue
 from kforge_cli.settings import JobSettings
+from kforge_cli.settings.rules import COMPILE_TP_CPU, FLOAT8_TP_CPU
 
 log = logging.getLogger("kforge")
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
-
-
-@dataclass
-class PipelineBundle:
-    """Pipeline stages and schedule of this rank (pipeline parallelism only)."""
-
-    stages: list[Any]
-    schedule: Any
-    is_first: bool
-    is_last: bool
 
 
 def compute_dtype(settings: JobSettings, device: torch.device) -> torch.dtype:
@@ -43,28 +52,91 @@ def compute_dtype(settings: JobSettings, device: torch.device) -> torch.dtype:
 
 def apply_compile(model: nn.Module) -> None:
     """torch.compile each block in place (parameter names unchanged)."""
-    for block in model.layers.values():  # type: ignore[union-attr]
+    layers = model.get_submodule("layers")
+    for block in layers.children():
         block.compile()
 
 
-def build_parallel_model(settings: JobSettings, runtime: RuntimeContext) -> tuple[nn.Module, PipelineBundle | None]:
-    """Build, parallelise and initialise the model for this rank."""
-    dims = runtime.dims
-    if dims.world_size > 1 or settings.train.float8:
-        what = "float8" if settings.train.float8 else f"a {dims.world_size}-process mesh"
-        raise NotBuiltYetError(f"training with {what} is not built yet (distributed issue); run on one process")
+def parallelize(module: nn.Module, settings: JobSettings, runtime: RuntimeContext) -> None:
+    """Apply float8 -> TP -> AC -> compile -> FSDP2 to one meta-device module (model or stage)."""
+    t, d = settings.train, settings.distributed
+    distributed = runtime.world_size > 1
+    if t.float8:
+        fsdp_fp8 = distributed and runtime.device.type == "cuda" and runtime.dims.dp_shard > 1
+        apply_float8(
+            module, recipe=t.float8_recipe, fsdp_float8_all_gather=fsdp_fp8 and t.float8_recipe == "tensorwise"
+        )
+    master = DTYPES[t.master_dtype]
+    if distributed and master != torch.float32:
+        module.to(master)  # FSDP2 keeps the sharded parameters in this dtype; init_sharded casts fp32 draws into it
+    tp_mesh = runtime.tp_mesh()
+    if tp_mesh is not None:
+        apply_tensor_parallel(
+            module, tp_mesh, sequence_parallel=d.sequence_parallel, loss_parallel_on=d.loss_parallel, float8=t.float8
+        )
+    n_ac = apply_activation_checkpointing(module, t)
+    if n_ac:
+        log.info("activation checkpointing (%s) on %d blocks", t.activation_checkpointing, n_ac)
+    if t.compile_model:
+        apply_compile(module)
+    if distributed:
+        apply_fsdp(
+            module,
+            runtime.fsdp_mesh(),
+            param_dtype=compute_dtype(settings, runtime.device),
+            reshard_after_forward=resolve_reshard_after_forward(settings),
+        )
+
+
+def _build_single(settings: JobSettings, runtime: RuntimeContext) -> nn.Module:
     with torch.device("meta"):
         model = Transformer(settings.model)
-    n_ac = apply_activation_checkpointing(model, settings.train)
-    if n_ac:
-        log.info("activation checkpointing (%s) on %d blocks", settings.train.activation_checkpointing, n_ac)
-    if settings.train.compile_model:
-        apply_compile(model)
-    model.to_empty(device=runtime.device)
-    with torch.no_grad():
-        model.init_weights(buffer_device=runtime.device)
-    master = DTYPES[settings.train.master_dtype]
-    if master != torch.float32:
-        model.to(master)
+    parallelize(model, settings, runtime)
+    if runtime.world_size == 1:
+        master = DTYPES[settings.train.master_dtype]
+        model.to_empty(device=runtime.device)
+        with torch.no_grad():
+            model.init_weights(buffer_device=runtime.device)  # in fp32 order; cast like init_sharded does
+        if master != torch.float32:
+            model.to(master)
+    else:
+        init_sharded([model], settings.model, runtime.device)
+    return model
+
+
+def _build_pipeline(settings: JobSettings, runtime: RuntimeContext) -> tuple[nn.Module, PipelineBundle]:
+    d = settings.distributed
+    n_stages = d.pp * d.pp_stages_per_rank
+    layers = stage_layer_ids(settings.model.n_layers, n_stages)
+    ids = stage_ids_of_rank(runtime.pp_rank, d.pp, d.pp_stages_per_rank, d.pp_schedule)
+    modules: list[nn.Module] = []
+    for sid in ids:
+        stage = build_stage_module(settings.model, layers[sid], first=sid == 0, last=sid == n_stages - 1)
+        parallelize(stage, settings, runtime)
+        modules.append(stage)
+    init_sharded(modules, settings.model, runtime.device)
+    for m in modules:
+        m.train()
+    bundle = build_pipeline(settings, modules, ids, runtime.device, runtime.pp_group())
+    log.info("pipeline rank %d runs stages %s (blocks %s)", runtime.pp_rank, ids, [layers[s] for s in ids])
+    return PipelineModel(modules), bundle
+
+
+def build_parallel_model(settings: JobSettings, runtime: RuntimeContext) -> tuple[nn.Module, PipelineBundle | None]:
+    """Build, parallelise and initialise the model for this rank; the bundle is None without PP."""
+    if settings.train.float8:
+        require_torchao()
+    if runtime.dims.tp > 1 and runtime.device.type == "cpu":  # train.device=auto resolved to cpu
+        issues = [ConfigIssue("train.compile_model", COMPILE_TP_CPU)] if settings.train.compile_model else []
+        issues += [ConfigIssue("train.float8", FLOAT8_TP_CPU)] if settings.train.float8 else []
+        if issues:
+            raise ConfigError(issues, header="unsupported combination on CPU")
+    if settings.train.loss_chunk_size and runtime.dims.tp > 1:
+        log.info("train.loss_chunk_size is not used under TP: the vocab-parallel loss keeps logits split instead")
+    if runtime.dims.pp > 1:
+        model, bundle = _build_pipeline(settings, runtime)
+        model.train()
+        return model, bundle
+    model = _build_single(settings, runtime)
     model.train()
     return model, None

@@ -4,19 +4,29 @@ from kforge_cli.engine.runtime.context import (
     RuntimeContext,
     all_reduce_max,
     all_reduce_sum,
+    choose_device,
     init_runtime,
+    rank_generator,
+    resolve_backend,
     seed_everything,
     teardown_runtime,
 )
 from kforge_cli.engine.runtime.launcher import LaunchInfo, detect_launch
+from kforge_cli.engine.runtime.mesh import MESH_ORDER, build_mesh, mesh_shape
 
 __all__ = [
+    "MESH_ORDER",
     "LaunchInfo",
     "RuntimeContext",
     "all_reduce_max",
     "all_reduce_sum",
+    "build_mesh",
+    "choose_device",
     "detect_launch",
     "init_runtime",
+    "mesh_shape",
+    "rank_generator",
+    "resolve_backend",
     "seed_everything",
     "teardown_runtime",
 ]

@@ -13,6 +13,7 @@ import torch
 import torch.distributed as dist
 
 from kforge_cli.engine.runtime.launcher import LaunchInfo, detect_launch
+from kforge_cli.engine.runtime.mesh import build_mesh, dp_mesh, flat_dp_mesh, sub_mesh
 from kforge_cli.errors import InvalidInputError
 from kforge_cli.settings import JobSettings, ParallelDims, resolve_dims
 
@@ -24,7 +25,8 @@ class RuntimeContext:
     launch: LaunchInfo
     device: torch.device
     dims: ParallelDims
-    mesh: Any = None  # torch DeviceMesh with dims named pp/dp_replicate/dp_shard/tp (only those > 1)
+    mesh: Any = None  # torch DeviceMesh, dims named pp/dp_replicate/dp_shard/tp (see engine.runtime.mesh)
+    owns_process_group: bool = False  # init_runtime created the process group, so teardown destroys it
     extra: dict[str, Any] = field(default_factory=dict)
 
     @property
@@ -49,95 +51,145 @@ class RuntimeContext:
 
     @property
     def dp_size(self) -> int:
+        """Data-parallel degree: how many different batches one step processes (excludes tp and pp)."""
         return self.dims.dp
 
     @property
     def dp_rank(self) -> int:
-        """This rank's index among data-parallel replicas (ranks sharing a batch share it)."""
+        """This rank's index among data-parallel replicas (TP and PP peers share it, and their batch)."""
         if self.mesh is None:
             return 0
-        names = self.mesh.mesh_dim_names or ()
-        rank, size = 0, 1
-        for dim in ("dp_replicate", "dp_shard"):
-            if dim in names:
-                sub = self.mesh[dim]
-                rank = rank * sub.size() + sub.get_local_rank()
-                size *= sub.size()
-        return rank
+        return flat_dp_mesh(self.mesh).get_local_rank()
 
     def dp_group(self) -> Any:
-        """The process group over data-parallel ranks (None = default group / single process)."""
-        if self.mesh is None:
-            return None
-        names = [n for n in ("dp_replicate", "dp_shard") if n in (self.mesh.mesh_dim_names or ())]
-        if not names:
-            return None
-        if len(names) == 1:
-            return self.mesh[names[0]].get_group()
-        return self.mesh["dp_replicate", "dp_shard"]._flatten("dp").get_group()
+        """The process group over data-parallel ranks (None = single process)."""
+        return None if self.mesh is None else flat_dp_mesh(self.mesh).get_group()
+
+    @property
+    def pp_size(self) -> int:
+        return self.dims.pp
+
+    @property
+    def pp_rank(self) -> int:
+        pp = sub_mesh(self.mesh, "pp")
+        return 0 if pp is None else pp.get_local_rank()
+
+    def pp_group(self) -> Any:
+        """The pipeline group of this rank (None without pipeline parallelism)."""
+        pp = sub_mesh(self.mesh, "pp")
+        return None if pp is None else pp.get_group()
+
+    @property
+    def tp_size(self) -> int:
+        return self.dims.tp
+
+    def tp_mesh(self) -> Any:
+        """The 1-D tensor-parallel sub-mesh (None without tensor parallelism)."""
+        return sub_mesh(self.mesh, "tp")
+
+    def fsdp_mesh(self) -> Any:
+        """The mesh FSDP2 shards over (2-D for HSDP), None in a single process."""
+        return None if self.mesh is None else dp_mesh(self.mesh)
+
+
+def resolve_backend(spec: str, device: torch.device) -> str:
+    """The backend string for `init_process_group`, keeping only backends this torch build has.
+
+    ``cpu:gloo,cuda:nccl`` (the default) gives NCCL for GPU tensors and gloo for CPU-side
+    coordination (object broadcasts, CPU tensors). On a CPU-only build NCCL is dropped,
+    so the same settings run the CPU test jobs; training on CUDA without NCCL is an error.
+    """
+    available = {"gloo": dist.is_gloo_available(), "nccl": dist.is_nccl_available(), "mpi": dist.is_mpi_available()}
+    parts = [p.strip() for p in spec.split(",") if p.strip()]
+    if len(parts) == 1 and ":" not in parts[0]:
+        return parts[0]
+    kept = []
+    for part in parts:
+        dev, _, backend = part.partition(":")
+        if not available.get(backend, True):
+            if dev == device.type:
+                raise InvalidInputError(
+                    f"distributed.backend {spec!r}: backend {backend!r} for {dev} tensors is not available in "
+                    f"this torch build; choose another, e.g. --distributed.backend=cpu:gloo"
+                )
+            continue
+        kept.append(part)
+    if not any(p.startswith(f"{device.type}:") for p in kept):
+        raise InvalidInputError(f"distributed.backend {spec!r} names no backend for {device.type} tensors")
+    return ",".join(kept)
 
 
 def choose_device(settings: JobSettings, local_rank: int) -> torch.device:
+    """cuda:<local rank> (modulo the visible GPUs, for srun's one-GPU-per-task binding) or cpu."""
     want = settings.train.device
     if want == "cuda" or (want == "auto" and torch.cuda.is_available()):
         if not torch.cuda.is_available():
             raise InvalidInputError("train.device = 'cuda' but CUDA is not available; use --train.device=cpu")
-        torch.cuda.set_device(local_rank)
-        return torch.device("cuda", local_rank)
+        index = local_rank % torch.cuda.device_count()
+        torch.cuda.set_device(index)
+        return torch.device("cuda", index)
     return torch.device("cpu")
 
 
 def seed_everything(seed: int) -> None:
     """Seed python, numpy and torch (CPU and CUDA) identically on every rank.
 
-    Model init must be identical on every rank; per-rank randomness (dropout, none yet)
-    would fold the rank into a separate generator.
+    The same seed everywhere is what makes model init identical on every rank (and
+    equal to a single-process run, see engine.parallel.init). Randomness that must
+    differ per rank uses its own generator from :func:`rank_generator`.
     """
     random.seed(seed)
     np.random.seed(seed % 2**32)
     torch.manual_seed(seed)
 
 
+def rank_generator(seed: int, rank: int, device: torch.device) -> torch.Generator:
+    """A generator private to ``rank`` (e.g. for dropout or noise), leaving the shared RNG untouched."""
+    gen = torch.Generator(device=device)
+    gen.manual_seed((seed * 1_000_003 + rank) % 2**63)
+    return gen
+
+
 def init_runtime(settings: JobSettings) -> RuntimeContext:
-    """Detect the launcher, pick the device, start the process group and mesh, seed RNGs."""
+    """Detect the launcher, pick the device, start the process group and mesh, seed RNGs.
+
+    A process group that already exists (a test harness, a notebook) is used as is and
+    left alive at teardown; one created here is destroyed by :func:`teardown_runtime`.
+    """
     launch = detect_launch()
     dims = resolve_dims(settings, launch.world_size)
     if settings.train.num_threads:
         torch.set_num_threads(settings.train.num_threads)
     device = choose_device(settings, launch.local_rank)
     mesh = None
+    owns = False
     if launch.world_size > 1:
-        os.environ.setdefault("MASTER_ADDR", launch.master_addr)
-        os.environ.setdefault("MASTER_PORT", str(launch.master_port))
         if not dist.is_initialized():
+            os.environ.setdefault("MASTER_ADDR", launch.master_addr)
+            os.environ.setdefault("MASTER_PORT", str(launch.master_port))
             dist.init_process_group(
-                backend=settings.distributed.backend,
+                backend=resolve_backend(settings.distributed.backend, device),
                 rank=launch.rank,
                 world_size=launch.world_size,
                 timeout=timedelta(seconds=settings.distributed.timeout_s),
                 device_id=device if device.type == "cuda" else None,
             )
+            owns = True
         mesh = build_mesh(device, dims)
     seed_everything(settings.train.seed)
-    return RuntimeContext(launch=launch, device=device, dims=dims, mesh=mesh)
-
-
-def build_mesh(device: torch.device, dims: ParallelDims) -> Any:
-    """A DeviceMesh over the dims > 1, in the order pp, dp_replicate, dp_shard, tp (tp innermost)."""
-    from torch.distributed.device_mesh import init_device_mesh
-
-    shape = [(n, s) for n, s in (("pp", dims.pp), ("dp_replicate", dims.dp_replicate),
-                                   ("dp_shard", dims.dp_shard), ("tp", dims.tp)) if s > 1]  # fmt: skip
-    if not shape:
-        shape = [("dp_shard", 1)]
-    return init_device_mesh(device.type, tuple(s for _, s in shape), mesh_dim_names=tuple(n for n, _ in shape))
+    return RuntimeContext(launch=launch, device=device, dims=dims, mesh=mesh, owns_process_group=owns)
 
 
 def teardown_runtime(ctx: RuntimeContext) -> None:
-    """Destroy the process group (called only after a successful run)."""
+    """Destroy the process group (called only after a successful run, and only if we created it).
+
+    After a failure the group is left alone: a rank that fails must not hang in a barrier
+    waiting for peers that may be dead; the launcher tears the job down instead.
+    """
     if ctx.distributed:
         dist.barrier()
-        dist.destroy_process_group()
+        if ctx.owns_process_group:
+            dist.destroy_process_group()
 
 
 def all_reduce_sum(value: torch.Tensor, group: Any = None) -> torch.Tensor:

@@ -15,7 +15,9 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
+from torch.distributed.tensor import DTensor
 
+from kforge_cli.engine.parallel import clip_grad_norm, vocab_parallel_loss_sum
 from kforge_cli.engine.runtime import all_reduce_sum
 from kforge_cli.engine.train.loss import IGNORE_INDEX
 
@@ -36,26 +38,42 @@ class StepResult:
 StepFn = Callable[["TrainingSession", list[Batch]], StepResult]
 
 
+def loss_sum_from_output(session: TrainingSession, output: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """The loss sum from a model's output: logits (vocab-sharded DTensor under loss-parallel TP),
+    or already the loss sum (a scalar, when the model computed a chunked loss itself)."""
+    if output.dim() == 0:
+        return output
+    if isinstance(output, DTensor):
+        return vocab_parallel_loss_sum(output, labels, session.loss_fn.z_loss_weight)
+    return session.loss_fn.from_logits(output, labels)
+
+
+def model_computes_loss(session: TrainingSession) -> bool:
+    """True when the model computes a chunked loss in its forward (never under TP: its
+    head must run as a module, and the vocab-parallel loss already splits the logits)."""
+    return session.loss_fn.chunked and session.runtime.tp_size == 1
+
+
 def _forward_loss_sum(session: TrainingSession, batch: Batch) -> torch.Tensor:
+    if session.pipeline is not None:  # forward only (evaluation): the stages run in order
+        from kforge_cli.engine.train.pipeline_step import pipeline_forward_loss_sum
+
+        return pipeline_forward_loss_sum(session, batch)
     model, loss_fn = session.model, session.loss_fn
     kwargs = {k: batch[k] for k in ("doc_ids", "positions") if k in batch}
     with session.autocast():
-        if loss_fn.chunked:
+        if model_computes_loss(session):
             return model(batch["input_ids"], labels=batch["labels"], loss_fn=loss_fn, **kwargs)
         logits = model(batch["input_ids"], **kwargs)
-    return loss_fn.from_logits(logits, batch["labels"])
+    return loss_sum_from_output(session, logits, batch["labels"])
 
 
 def clip_gradients(session: TrainingSession) -> float:
     """Clip to train.grad_clip_norm (0 = only measure); returns the pre-clip total norm."""
     max_norm = session.settings.train.grad_clip_norm or math.inf
     params = [p for p in session.model.parameters() if p.grad is not None]
-    if not params:
-        return 0.0
-    norm = torch.nn.utils.clip_grad_norm_(params, max_norm=max_norm, foreach=True)
-    if hasattr(norm, "full_tensor"):
-        norm = norm.full_tensor()  # type: ignore[union-attr]
-    return float(norm)
+    # The norm spans every mesh dim: shards (dp, tp) and pipeline stages (pp) all contribute.
+    return clip_grad_norm(params, max_norm, session.runtime.pp_group())
 
 
 def plain_step(session: TrainingSession, micro_batches: list[Batch]) -> StepResult:
@@ -84,4 +102,8 @@ def plain_step(session: TrainingSession, micro_batches: list[Batch]) -> StepResu
 
 def select_step_fn(settings: JobSettings) -> StepFn:
     """The step function for this configuration (pipeline and VLM variants register here)."""
+    if settings.distributed.pp > 1:
+        from kforge_cli.engine.train.pipeline_step import pipeline_step
+
+        return pipeline_step
     return plain_step

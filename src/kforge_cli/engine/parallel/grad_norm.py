@@ -1,0 +1,72 @@
+"""The global gradient norm and clipping across every mesh dim (dp, tp, and pp).
+
+Each rank sums the squares of its *local* gradient shards, grouped by the mesh dims
+the gradients are sharded over; each group's sum is all-reduced over exactly those
+dims (a dim where the gradient is replicated must not be summed, or its share would
+count several times); pipeline stages then add their sums over the ``pp`` group,
+since each stage holds different parameters. The clip coefficient is then the same
+on every rank, so every shard is scaled alike, as torch's ``clip_grad_norm_`` would
+do on the whole model in one process.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor
+
+_Key = tuple[Any, ...]
+
+
+def _group_key(grad: torch.Tensor) -> tuple[_Key, Any, list[int]]:
+    """(stable key, mesh, mesh dims the gradient is sharded over)."""
+    if not isinstance(grad, DTensor):
+        return ("local",), None, []
+    dims = []
+    for i, placement in enumerate(grad.placements):
+        if placement.is_partial():
+            raise RuntimeError("a gradient is still a partial sum; reduce it before measuring its norm")
+        if not placement.is_replicate():  # Shard, and FSDP's _StridedShard (not an is_shard() in torch 2.13)
+            dims.append(i)
+    mesh = grad.device_mesh
+    return (mesh.mesh_dim_names, tuple(mesh.mesh.shape), tuple(dims)), mesh, dims
+
+
+def total_grad_norm(params: Sequence[torch.Tensor], pp_group: Any = None) -> torch.Tensor:
+    """The L2 norm of all gradients of the whole model (fp32 scalar on the gradients' device)."""
+    grads = [p.grad for p in params if p.grad is not None]
+    if not grads:
+        return torch.zeros(())
+    buckets: dict[_Key, tuple[Any, list[int], list[torch.Tensor]]] = {}
+    for g in grads:
+        key, mesh, dims = _group_key(g)
+        local = g.to_local() if isinstance(g, DTensor) else g
+        buckets.setdefault(key, (mesh, dims, []))[2].append(local)
+    device = next(iter(buckets.values()))[2][0].device
+    total = torch.zeros((), device=device, dtype=torch.float32)
+    for mesh, dims, tensors in buckets.values():
+        sq = torch.nn.utils.get_total_norm(tensors, 2.0, foreach=tensors[0].device.type != "cpu").float().square()
+        for dim in dims:
+            dist.all_reduce(sq, op=dist.ReduceOp.SUM, group=mesh.get_group(mesh_dim=dim))
+        total = total + sq
+    if pp_group is not None:
+        dist.all_reduce(total, op=dist.ReduceOp.SUM, group=pp_group)
+    return total.sqrt()
+
+
+def clip_grad_norm(params: Sequence[torch.Tensor], max_norm: float, pp_group: Any = None) -> float:
+    """Scale gradients so their global norm is at most ``max_norm`` (inf = measure only); returns the pre-clip norm."""
+    norm = total_grad_norm(params, pp_group)
+    value = float(norm)
+    if math.isfinite(max_norm) and math.isfinite(value):
+        coef = min(max_norm / (value + 1e-6), 1.0)
+        if coef < 1.0:
+            with torch.no_grad():
+                for p in params:
+                    if p.grad is not None:
+                        (p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad).mul_(coef)
+    return value

@@ -1,0 +1,173 @@
+"""Pipeline parallelism with ``torch.distributed.pipelining``: stages and schedules.
+
+The blocks are split into ``pp * pp_stages_per_rank`` consecutive stages (layers that
+do not divide evenly go to the earliest stages, which also carry the embedding); the
+last stage carries the final norm and the head. A stage is the Transformer itself with
+the blocks it does not own deleted, so its parameter names stay those of the full
+model (``layers.<global index>...``), which keeps checkpoints independent of the
+pipeline layout.
+
+Stage ``s`` lives on pipeline rank ``s % pp`` for looped schedules (interleaved 1F1B
+and zero bubble) and on rank ``s`` or ``2*pp-1-s`` for the V-shaped ones (ZBV,
+DualPipeV), whose rank 0 holds both the first and the last stage.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+from kforge_cli.engine.model import Transformer
+from kforge_cli.settings import JobSettings
+from kforge_cli.settings.core import ModelSettings
+
+V_SCHEDULES = ("zbv_zero_bubble", "dualpipev")
+
+
+def stage_layer_ids(n_layers: int, n_stages: int) -> list[list[int]]:
+    """Block indices of each stage: consecutive, sizes differing by at most one, larger first."""
+    if not 0 < n_stages <= n_layers:
+        raise ValueError(f"cannot split {n_layers} blocks into {n_stages} stages")
+    base, extra = divmod(n_layers, n_stages)
+    out, start = [], 0
+    for s in range(n_stages):
+        size = base + (1 if s < extra else 0)
+        out.append(list(range(start, start + size)))
+        start += size
+    return out
+
+
+def stage_ids_of_rank(pp_rank: int, pp_size: int, stages_per_rank: int, schedule: str) -> list[int]:
+    """The global stage indices pipeline rank ``pp_rank`` runs, in increasing order."""
+    if schedule in V_SCHEDULES:
+        return [pp_rank, 2 * pp_size - 1 - pp_rank]
+    return [pp_rank + k * pp_size for k in range(stages_per_rank)]
+
+
+def stage_owner(stage_id: int, pp_size: int, schedule: str) -> int:
+    """The pipeline rank that runs stage ``stage_id``."""
+    if schedule in V_SCHEDULES:
+        return stage_id if stage_id < pp_size else 2 * pp_size - 1 - stage_id
+    return stage_id % pp_size
+
+
+def build_stage_module(cfg: ModelSettings, layer_ids: list[int], *, first: bool, last: bool) -> Transformer:
+    """A Transformer on the meta device holding only ``layer_ids`` (+ embedding if first, norm/head if last)."""
+    with torch.device("meta"):
+        stage = Transformer(cfg)
+    keep = {str(i) for i in layer_ids}
+    for key in list(stage.layers.keys()):
+        if key not in keep:
+            del stage.layers[key]
+    if not first:
+        stage.tok_embeddings = None
+    if not last:
+        stage.norm = None
+        stage.output = None
+    return stage
+
+
+class PipelineModel(nn.Module):
+    """This rank's stages seen as one module (for the optimizer, clipping and checkpoints).
+
+    It shares the stages' submodules, so its parameter names are the full model's
+    (``tok_embeddings``, ``layers.<i>``, ``norm``, ``output``) whatever the layout. It
+    cannot be called: the pipeline schedule runs the stages.
+    """
+
+    def __init__(self, stages: list[nn.Module]) -> None:
+        super().__init__()
+        self.stage_modules = stages  # plain list: not registered, so no "stage_modules." prefix
+        self.layers = nn.ModuleDict()
+        self.tok_embeddings: nn.Module | None = None
+        self.norm: nn.Module | None = None
+        self.output: nn.Module | None = None
+        for stage in stages:
+            for key, block in stage.layers.items():  # type: ignore[union-attr]
+                self.layers[key] = block
+            for name in ("tok_embeddings", "norm", "output"):
+                if getattr(stage, name, None) is not None:
+                    setattr(self, name, getattr(stage, name))
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        raise RuntimeError("a pipeline-parallel model runs through its schedule (engine.train.pipeline_step)")
+
+
+@dataclass
+class StageLoss:
+    """The schedule's loss function, filled in per step by the pipeline step function.
+
+    The schedule is built once, but the loss of a micro-batch depends on the step
+    (normalised by the step's global count of valid tokens), so it calls this holder.
+    """
+
+    fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None
+
+    def __call__(self, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        if self.fn is None:
+            raise RuntimeError("the pipeline loss is set by the step function before each schedule step")
+        return self.fn(output, target)
+
+
+@dataclass
+class PipelineBundle:
+    """This rank's pipeline stages, their modules and the schedule that runs them."""
+
+    stages: list[Any]  # torch PipelineStage, in increasing stage index
+    modules: list[nn.Module]  # the stage modules, same order
+    stage_ids: list[int]
+    num_stages: int
+    schedule: Any
+    schedule_name: str
+    loss: StageLoss = field(default_factory=StageLoss)
+
+    @property
+    def is_first(self) -> bool:
+        """This rank runs stage 0 (and feeds it the token ids)."""
+        return 0 in self.stage_ids
+
+    @property
+    def is_last(self) -> bool:
+        """This rank runs the last stage (and computes the loss)."""
+        return self.num_stages - 1 in self.stage_ids
+
+
+def _schedule_class(name: str) -> tuple[type, bool]:
+    """(torch schedule class, whether it takes several stages per rank)."""
+    from torch.distributed.pipelining import schedules as sch
+
+    table: dict[str, tuple[str, bool]] = {
+        "gpipe": ("ScheduleGPipe", False),
+        "1f1b": ("Schedule1F1B", False),
+        "interleaved_1f1b": ("ScheduleInterleaved1F1B", True),
+        "interleaved_zero_bubble": ("ScheduleInterleavedZeroBubble", True),
+        "zbv_zero_bubble": ("ScheduleZBVZeroBubble", True),
+        "dualpipev": ("ScheduleDualPipeV", True),
+    }
+    cls_name, multi = table[name]
+    return getattr(sch, cls_name), multi
+
+
+def build_pipeline(
+    settings: JobSettings, stage_modules: list[nn.Module], stage_ids: list[int], device: torch.device, group: Any
+) -> PipelineBundle:
+    """Wrap the (parallelised, initialised) stage modules in PipelineStages and build the schedule."""
+    from torch.distributed.pipelining import PipelineStage
+
+    d = settings.distributed
+    n_stages = d.pp * d.pp_stages_per_rank
+    stages = [
+        PipelineStage(module, stage_index=sid, num_stages=n_stages, device=device, group=group)
+        for module, sid in zip(stage_modules, stage_ids, strict=True)
+    ]
+    loss = StageLoss()
+    cls, multi = _schedule_class(d.pp_schedule)
+    # Losses are sums normalised by the step's token count: gradients must not be scaled again.
+    schedule = cls(
+        stages if multi else stages[0], n_microbatches=settings.train.grad_accum_steps, loss_fn=loss, scale_grads=False
+    )
+    return PipelineBundle(stages, stage_modules, stage_ids, n_stages, schedule, d.pp_schedule, loss)

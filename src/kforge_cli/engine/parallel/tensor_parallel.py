@@ -1,0 +1,168 @@
+"""Tensor parallelism (Megatron style) with sequence parallelism, on DTensor.
+
+Per block: Q/K/V and the MLP's gate/up (``w1``/``w3``) are column-parallel (each rank
+owns a slice of the heads / hidden units), the attention output ``wo`` and the MLP's
+down projection ``w2`` are row-parallel (partial sums reduced across the TP group).
+With sequence parallelism the norms and the residual stream between blocks are split
+along the sequence, so the all-reduce after a row-parallel layer becomes a
+reduce-scatter and each rank stores 1/tp of the activations outside attention/MLP.
+
+The embedding is vocabulary-parallel (row-wise); the output head is column-parallel.
+With loss parallelism its logits stay sharded over the vocabulary and
+:func:`vocab_parallel_loss_sum` computes the cross-entropy (and z-loss) without
+gathering them.
+
+The residual stream stays a *local* tensor of ``T/tp`` positions under sequence
+parallelism, so the model cannot derive RoPE positions from its input length; a
+forward pre-hook on the root passes explicit ``positions`` (``0..T-1``) instead.
+"""
+
+from __future__ import annotations
+
+from typing import Any, cast
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor.parallel import (
+    ColwiseParallel,
+    PrepareModuleInput,
+    RowwiseParallel,
+    SequenceParallel,
+    parallelize_module,
+)
+
+IGNORE_INDEX = -100
+
+
+def _styles(float8: bool) -> tuple[type, type, type]:
+    """(colwise, rowwise, prepare-input) styles; torchao's float8 variants cast to float8 before the collectives."""
+    if float8:
+        from torchao.float8.float8_tensor_parallel import (
+            Float8ColwiseParallel,
+            Float8RowwiseParallel,
+            PrepareFloat8ModuleInput,
+        )
+
+        return Float8ColwiseParallel, Float8RowwiseParallel, PrepareFloat8ModuleInput
+    return ColwiseParallel, RowwiseParallel, PrepareModuleInput
+
+
+def block_plan(block: nn.Module, *, sequence_parallel: bool, float8: bool = False) -> dict[str, Any]:
+    """The parallelize_module plan of one TransformerBlock."""
+    colwise, rowwise, prepare_input = _styles(float8)
+    stream = Shard(1) if sequence_parallel else Replicate()
+    plan: dict[str, Any] = {
+        "attention": prepare_input(
+            input_layouts=(stream, None, None, None), desired_input_layouts=(Replicate(), None, None, None)
+        ),
+        "attention.wq": colwise(),
+        "attention.wk": colwise(),
+        "attention.wv": colwise(),
+        "attention.wo": rowwise(output_layouts=stream),
+        "feed_forward": prepare_input(input_layouts=(stream,), desired_input_layouts=(Replicate(),)),
+        "feed_forward.w1": colwise(),
+        "feed_forward.w2": rowwise(output_layouts=stream),
+    }
+    if getattr(block.feed_forward, "w3", None) is not None:
+        plan["feed_forward.w3"] = colwise()
+    if sequence_parallel:
+        plan["attention_norm"] = SequenceParallel()
+        plan["ffn_norm"] = SequenceParallel()
+    if getattr(block.attention, "q_norm", None) is not None:
+        # QK-norm weights act on each rank's local heads ([B, T, heads, head_dim]): a
+        # replicated DTensor weight over a head-sharded input gets its gradient summed over TP.
+        plan["attention.q_norm"] = SequenceParallel(sequence_dim=2, use_local_output=True)
+        plan["attention.k_norm"] = SequenceParallel(sequence_dim=2, use_local_output=True)
+    return plan
+
+
+def _root_plan(model: nn.Module, *, sequence_parallel: bool, loss_parallel_on: bool) -> dict[str, Any]:
+    stream = Shard(1) if sequence_parallel else Replicate()
+    plan: dict[str, Any] = {}
+    if getattr(model, "tok_embeddings", None) is not None:
+        plan["tok_embeddings"] = RowwiseParallel(input_layouts=Replicate(), output_layouts=stream)
+    if getattr(model, "norm", None) is not None and sequence_parallel:
+        plan["norm"] = SequenceParallel()
+    if getattr(model, "output", None) is not None:
+        plan["output"] = ColwiseParallel(
+            input_layouts=stream,
+            output_layouts=Shard(-1) if loss_parallel_on else Replicate(),
+            use_local_output=not loss_parallel_on,
+        )
+    return plan
+
+
+def _inject_positions(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    """Pass explicit RoPE positions when the input is token ids (see module docstring)."""
+    del module
+    if kwargs.get("positions") is None and args and args[0].dim() == 2:
+        tokens = args[0]
+        positions = torch.arange(tokens.shape[1], device=tokens.device).expand(tokens.shape[0], -1)
+        return args, {**kwargs, "positions": positions}
+    return None
+
+
+def apply_tensor_parallel(
+    model: nn.Module, tp_mesh: Any, *, sequence_parallel: bool, loss_parallel_on: bool, float8: bool = False
+) -> None:
+    """Shard ``model`` (a Transformer or one pipeline stage of it) over ``tp_mesh`` in place."""
+    parallelize_module(
+        model, tp_mesh, _root_plan(model, sequence_parallel=sequence_parallel, loss_parallel_on=loss_parallel_on)
+    )
+    for block in cast(nn.ModuleDict, model.layers).values():
+        parallelize_module(block, tp_mesh, block_plan(block, sequence_parallel=sequence_parallel, float8=float8))
+    if sequence_parallel:
+        model.register_forward_pre_hook(_inject_positions, with_kwargs=True)
+
+
+class _SumOverGroup(torch.autograd.Function):
+    """All-reduce (sum) in forward, identity in backward.
+
+    The loss built from the sum is replicated: every TP rank back-propagates the same
+    gradient, which is already the gradient of each rank's contribution.
+    """
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, group: Any) -> torch.Tensor:  # type: ignore[override]
+        out = x.clone()
+        dist.all_reduce(out, op=dist.ReduceOp.SUM, group=group)
+        return out
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:  # type: ignore[override]
+        return grad, None
+
+
+def vocab_parallel_loss_sum(logits: DTensor, labels: torch.Tensor, z_loss_weight: float = 0.0) -> torch.Tensor:
+    """``cross_entropy_sum`` (+ z-loss) from logits sharded over the vocabulary, never gathering them.
+
+    Each rank holds ``V/tp`` columns. The log-partition is ``log(sum_r sum_v exp(l - m)) + m``
+    with ``m`` the global max (a constant for the gradient), and the target logit comes from
+    the one rank whose slice holds the label; both are summed over the TP group. The result
+    is the same replicated scalar on every TP rank.
+    """
+    if not isinstance(logits, DTensor) or not logits.placements[0].is_shard(logits.ndim - 1):
+        raise TypeError("vocab_parallel_loss_sum expects logits as a DTensor sharded on the last (vocab) dim")
+    mesh = logits.device_mesh
+    group = mesh.get_group()
+    local = logits.to_local().float()
+    local = local.reshape(-1, local.shape[-1])
+    flat_labels = labels.reshape(-1)
+    width = local.shape[-1]
+    start = mesh.get_local_rank() * width
+    with torch.no_grad():
+        m = local.max(dim=-1).values
+        dist.all_reduce(m, op=dist.ReduceOp.MAX, group=group)
+    sumexp = _SumOverGroup.apply(torch.exp(local - m.unsqueeze(-1)).sum(-1), group)
+    lse = torch.log(sumexp) + m
+    valid = flat_labels != IGNORE_INDEX
+    mine = valid & (flat_labels >= start) & (flat_labels < start + width)
+    idx = torch.where(mine, flat_labels - start, torch.zeros_like(flat_labels))
+    target_local = torch.where(mine, local.gather(-1, idx.unsqueeze(-1)).squeeze(-1), torch.zeros_like(lse))
+    target = _SumOverGroup.apply(target_local, group)
+    per_token = lse - target
+    if z_loss_weight:
+        per_token = per_token + z_loss_weight * lse.square()
+    return torch.where(valid, per_token, torch.zeros_like(per_token)).sum()
