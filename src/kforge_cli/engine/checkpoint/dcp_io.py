@@ -19,7 +19,6 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
@@ -30,6 +29,7 @@ from torch.distributed.checkpoint.state_dict import (
     set_model_state_dict,
     set_state_dict,
 )
+from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
 
 from kforge_cli.engine.checkpoint.errors import CheckpointError
 from kforge_cli.engine.checkpoint.safe_metadata import SafeFileSystemReader, SafeLoadPlanner, read_dcp_metadata
@@ -114,7 +114,7 @@ def load_from_dirs(state: dict[str, Any], dirs: Iterable[Path], group: Any = Non
         _check_shapes(sub, md, path)
         try:
             with quiet_single_process():
-                dcp.load(sub, storage_reader=SafeFileSystemReader(path), planner=SafeLoadPlanner(path),
+                dcp_load(sub, storage_reader=SafeFileSystemReader(path), planner=SafeLoadPlanner(path),
                          process_group=group, no_dist=no_dist)  # fmt: skip
         except CheckpointException as exc:
             raise user_error(exc) from None

@@ -37,9 +37,9 @@ class CheckpointGroups:
         if not runtime.distributed:
             return cls(rank=0, world_size=1)
         control = dist.new_group(backend="gloo")
-        mesh = runtime.mesh
+        mesh: Any = runtime.mesh
         names = tuple(mesh.mesh_dim_names or ()) if mesh is not None else ()
-        if "pp" not in names or mesh["pp"].size() == 1:
+        if mesh is None or "pp" not in names or mesh["pp"].size() == 1:
             return cls(runtime.rank, runtime.world_size, control=control, save=dist.new_group(backend="gloo"))
         dim = names.index("pp")
         stage, save = 0, None

@@ -19,9 +19,9 @@ from pathlib import Path
 from typing import Any, Literal
 
 import torch
-import torch.distributed.checkpoint as dcp
 from torch import nn
-from torch.distributed.checkpoint import FileSystemWriter
+from torch.distributed.checkpoint.filesystem import FileSystemWriter
+from torch.distributed.checkpoint.state_dict_saver import AsyncSaveResponse, async_save, save
 
 import kforge_cli
 from kforge_cli.engine.checkpoint.dcp_io import (
@@ -237,15 +237,15 @@ class CheckpointManager:
         if use_async:
             writer = self._async_writer()
             with quiet_single_process():
-                result = dcp.async_save(tensors, checkpoint_id=target, storage_writer=writer,
-                                        process_group=self.groups.save, no_dist=no_dist)  # fmt: skip
-            future = getattr(result, "upload_completion", result)
+                result = async_save(tensors, checkpoint_id=target, storage_writer=writer,
+                                    process_group=self.groups.save, no_dist=no_dist)  # fmt: skip
+            future = result.upload_completion if isinstance(result, AsyncSaveResponse) else result
             record.blocking_s = time.perf_counter() - started
             self._pending = _Pending(record, step_dir, future, started)
         else:
             with quiet_single_process():
-                dcp.save(tensors, storage_writer=FileSystemWriter(target), process_group=self.groups.save,
-                         no_dist=no_dist)  # fmt: skip
+                save(tensors, storage_writer=FileSystemWriter(target), process_group=self.groups.save,
+                     no_dist=no_dist)  # fmt: skip
             self.groups.barrier()
             record.blocking_s = time.perf_counter() - started
             self._commit(step_dir, record, started)
