@@ -12,7 +12,7 @@ from typing import Annotated
 import typer
 
 from kforge_cli import __version__
-from kforge_cli.cli import convert_mot, inspect_ckpt, prepare_data, resume, train, validate
+from kforge_cli.cli import convert_mot, export_hf, inspect_ckpt, prepare_data, resume, train, validate
 
 app = typer.Typer(
     name="kforge",
@@ -38,7 +38,7 @@ def _root(
     """kforge: typed pre-training for LLMs and VLMs."""
 
 
-for module in (train, resume, convert_mot, inspect_ckpt, validate, prepare_data):
+for module in (train, resume, convert_mot, inspect_ckpt, export_hf, validate, prepare_data):
     module.register(app)
 
 

@@ -167,6 +167,12 @@ class CheckpointManager:
         if decision["kind"] is None:
             return None
         path, dirs = Path(decision["path"]), [Path(d) for d in decision["dirs"]]
+        if decision["kind"] == "warm_start_hf":
+            from kforge_cli.engine.checkpoint.hf_import import load_hf_weights
+
+            names = load_hf_weights(self.model, path, self.settings.model, list(self.cfg.exclude_from_loading))
+            log.info("warm start: loaded %d tensors from Hugging Face %s (fresh optimizer, step 0)", len(names), path)
+            return Restored("warm_start", path, 0, {})
         if decision["kind"] == "warm_start":
             names = load_model_weights(self.model, dirs, list(self.cfg.exclude_from_loading), self.groups.save)
             log.info("warm start: loaded %d tensors from %s (fresh optimizer, step 0)", len(names), path)

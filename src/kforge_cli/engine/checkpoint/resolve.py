@@ -15,6 +15,7 @@ from typing import Any
 
 from kforge_cli.engine.checkpoint.errors import CheckpointError
 from kforge_cli.engine.checkpoint.fingerprint import changed_fields
+from kforge_cli.engine.checkpoint.hf_format import is_hf_dir
 from kforge_cli.engine.checkpoint.layout import (
     TRAIN_STATE_FILE,
     dcp_dirs,
@@ -62,6 +63,8 @@ def decide_restore(cfg: CheckpointSettings, root: Path) -> dict[str, Any]:
             "check the run directory, or set --checkpoint.resume=auto to start fresh"
         )
     if cfg.init_from:
+        if is_hf_dir(cfg.init_from):  # a Hugging Face Llama directory (config.json + safetensors)
+            return {"kind": "warm_start_hf", "path": str(Path(cfg.init_from).expanduser().resolve()), "dirs": []}
         path = resolve_checkpoint(cfg.init_from)
         return {"kind": "warm_start", "path": str(path), "dirs": [str(d) for d in dcp_dirs(path)]}
     return {"kind": None}
