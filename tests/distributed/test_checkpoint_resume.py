@@ -7,15 +7,17 @@ every rank's exit code is visible: all must be 75 after a signal that only rank 
 from __future__ import annotations
 
 import os
+import shutil
 import socket
 import subprocess
 from pathlib import Path
 
 import pytest
+import torch
 
 from kforge_cli.engine.checkpoint import read_latest
 from tests.conftest import kforge_cmd
-from tests.e2e.test_resume import ARGS, ENV, HOOK, losses
+from tests.e2e.test_resume import ARGS, ENV, HOOK, Payload, losses
 
 pytestmark = pytest.mark.distributed
 
@@ -113,3 +115,15 @@ def test_pipeline_stages_save_own_dirs_and_resume_without_pipeline(reference: Pa
     assert sorted(got) == list(range(1, 13))
     for step in got:
         assert got[step] == pytest.approx(ref[step], rel=1e-5, abs=0), (step, got[step], ref[step])
+
+
+def test_hostile_train_state_on_one_rank_stops_every_rank(reference: Path, tmp_path: Path) -> None:
+    """Only rank 1's RNG file carries a payload: rank 1 refuses it, rank 0 stops too instead of hanging."""
+    run, marker = tmp_path / "run", tmp_path / "pwned"
+    shutil.copytree(reference, run)
+    torch.save({"torch_cpu": Payload(marker)}, run / "checkpoints" / "step_12" / "train_state" / "rank_1.pt")
+    results = launch(2, run, REF_ARGS)
+    ok(results, 2)
+    assert f"refusing to load {run / 'checkpoints' / 'step_12' / 'train_state' / 'rank_1.pt'}" in results[1][1]
+    assert "another rank refused its train state" in results[0][1]
+    assert not marker.exists()

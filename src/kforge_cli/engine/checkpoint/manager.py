@@ -197,13 +197,21 @@ class CheckpointManager:
         return Restored("resume", path, step, dict(state.get("metrics_run_ids") or {}))
 
     def _restore_rng(self, path: Path, state: dict[str, Any], step: int) -> None:
+        """Each rank's own generators; a file refused on any rank stops every rank (no rank waits forever)."""
+        found, error = None, None
         if state.get("world_size") == self.groups.world_size:
-            found = read_rank_state(path, self.groups.rank)
-            if found is not None:
-                restore_rng(*found)
-                return
-        log.warning("checkpoint saved at world size %s, now %d: RNGs re-seeded from train.seed + step",
-                    state.get("world_size"), self.groups.world_size)  # fmt: skip
+            try:
+                found = read_rank_state(path, self.groups.rank)
+            except KforgeError as exc:
+                error = exc
+        if not self.groups.all_true(error is None):
+            raise error or UnsafeCheckpointError(f"another rank refused its train state in {path} (see its log)")
+        if found is not None:
+            restore_rng(*found)
+            return
+        saved, now = state.get("world_size"), self.groups.world_size
+        why = f"saved at world size {saved}, now {now}" if saved != now else f"no RNG state for rank {self.groups.rank}"
+        log.warning("checkpoint %s: %s, so RNGs are re-seeded from train.seed + step", path, why)
         seed_everything(self.settings.train.seed + step)
 
     def bind_data(self, loader: Any) -> None:
