@@ -48,3 +48,40 @@ def test_nan_abort_exits_non_zero(kforge, tmp_path: Path) -> None:
 def test_bad_hook_path_is_a_clear_error(kforge, tmp_path: Path) -> None:
     r = kforge("train", "--run-dir", str(tmp_path / "run"), '--train.hooks=["no_such_pkg.mod:Hook"]')
     assert r.returncode == 2 and "no_such_pkg" in r.stderr and "Traceback" not in r.stderr
+
+
+def test_prepare_data_then_train_reports_eval_loss(kforge, tmp_path: Path) -> None:
+    from tests.conftest import SHARED_DATA
+
+    text = SHARED_DATA / "tinyshakespeare.txt"
+    if not text.is_file():
+        pytest.skip(f"{text} not found")
+    data = tmp_path / "shakespeare"
+    p = kforge("prepare-data", str(text), "--tokenizer", "byte", "--out", str(data), "--quiet")
+    assert p.returncode == 0, p.stderr[-2000:]
+    run = tmp_path / "run"
+    r = kforge("train", "--run-dir", str(run), f"--data.path={data}", "--train.max_steps=30",
+               "--eval.interval=15", "--eval.steps=2", "--checkpoint.interval=0")  # fmt: skip
+    assert r.returncode == 0, r.stderr[-2000:]
+    evals = [m for m in read_metrics(run) if "eval_loss" in m]
+    assert [m["step"] for m in evals] == [15, 30]
+    assert evals[-1]["eval_loss"] < evals[0]["eval_loss"] < 6.0
+
+
+def test_mixture_logs_tokens_per_dataset(kforge, tmp_path: Path) -> None:
+    for name, word in (("a", "alpha"), ("b", "beta")):
+        src = tmp_path / f"{name}.txt"
+        src.write_text("\n".join(f"{word} {i} {word}" for i in range(3000)))
+        assert kforge("prepare-data", str(src), "--out", str(tmp_path / name), "--quiet").returncode == 0
+    run = tmp_path / "run"
+    datasets = f'[{{name="a", path="{tmp_path / "a"}", weight=3}}, {{name="b", path="{tmp_path / "b"}", weight=1}}]'
+    r = kforge("train", "--run-dir", str(run), f"--data.datasets={datasets}", "--train.max_steps=20",
+               "--eval.interval=0", "--checkpoint.interval=0", "--metrics.log_interval=20")  # fmt: skip
+    assert r.returncode == 0, r.stderr[-2000:]
+    last = [m for m in read_metrics(run) if "loss" in m][-1]
+    a, b = last["tokens/a"], last["tokens/b"]
+    assert a + b == last["tokens_seen"]
+    assert abs(a / (a + b) - 0.75) < 0.02
+    assert 0 < last["loss/a"] < 6 and 0 < last["loss/b"] < 6 and last["loss/a"] != last["loss/b"]
+    # the total is the token-weighted mean of the per-dataset losses
+    assert min(last["loss/a"], last["loss/b"]) <= last["loss"] <= max(last["loss/a"], last["loss/b"])

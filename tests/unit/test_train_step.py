@@ -98,3 +98,27 @@ def test_grad_norm_is_reported_before_clipping(tmp_path: Path) -> None:
     assert rc.grad_norm == pytest.approx(rf.grad_norm, rel=1e-6) and rc.grad_norm > 0.01
     total = torch.sqrt(sum((p.grad**2).sum() for p in clipped.model.parameters() if p.grad is not None))
     assert float(total) == pytest.approx(0.01, rel=1e-3)
+
+
+def test_per_dataset_losses_are_token_weighted_parts_of_the_total(tmp_path: Path) -> None:
+    from types import SimpleNamespace
+
+    session = make_session(tmp_path)
+    session.data = SimpleNamespace(dataset_names=["web", "code"])
+    batch = make_batch()
+    batch["dataset_ids"] = torch.tensor([0, 1, 1, 0, 0, 1, 0, 1])
+    result = plain_step(session, [batch])
+    with torch.no_grad():
+        logits = session.model(batch["input_ids"])
+        for d, name in enumerate(["web", "code"]):
+            rows = batch["dataset_ids"] == d
+            labels = batch["labels"][rows]
+            expected = float(session.loss_fn.from_logits(logits[rows], labels)) / int((labels != -100).sum())
+            assert result.extra[f"loss/{name}"] == pytest.approx(expected, rel=1e-5)
+    # gradients equal the untracked path's
+    plain = make_session(tmp_path)
+    plain.model.load_state_dict(session.model.state_dict())
+    reference = plain_step(plain, [{k: v for k, v in batch.items() if k != "dataset_ids"}])
+    assert reference.extra == {} and result.loss == pytest.approx(reference.loss, rel=1e-6)
+    for (n, a), (_, b) in zip(session.model.named_parameters(), plain.model.named_parameters(), strict=True):
+        torch.testing.assert_close(a.grad, b.grad, rtol=1e-5, atol=1e-7, msg=n)

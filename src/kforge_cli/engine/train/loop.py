@@ -85,6 +85,12 @@ def _log_step(session: TrainingSession, info: StepInfo, meter: _Meter) -> None:
     if session.nan_guard.total_bad:
         record["nan_steps"] = session.nan_guard.total_bad
     record.update(peak_memory_stats(session.runtime.device))
+    record.update(info.extra)  # e.g. per-dataset losses from the step function
+    names = list(getattr(session.data, "dataset_names", []))
+    if len(names) > 1:  # tokens drawn per dataset so far (global; the loader's counters survive resumes)
+        counts = session.data.train.state_dict()["counts"]
+        for name, samples in zip(names, counts, strict=True):
+            record[f"tokens/{name}"] = int(samples) * session.settings.train.seq_len
     if session.metrics is not None:
         session.metrics.write(record)
     session.progress.update(info.step, record)
@@ -150,7 +156,9 @@ def run_training_loop(session: TrainingSession, step_fn: StepFn) -> TrainOutcome
         meter.add(session.tokens_per_step, elapsed)
         session.profiler.step(step)
         last_loss = result.loss
-        info = StepInfo(step, result.loss, result.grad_norm, lr, state.tokens_seen, elapsed, action == "skip")
+        info = StepInfo(
+            step, result.loss, result.grad_norm, lr, state.tokens_seen, elapsed, action == "skip", result.extra
+        )
         if step % s.metrics.log_interval == 0 or step == s.train.max_steps or step == 1:
             _log_step(session, info, meter)
         session.hooks.on_step_end(session, info)

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import torch
@@ -33,9 +33,12 @@ class StepResult:
     loss: float  # global mean loss per valid token
     grad_norm: float  # total gradient norm before clipping
     valid_tokens: int  # global number of label tokens that counted
+    extra: dict[str, float] = field(default_factory=dict)  # e.g. {"loss/<dataset>": ...}
 
 
 StepFn = Callable[["TrainingSession", list[Batch]], StepResult]
+# Batch keys passed to the model as keyword arguments when present (VLM batches add the pixels).
+MODEL_INPUTS = ("doc_ids", "positions", "pixel_values", "frame_mask")
 
 
 def loss_sum_from_output(session: TrainingSession, output: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
@@ -60,7 +63,7 @@ def _forward_loss_sum(session: TrainingSession, batch: Batch) -> torch.Tensor:
 
         return pipeline_forward_loss_sum(session, batch)
     model, loss_fn = session.model, session.loss_fn
-    kwargs = {k: batch[k] for k in ("doc_ids", "positions") if k in batch}
+    kwargs = {k: batch[k] for k in MODEL_INPUTS if k in batch}
     with session.autocast():
         if model_computes_loss(session):
             return model(batch["input_ids"], labels=batch["labels"], loss_fn=loss_fn, **kwargs)
@@ -76,6 +79,29 @@ def clip_gradients(session: TrainingSession) -> float:
     return clip_grad_norm(params, max_norm, session.runtime.pp_group())
 
 
+def _forward_loss_per_token(session: TrainingSession, batch: Batch) -> torch.Tensor:
+    """Per-position losses [B, T] (plain data/FSDP path only), for per-dataset losses."""
+    model, loss_fn = session.model, session.loss_fn
+    kwargs = {k: batch[k] for k in MODEL_INPUTS if k in batch}
+    with session.autocast():
+        if model_computes_loss(session):
+            return model(batch["input_ids"], labels=batch["labels"], loss_fn=loss_fn.per_token, **kwargs)
+        logits = model(batch["input_ids"], **kwargs)
+    return loss_fn.per_token_from_logits(logits, batch["labels"])
+
+
+def _tracks_datasets(session: TrainingSession, micro_batches: list[Batch]) -> int:
+    """Number of mixture datasets whose losses the step reports (0 = not tracked).
+
+    Tracked on the plain path (one process or FSDP); under TP the logits are
+    vocab-sharded and under PP the loss lives on the last stage, so only the total is kept.
+    """
+    names = getattr(session.data, "dataset_names", None) or []
+    if len(names) < 2 or session.pipeline is not None or session.runtime.tp_size > 1:
+        return 0
+    return len(names) if all("dataset_ids" in mb for mb in micro_batches) else 0
+
+
 def plain_step(session: TrainingSession, micro_batches: list[Batch]) -> StepResult:
     """Gradient accumulation over micro-batches with token-count normalisation."""
     device = session.runtime.device
@@ -86,18 +112,33 @@ def plain_step(session: TrainingSession, micro_batches: list[Batch]) -> StepResu
     # effective loss is (global sum) / (global valid tokens).
     scale = session.runtime.dp_size / n_valid.clamp(min=1.0)
     total = torch.zeros((), device=device, dtype=torch.float32)
+    n_datasets = _tracks_datasets(session, micro_batches)
+    per_dataset = torch.zeros(2, max(n_datasets, 1), device=device, dtype=torch.float64)  # loss sums, tokens
     last = len(micro_batches) - 1
     for i, batch in enumerate(micro_batches):
         sync = getattr(session.model, "set_requires_gradient_sync", None)
         if sync is not None:
             sync(i == last)
-        loss_sum = _forward_loss_sum(session, batch)
+        if n_datasets:
+            per_token = _forward_loss_per_token(session, batch)
+            loss_sum = per_token.sum()
+            ids = batch["dataset_ids"]
+            per_dataset[0].index_add_(0, ids, per_token.detach().sum(dim=-1).double())
+            per_dataset[1].index_add_(0, ids, (batch["labels"] != IGNORE_INDEX).sum(dim=-1).double())
+        else:
+            loss_sum = _forward_loss_sum(session, batch)
         (loss_sum * scale).backward()
         total += loss_sum.detach().float()
     total = all_reduce_sum(total, group)
     grad_norm = clip_gradients(session)
     n = float(n_valid)
-    return StepResult(loss=float(total) / max(n, 1.0), grad_norm=grad_norm, valid_tokens=int(n))
+    extra: dict[str, float] = {}
+    if n_datasets:
+        all_reduce_sum(per_dataset, group)
+        for name, loss_sum, tokens in zip(session.data.dataset_names, *per_dataset.tolist(), strict=True):
+            if tokens > 0:
+                extra[f"loss/{name}"] = loss_sum / tokens
+    return StepResult(loss=float(total) / max(n, 1.0), grad_norm=grad_norm, valid_tokens=int(n), extra=extra)
 
 
 def select_step_fn(settings: JobSettings) -> StepFn:
@@ -106,4 +147,8 @@ def select_step_fn(settings: JobSettings) -> StepFn:
         from kforge_cli.engine.train.pipeline_step import pipeline_step
 
         return pipeline_step
+    if settings.vlm is not None:
+        from kforge_cli.engine.train.vlm_step import vlm_step_fn
+
+        return vlm_step_fn()
     return plain_step
