@@ -245,6 +245,15 @@ def _pipeline_schedule_issues(s: JobSettings) -> list[ConfigIssue]:
         out.append(
             ConfigIssue("train.grad_accum_steps", f"schedule dualpipev needs at least {stages} micro-batches, got {m}")
         )
+    if d.pp_schedule in ZERO_BUBBLE_SCHEDULES and s.train.activation_checkpointing != "none":
+        out.append(
+            ConfigIssue(
+                "train.activation_checkpointing",
+                f"not supported with schedule {d.pp_schedule}: its split backward recomputes a checkpointed "
+                "block twice, which torch's composable checkpoint cannot do; use 1f1b or interleaved_1f1b, "
+                "or activation_checkpointing = 'none'",
+            )
+        )
     if d.pp_schedule in ZERO_BUBBLE_SCHEDULES and d.reshard_after_forward:
         out.append(
             ConfigIssue(

@@ -37,6 +37,28 @@ if _MATH_SDPA is not None:
     _SAVE_OPS.add(_MATH_SDPA.default)
 
 
+def _ignore_profiler_ops_in_selective_ac() -> None:
+    """Let op-level selective AC compose with FSDP2 on the same block.
+
+    FSDP2's pre-forward hook runs before the checkpoint region in the forward but inside
+    it during the recompute, where it opens a profiler ``record_function``; selective AC
+    then finds an op it never saw and aborts the backward. Profiler record-function ops
+    carry no tensor data, so replaying them is always safe: they join torch's own list
+    of ops that selective AC ignores.
+    """
+    from torch.utils import checkpoint as ckpt
+
+    profiler = torch.ops.profiler
+    ckpt.SAC_IGNORED_OPS.update(
+        {
+            profiler._record_function_enter.default,
+            profiler._record_function_enter_new.default,
+            profiler._record_function_exit.default,
+            profiler._record_function_exit._RecordFunction,
+        }
+    )
+
+
 def _op_policy_context() -> Any:
     counts: dict[str, int] = defaultdict(int)
 
@@ -61,6 +83,7 @@ def apply_activation_checkpointing(model: nn.Module, cfg: TrainSettings) -> int:
         if cfg.activation_checkpointing == "full":
             checkpoint(block)
         elif cfg.ac_selective_mode == "op":
+            _ignore_profiler_ops_in_selective_ac()
             checkpoint(block, context_fn=_op_policy_context)
         elif index % cfg.ac_every_n_blocks == 0:
             checkpoint(block)
