@@ -1,0 +1,160 @@
+"""`load_model` and HF warm start across layouts: 2-rank FSDP and pp=2 checkpoints give the same model.
+
+One torchrun launch (2 gloo processes) runs this file as a script: per case it builds
+the parallel model (initialised exactly as one process would), optionally warm-starts
+it from a Hugging Face directory, saves a checkpoint through the real
+``CheckpointManager`` and writes each rank's full view of the weights. The test then
+loads every checkpoint with ``load_model`` on one process (no process group) and
+requires bit-equality with the single-process model and with what the ranks held.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import traceback
+from pathlib import Path
+
+import pytest
+import torch
+
+REPO = Path(__file__).resolve().parents[2]
+TINY = ["--model.dim=32", "--model.n_layers=4", "--model.n_heads=4", "--model.n_kv_heads=2", "--model.vocab_size=64",
+        "--model.max_seq_len=32", "--train.seq_len=16", "--train.batch_size=2", "--train.device=cpu",
+        "--train.mixed_precision=fp32", "--train.max_steps=4", "--scheduler.warmup_steps=1", "--train.seed=11"]  # fmt: skip
+FSDP = ["--distributed.dp_shard=2"]
+PP = ["--distributed.pp=2", "--distributed.dp_shard=1", "--train.grad_accum_steps=2"]
+
+
+def _worker(cases_file: str, out: str) -> None:
+    """Runs under torchrun: one checkpoint per case, and each rank's full weights as a tensors-only file."""
+    import torch.distributed as dist
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    from kforge_cli.engine.checkpoint import CheckpointManager
+    from kforge_cli.engine.parallel import build_parallel_model
+    from kforge_cli.engine.runtime import init_runtime
+    from kforge_cli.engine.train.optimizer import build_optimizer
+    from kforge_cli.engine.train.scheduler import build_scheduler
+    from kforge_cli.engine.train.session import TrainState
+    from kforge_cli.settings import load_settings
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo")
+    rank = dist.get_rank()
+    try:
+        for case in json.loads(Path(cases_file).read_text()):
+            run_dir = Path(out) / case["name"]
+            s = load_settings(overrides=case["overrides"], use_env=False).settings
+            runtime = init_runtime(s)
+            model, _ = build_parallel_model(s, runtime)
+            opt = build_optimizer(model, s)
+            mgr = CheckpointManager(s, runtime, run_dir, model=model, optimizer=opt, scheduler=build_scheduler(opt, s))
+            mgr.restore(progress=TrainState())
+            mgr.save(0, blocking=True)
+            full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True))
+            torch.save({k: v.detach().cpu() for k, v in full.items() if isinstance(v, torch.Tensor)},
+                       run_dir / f"held.rank{rank}.pt")  # fmt: skip
+            dist.barrier()
+    except BaseException:
+        traceback.print_exc()
+        sys.stderr.flush()
+        os._exit(1)
+    dist.barrier()
+    dist.destroy_process_group()
+    sys.stdout.flush()
+    os._exit(0)  # skip interpreter teardown: gloo's threads can abort it after a clean destroy
+
+
+def _single_process_model() -> dict[str, torch.Tensor]:
+    from kforge_cli.engine.parallel import build_parallel_model
+    from kforge_cli.engine.runtime import init_runtime
+    from kforge_cli.settings import load_settings
+
+    s = load_settings(overrides=TINY, use_env=False).settings
+    model, _ = build_parallel_model(s, init_runtime(s))
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+@pytest.fixture(scope="module")
+def launched(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
+    """Runs the four cases; returns (output dir, the HF directory the warm-start cases read)."""
+    from kforge_cli.engine.checkpoint.hf_export import export_hf
+    from tests.unit.test_inspect_ckpt import train_and_save
+
+    root = tmp_path_factory.mktemp("sharded")
+    source = train_and_save(root / "source", ["--model.n_layers=4", "--model.vocab_size=64"], steps=1)
+    hf_dir = export_hf(source.steps[1], root / "hf").out_dir  # weights unlike any fresh init
+    cases = [
+        {"name": "fsdp", "overrides": [*TINY, *FSDP]},
+        {"name": "pp", "overrides": [*TINY, *PP]},
+        {"name": "fsdp_hf", "overrides": [*TINY, *FSDP, f"--checkpoint.init_from={hf_dir}"]},
+        {"name": "pp_hf", "overrides": [*TINY, *PP, f"--checkpoint.init_from={hf_dir}"]},
+    ]
+    (root / "cases.json").write_text(json.dumps(cases))
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", __file__,
+           str(root / "cases.json"), str(root)]  # fmt: skip
+    env = {
+        **os.environ,
+        "OMP_NUM_THREADS": "1",
+        "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]),
+    }
+    r = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-4000:]
+    return root, hf_dir
+
+
+def _loaded(root: Path, case: str) -> dict[str, torch.Tensor]:
+    from kforge_cli import load_model
+
+    return {k: v.clone() for k, v in load_model(root / case / "checkpoints" / "step_0").state_dict().items()}
+
+
+def _held(root: Path, case: str) -> dict[str, torch.Tensor]:
+    """The union of what the ranks held (pipeline stages hold disjoint parts)."""
+    out: dict[str, torch.Tensor] = {}
+    for rank in (0, 1):
+        out.update(torch.load(root / case / f"held.rank{rank}.pt", weights_only=True))
+    return out
+
+
+def _assert_equal(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> None:
+    assert set(a) == set(b)
+    for k in a:
+        assert torch.equal(a[k], b[k]), k
+
+
+@pytest.mark.distributed
+def test_fsdp_and_pp_checkpoints_load_to_the_same_single_process_model(launched: tuple[Path, Path]) -> None:
+    from kforge_cli.engine.checkpoint.reader import open_checkpoint
+
+    root, _ = launched
+    fsdp_view = open_checkpoint(root / "fsdp" / "checkpoints" / "step_0")
+    pp_view = open_checkpoint(root / "pp" / "checkpoints" / "step_0")
+    assert fsdp_view.tensors["model.layers.0.attention.wq.weight"].shards == 2 and len(fsdp_view.dcp_dirs) == 1
+    assert [d.name for d in pp_view.dcp_dirs] == ["pp_0", "pp_1"]  # one DCP dir per stage
+    reference = _single_process_model()
+    fsdp, pp = _loaded(root, "fsdp"), _loaded(root, "pp")
+    _assert_equal(fsdp, reference)
+    _assert_equal(pp, reference)
+    _assert_equal(_held(root, "fsdp"), reference)
+    _assert_equal(_held(root, "pp"), reference)
+
+
+@pytest.mark.distributed
+def test_hf_warm_start_under_fsdp_and_pp_loads_every_shard(launched: tuple[Path, Path]) -> None:
+    from kforge_cli import load_model
+
+    root, hf_dir = launched
+    hf = {k: v.clone() for k, v in load_model(hf_dir).state_dict().items()}
+    for case in ("fsdp_hf", "pp_hf"):
+        _assert_equal(_held(root, case), hf)
+        _assert_equal(_loaded(root, case), hf)
+    fresh = _single_process_model()
+    assert not torch.equal(hf["layers.3.feed_forward.w2.weight"], fresh["layers.3.feed_forward.w2.weight"])
+
+
+if __name__ == "__main__":
+    _worker(sys.argv[1], sys.argv[2])
