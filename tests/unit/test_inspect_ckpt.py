@@ -219,3 +219,13 @@ def test_load_model_in_bf16(run: Saved) -> None:
     assert model.tok_embeddings is not None and model.tok_embeddings.weight.dtype == torch.bfloat16
     assert model.rope_cos.dtype == torch.float32  # RoPE tables stay fp32
     assert torch.equal(model.tok_embeddings.weight, run.weights[2]["tok_embeddings.weight"].to(torch.bfloat16))
+
+
+def test_load_model_from_a_plain_dcp_dir_needs_the_model_settings(run: Saved, tmp_path: Path) -> None:
+    with quiet_single_process():
+        dcp_save({"model": dict(run.weights[2])}, checkpoint_id=tmp_path, no_dist=True)
+    with pytest.raises(CheckpointError, match="does not say which model"):
+        load_model(tmp_path)
+    model = load_model(tmp_path, model_settings=run.settings.model)
+    for name, value in model.state_dict().items():
+        assert torch.equal(value, run.weights[2][name]), name
