@@ -69,7 +69,11 @@ def run_case(name: str, overrides: list[str], out_dir: Path) -> dict[str, Any]:
 def main() -> int:
     cases = json.loads(Path(sys.argv[1]).read_text())
     out_dir = Path(sys.argv[2])
-    dist.init_process_group("gloo")
+    if torch.cuda.is_available():  # the gpu-marked cases: NCCL for CUDA tensors, gloo for the rest
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+        dist.init_process_group("cpu:gloo,cuda:nccl")
+    else:
+        dist.init_process_group("gloo")
     rank = dist.get_rank()
     failed = False
     for case in cases:

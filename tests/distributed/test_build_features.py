@@ -9,6 +9,9 @@ from __future__ import annotations
 
 import json
 import os
+import random
+import socket
+import subprocess
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -16,7 +19,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.conftest import run_kforge
+from tests.conftest import kforge_cmd, run_kforge
 from tests.distributed.parity import INDUCTOR_CACHE, TINY, assert_close_losses, reference
 
 pytestmark = pytest.mark.distributed
@@ -91,3 +94,39 @@ def test_nproc_per_node_starts_the_ranks_itself(tmp_path: Path) -> None:
     losses = [m["loss"] for m in records if "loss" in m]
     assert_close_losses(losses, reference(("--train.batch_size=4",))["losses"], 1e-5, "--nproc-per-node 2")
     assert sorted(p.name for p in (run / "logs").iterdir()) == ["rank_0.log", "rank_1.log"]
+
+
+def _free_slurm_port() -> int:
+    """A free port in the range kforge derives from SLURM job ids."""
+    for port in random.sample(range(15000, 25000), 200):
+        with socket.socket() as sock:
+            try:
+                sock.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    raise RuntimeError("no free port in 15000-25000")
+
+
+def test_srun_style_launch_from_slurm_variables(tmp_path: Path) -> None:
+    """What `srun -n 2 kforge train` gives each task: SLURM_* variables only (no RANK/WORLD_SIZE).
+
+    The rendezvous address is the first host of SLURM_JOB_NODELIST and the port derives
+    from the job id, so the tasks meet without any launcher."""
+    run = tmp_path / "run"
+    job_id = str(_free_slurm_port() - 15000)  # kforge derives the port 15000 + job id % 10000
+    base = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR",
+                                                             "MASTER_PORT")}  # fmt: skip
+    procs = []
+    for rank in range(2):
+        env = {**base, "SLURM_PROCID": str(rank), "SLURM_LOCALID": str(rank), "SLURM_NTASKS": "2",
+               "SLURM_STEP_ID": "0", "SLURM_JOB_ID": job_id, "SLURM_JOB_NODELIST": "localhost",
+               "OMP_NUM_THREADS": "1"}  # fmt: skip
+        cmd = [*kforge_cmd(), "train", "--run-dir", str(run), *TINY]
+        procs.append(subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
+    outputs = [p.communicate(timeout=300)[0] for p in procs]
+    for rank, (p, out) in enumerate(zip(procs, outputs, strict=True)):
+        assert p.returncode == 0, f"task {rank} exited {p.returncode}:\n{out[-3000:]}"
+    records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    losses = [m["loss"] for m in records if "loss" in m]
+    assert_close_losses(losses, reference(("--train.batch_size=4",))["losses"], 1e-5, "srun-style launch")

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import logging
 
+import torch
 from torch import nn
 
 from kforge_cli.errors import InvalidInputError
@@ -27,12 +28,18 @@ SKIP_MODULES = ("output",)
 
 def require_torchao() -> None:
     """Raise a clear error when train.float8 is on but torchao is not installed."""
+    quiet = logging.getLogger("torchao")
+    level = quiet.level
+    if not torch.cuda.is_available():  # its CUDA kernels cannot load on a CPU build: expected, not news
+        quiet.setLevel(logging.ERROR)
     try:
         import torchao.float8  # noqa: F401
     except ImportError as exc:
         raise InvalidInputError(
             "train.float8 = true needs torchao: pip install torchao (or 'kforge[float8]'), or set --train.float8=false"
         ) from exc
+    finally:
+        quiet.setLevel(level)
 
 
 def _eligible(module: nn.Module, fqn: str) -> bool:
@@ -58,8 +65,3 @@ def apply_float8(model: nn.Module, *, recipe: str, fsdp_float8_all_gather: bool)
     swapped = before - after
     log.info("float8 (%s) on %d linear layers (%d kept in high precision)", recipe, swapped, after)
     return swapped
-
-
-def is_float8_model(model: nn.Module) -> bool:
-    """True when any submodule is a torchao Float8Linear."""
-    return any(type(m).__name__ == "Float8Linear" for m in model.modules())

@@ -1,0 +1,51 @@
+"""CUDA/NCCL paths (gpu marker): float8 + compile on one GPU, and on >= 2 GPUs the FSDP2
+float8 all-gather and torch.compile with tensor parallelism (refused on CPU, where it is wrong).
+
+Skipped without CUDA; run on a GPU machine with `pytest -m gpu tests/distributed/test_gpu.py`.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.distributed.parity import assert_close_losses, completed, launch, reference
+
+pytestmark = [pytest.mark.gpu, pytest.mark.distributed]
+
+# Dims that are multiples of 16 (float8 GEMMs) and big enough for tensor cores to matter.
+GPU = ["--train.device=cuda", "--model.dim=256", "--model.n_heads=8", "--model.n_kv_heads=4",
+       "--model.vocab_size=512", "--train.seq_len=64", "--model.max_seq_len=64"]  # fmt: skip
+BF16 = [*GPU, "--train.mixed_precision=bf16"]
+
+
+def _gpus(n: int) -> None:
+    if torch.cuda.device_count() < n:
+        pytest.skip(f"needs {n} GPUs, found {torch.cuda.device_count()}")
+
+
+def test_float8_with_compile_trains_close_to_bf16_on_one_gpu() -> None:
+    pytest.importorskip("torchao")
+    bf16 = reference((*BF16,))["losses"]
+    fp8 = reference((*BF16, "--train.float8=true", "--train.compile_model=true"))["losses"]
+    assert_close_losses(fp8, bf16, 2e-2, "float8+compile vs bf16 (cuda)")
+    assert fp8[-1] < fp8[0]
+
+
+def test_fsdp_float8_all_gather_on_nccl(tmp_path_factory: pytest.TempPathFactory) -> None:
+    _gpus(2)
+    pytest.importorskip("torchao")
+    res = launch(2, {"bf16": BF16, "fp8": [*BF16, "--train.float8=true"]}, tmp_path_factory.mktemp("fp8"))
+    bf16 = completed(res["bf16"], "bf16")[0]["losses"]
+    for r in completed(res["fp8"], "fp8"):
+        assert_close_losses(r["losses"], bf16, 2e-2, "FSDP2 float8 all-gather vs bf16 (nccl)")
+
+
+def test_compile_with_tensor_parallel_matches_eager_on_cuda(tmp_path_factory: pytest.TempPathFactory) -> None:
+    """The combination kforge refuses on CPU: on CUDA it must equal eager TP (fp32), or the rule must widen."""
+    _gpus(2)
+    fp32 = [*GPU, "--train.mixed_precision=fp32", "--distributed.tp=2"]
+    res = launch(2, {"eager": fp32, "compiled": [*fp32, "--train.compile_model=true"]}, tmp_path_factory.mktemp("ctp"))
+    eager = completed(res["eager"], "eager")[0]["losses"]
+    for r in completed(res["compiled"], "compiled"):
+        assert_close_losses(r["losses"], eager, 1e-4, "compile+TP vs eager TP (cuda)")
