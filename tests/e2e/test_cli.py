@@ -11,7 +11,7 @@ import pytest
 
 pytestmark = pytest.mark.e2e
 
-SUBCOMMANDS = ["train", "resume", "convert-mot", "inspect-ckpt", "validate-config"]
+SUBCOMMANDS = ["train", "resume", "convert-mot", "inspect-ckpt", "validate-config", "prepare-data", "export-hf"]
 
 
 def test_help_lists_subcommands_and_version(kforge) -> None:
@@ -80,7 +80,3 @@ def test_format_and_explain(kforge, tmp_path: Path) -> None:
     e = kforge("validate-config", "-p", "h200x32", "--explain", "model.dim")
     assert e.returncode == 0 and "Hidden size" in e.stdout and "profile h200x32" in e.stdout
 
-
-def test_unbuilt_commands_exit_1_with_one_line(kforge, tmp_path: Path) -> None:
-    r = kforge("convert-mot", str(tmp_path / "a"), str(tmp_path / "b"))
-    assert r.returncode == 1 and len(r.stderr.strip().splitlines()) == 1
