@@ -28,11 +28,11 @@ def resume(
     Overrides that do not change the model's shape are allowed
     (e.g. --train.max_steps=20000); ones that do are refused (exit 2).
     """
-    if sbatch or submit:
-        from kforge_cli.errors import NotBuiltYetError
-
-        raise NotBuiltYetError("resume --sbatch/--submit is not built yet (SLURM issue)")
     resolved = resolve_resume(run_dir, list(ctx.args))
+    if sbatch or submit:  # a job that continues RUN_DIR (its config.toml takes the overrides)
+        from kforge_cli.slurm import sbatch_from_cli
+
+        raise typer.Exit(sbatch_from_cli(resolved.settings, submit=submit))
     from kforge_cli.engine.train.entry import train_from_cli
 
     raise typer.Exit(train_from_cli(resolved))

@@ -36,10 +36,10 @@ def train(
     if run_dir is not None:
         overrides.append(f"--train.run_dir={run_dir}")
     resolved = resolve(profile, config, overrides)
-    if sbatch or submit:
-        from kforge_cli.errors import NotBuiltYetError
+    if sbatch or submit:  # --submit implies --sbatch
+        from kforge_cli.slurm import sbatch_from_cli
 
-        raise NotBuiltYetError("train --sbatch/--submit is not built yet (SLURM issue)")
+        raise typer.Exit(sbatch_from_cli(resolved.settings, submit=submit))
     if nproc_per_node is not None:
         raise typer.Exit(_launch_local(resolved, nproc_per_node, profile, config, overrides))
     from kforge_cli.engine.train.entry import train_from_cli

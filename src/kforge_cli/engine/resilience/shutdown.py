@@ -65,10 +65,17 @@ class ShutdownHandler:
         return flag
 
     def close(self) -> None:
-        if self._installed:
+        """Restore the previous handlers, unless this process is stopping on a signal.
+
+        A process that stops on a signal keeps the flag-only handlers until it exits: the
+        launcher's follow-up SIGTERM (srun --kill-on-bad-exit ends the step as soon as one
+        rank exits with 75) must not kill a rank still in its teardown and turn the agreed
+        exit code 75 (requeue) into 143.
+        """
+        if self._installed and self.signal_name is None:
             for sig, previous in self._previous.items():
                 signal.signal(sig, previous)
-            self._installed = False
+        self._installed = False
 
     def __enter__(self) -> ShutdownHandler:
         return self.install()

@@ -1,0 +1,90 @@
+"""`--sbatch`: create the run directory, write its config.toml and job.sbatch, optionally submit.
+
+The job's tasks run `kforge train` on RUN_DIR/config.toml, so the run directory and its config
+must exist before the job starts; a requeued job runs the same command on the same directory
+and resumes from the latest checkpoint. Nothing here imports torch, except the check of an
+existing run directory's checkpoint against new settings (shared with the engine).
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import typer
+
+from kforge_cli.errors import EXIT_OK, InvalidInputError
+from kforge_cli.settings import JobSettings
+from kforge_cli.settings.explain import to_toml
+from kforge_cli.slurm.sbatch import CONFIG_FILE, SCRIPT_FILE, render_sbatch
+from kforge_cli.slurm.submit import submit_script
+
+
+@dataclass(frozen=True)
+class JobFiles:
+    run_dir: Path
+    config: Path
+    script: Path
+
+
+def default_run_dir(settings: JobSettings) -> Path:
+    """runs/<profile>-<timestamp>, as `kforge train` names a run (a profile given as a path: its stem)."""
+    name = Path(settings.profile).stem if settings.profile else "custom"
+    return Path("runs") / f"{name}-{time.strftime('%Y%m%d-%H%M%S')}"
+
+
+def _atomic_write(path: Path, text: str, mode: int = 0o644) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(text)
+    tmp.chmod(mode)
+    tmp.replace(path)
+
+
+def _refuse_shape_change(settings: JobSettings, run_dir: Path) -> None:
+    """An existing run with a checkpoint of a differently shaped model cannot be continued by this job."""
+    if not (run_dir / CONFIG_FILE).is_file():
+        return
+    from kforge_cli.engine.checkpoint.run_config import conflicts_with_saved_config
+
+    conflicts = conflicts_with_saved_config(settings, run_dir)
+    if conflicts:
+        raise InvalidInputError(
+            f"{run_dir} holds a checkpoint of a differently shaped model ({'; '.join(conflicts)}); "
+            f"use a new --run-dir, or start from its weights with --checkpoint.init_from={run_dir}"
+        )
+
+
+def write_job(settings: JobSettings, *, python: str | None = None, workdir: Path | None = None) -> JobFiles:
+    """Write RUN_DIR/config.toml (the resolved settings) and RUN_DIR/job.sbatch; create RUN_DIR/logs.
+
+    `python` is the interpreter the tasks run (default: this one, by absolute path: compute
+    nodes share the filesystem); `workdir` is the job's working directory (default: the
+    current one), where relative paths in the settings are resolved.
+    """
+    workdir = (workdir or Path.cwd()).resolve()
+    run_dir = Path(settings.train.run_dir or default_run_dir(settings)).expanduser()
+    run_dir = (run_dir if run_dir.is_absolute() else workdir / run_dir).resolve()
+    settings = settings.model_copy(deep=True)
+    settings.train.run_dir = str(run_dir)
+    script = render_sbatch(settings, run_dir, python=python or sys.executable, workdir=workdir)
+    _refuse_shape_change(settings, run_dir)
+    (run_dir / "logs").mkdir(parents=True, exist_ok=True)
+    files = JobFiles(run_dir, run_dir / CONFIG_FILE, run_dir / SCRIPT_FILE)
+    _atomic_write(files.config, to_toml(settings))
+    _atomic_write(files.script, script, 0o755)
+    return files
+
+
+def sbatch_from_cli(settings: JobSettings, *, submit: bool) -> int:
+    """`--sbatch`: print the script (a dry run, no SLURM needed); `--submit`: submit it and print the job id."""
+    files = write_job(settings)
+    if not submit:
+        typer.echo(files.script.read_text(), nl=False)
+        typer.echo(f"wrote {files.script} and {files.config}; submit with: sbatch {files.script}", err=True)
+        return EXIT_OK
+    job_id = submit_script(files.script)
+    typer.echo(f"submitted {files.script} as job {job_id}; logs in {files.run_dir / 'logs'}", err=True)
+    typer.echo(job_id)
+    return EXIT_OK

@@ -1,0 +1,175 @@
+"""Rendering `RUN_DIR/job.sbatch` from the `slurm` settings and the template.
+
+The script asks for one task per GPU on every node (`--ntasks-per-node = gpus_per_node`),
+`--requeue`, and a signal `slurm.signal_before_s` seconds before the time limit sent to every
+job step (plain `--signal=USR1@N`, not `B:`: verified on a real SLURM to reach every training
+rank through srun, while the batch shell is left alone). Each task runs `kforge train` on the
+run's saved config; the template turns exit code 75 into a requeue.
+"""
+
+from __future__ import annotations
+
+import re
+import shlex
+from pathlib import Path
+
+from kforge_cli import __version__
+from kforge_cli.errors import ConfigError, ConfigIssue
+from kforge_cli.settings import JobSettings
+from kforge_cli.settings.run import SlurmSettings
+from kforge_cli.slurm.template import fill, find_template
+
+CONFIG_FILE = "config.toml"
+SCRIPT_FILE = "job.sbatch"
+MAX_SIGNAL_S = 0xFFFF  # sbatch's limit on --signal=SIG@seconds
+_ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*\Z")
+_TIME_FORMATS = (
+    re.compile(r"(?P<m>\d+)\Z"),
+    re.compile(r"(?P<m>\d+):(?P<s>\d+)\Z"),
+    re.compile(r"(?P<h>\d+):(?P<m>\d+):(?P<s>\d+)\Z"),
+    re.compile(r"(?P<d>\d+)-(?P<h>\d+)\Z"),
+    re.compile(r"(?P<d>\d+)-(?P<h>\d+):(?P<m>\d+)\Z"),
+    re.compile(r"(?P<d>\d+)-(?P<h>\d+):(?P<m>\d+):(?P<s>\d+)\Z"),
+)
+
+
+def parse_time_limit(text: str) -> int | None:
+    """SLURM's --time formats in seconds ('30' is minutes, '1-12' is days-hours); None = unlimited.
+
+    Raises ValueError for anything SLURM would refuse.
+    """
+    value = text.strip()
+    if value.upper() in ("UNLIMITED", "INFINITE"):
+        return None
+    for pattern in _TIME_FORMATS:
+        match = pattern.match(value)
+        if match:
+            parts = {"d": 0, "h": 0, "m": 0, "s": 0} | {k: int(v) for k, v in match.groupdict().items()}
+            return ((parts["d"] * 24 + parts["h"]) * 60 + parts["m"]) * 60 + parts["s"]
+    raise ValueError(f"{text!r} is not a SLURM time (minutes, HH:MM:SS, D-HH:MM:SS, ...)")
+
+
+def _signal_names(settings: JobSettings) -> set[str]:
+    return {s.upper().removeprefix("SIG") for s in settings.resilience.shutdown_signals}
+
+
+def slurm_issues(settings: JobSettings) -> list[ConfigIssue]:
+    """What would make the generated script wrong or refused; empty when it is fine."""
+    s = settings.slurm
+    issues: list[ConfigIssue] = []
+    for name in ("job_name", "partition", "account", "qos", "constraint", "mem", "time_limit", "network_interface"):
+        value = getattr(s, name)
+        spaces_ok = name == "job_name"  # quoted in its #SBATCH line
+        if value is not None and (not value.strip() or "\n" in value or (not spaces_ok and re.search(r"\s", value))):
+            rule = "non-empty and on one line" if spaces_ok else "non-empty, without whitespace"
+            issues.append(ConfigIssue(f"slurm.{name}", f"{value!r} must be {rule}"))
+    limit: int | None = None
+    try:
+        limit = parse_time_limit(s.time_limit)
+    except ValueError as exc:
+        issues.append(ConfigIssue("slurm.time_limit", str(exc)))
+    if s.signal_before_s > 0:
+        if s.signal_before_s > MAX_SIGNAL_S:
+            issues.append(ConfigIssue("slurm.signal_before_s", f"SLURM allows at most {MAX_SIGNAL_S} seconds"))
+        if limit is not None and s.signal_before_s >= limit:
+            issues.append(
+                ConfigIssue(
+                    "slurm.signal_before_s",
+                    f"{s.signal_before_s} s is not before the time limit {s.time_limit} ({limit} s); lower it",
+                )
+            )
+        if "USR1" not in _signal_names(settings):
+            issues.append(
+                ConfigIssue(
+                    "resilience.shutdown_signals",
+                    "must include SIGUSR1: the job script asks SLURM for USR1 before the time limit, "
+                    "which would kill the ranks instead of stopping them (or set slurm.signal_before_s=0)",
+                )
+            )
+    for i, line in enumerate(s.extra_sbatch):
+        option = line.strip().removeprefix("#SBATCH").strip()
+        if not option.startswith("-") or "\n" in option:
+            issues.append(
+                ConfigIssue(f"slurm.extra_sbatch[{i}]", f"{line!r} is not an sbatch option like '--exclusive'")
+            )
+    for key in s.env:
+        if not _ENV_NAME.match(key):
+            issues.append(ConfigIssue(f"slurm.env.{key}", "is not a valid environment variable name"))
+    return issues
+
+
+def _directive(option: str, value: object | None = None) -> str:
+    if value is None:
+        return f"#SBATCH --{option}"
+    text = str(value)
+    if re.search(r"[\s\"']", text):
+        text = '"' + text.replace('"', '\\"') + '"'
+    return f"#SBATCH --{option}={text}"
+
+
+def sbatch_directives(slurm: SlurmSettings, run_dir: Path, workdir: Path) -> list[str]:
+    """The `#SBATCH` lines: the job's shape, limits, requeue, early signal, logs, then extra lines."""
+    lines = [
+        _directive("job-name", slurm.job_name),
+        _directive("nodes", slurm.nodes),
+        _directive("ntasks-per-node", slurm.gpus_per_node),
+    ]
+    if slurm.gpu_type.lower() != "cpu":
+        lines.append(_directive("gpus-per-node", slurm.gpus_per_node))
+    lines.append(_directive("cpus-per-task", slurm.cpus_per_task))
+    if slurm.mem is not None:
+        lines.append(_directive("mem", slurm.mem))
+    lines.append(_directive("time", slurm.time_limit))
+    for option in ("partition", "account", "qos", "constraint"):
+        value = getattr(slurm, option)
+        if value is not None:
+            lines.append(_directive(option, value))
+    lines.append(_directive("requeue"))
+    if slurm.signal_before_s > 0:
+        lines.append(_directive("signal", f"USR1@{slurm.signal_before_s}"))
+    lines += [
+        _directive("open-mode", "append"),
+        _directive("output", run_dir / "logs" / "slurm-%j.out"),
+        _directive("chdir", workdir),
+    ]
+    for line in slurm.extra_sbatch:
+        lines.append("#SBATCH " + line.strip().removeprefix("#SBATCH").strip())
+    return lines
+
+
+def env_exports(slurm: SlurmSettings) -> list[str]:
+    """`export` lines: the network interface for NCCL and gloo, then `slurm.env`."""
+    lines = []
+    if slurm.network_interface:
+        iface = shlex.quote(slurm.network_interface)
+        lines.append(f"export NCCL_SOCKET_IFNAME={iface} GLOO_SOCKET_IFNAME={iface}")
+    lines += [f"export {key}={shlex.quote(value)}" for key, value in slurm.env.items()]
+    return lines
+
+
+def train_command(run_dir: Path, python: str) -> list[str]:
+    """What every task runs: `kforge train` on the run's saved config, in the run dir (so it auto-resumes).
+
+    The saved config is passed as the *profile* (a .toml path), not `--config`: it then replaces
+    the default profile instead of being layered on it, so a key left unset (None) in the run
+    cannot pick up a value from the default profile.
+    """
+    return [python, "-m", "kforge_cli", "train", "--profile", str(run_dir / CONFIG_FILE), "--run-dir", str(run_dir)]
+
+
+def render_sbatch(settings: JobSettings, run_dir: Path, *, python: str, workdir: Path) -> str:
+    """The job script for `settings` in `run_dir` (absolute); raises ConfigError when the settings cannot work."""
+    issues = slurm_issues(settings)
+    if issues:
+        raise ConfigError(issues, header="cannot write an sbatch script")
+    template = find_template()
+    values = {
+        "kforge_version": __version__,
+        "run_dir": str(run_dir),
+        "run_dir_q": shlex.quote(str(run_dir)),
+        "sbatch_directives": "\n".join(sbatch_directives(settings.slurm, run_dir, workdir)),
+        "env_exports": "\n".join(env_exports(settings.slurm)),
+        "cpus_per_task": str(settings.slurm.cpus_per_task),
+        "command": shlex.join(train_command(run_dir, python)),
+    }
+    return fill(template.read_text(), values, template)
