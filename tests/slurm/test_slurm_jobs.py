@@ -1,0 +1,225 @@
+"""Generated sbatch scripts on a real one-node SLURM: two CPU tasks (gloo) train, survive a requeue
+and a time limit by saving, exiting 75 and requeueing themselves, and end on the same loss curve.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.conftest import run_kforge
+from tests.slurm.cluster import LocalSlurm
+
+pytestmark = pytest.mark.slurm
+
+STEPS = 200  # 40 ms a step on 2 idle CPUs: a window to interrupt mid-run even when a loaded machine answers late
+TINY = """
+[model]
+dim = 32
+n_layers = 2
+n_heads = 2
+n_kv_heads = 1
+max_seq_len = 64
+
+[train]
+batch_size = 4
+seq_len = 32
+max_steps = {steps}
+num_threads = 1
+
+[scheduler]
+warmup_steps = 5
+
+[eval]
+interval = 0
+
+[checkpoint]
+interval = 0
+keep_last_n = 0
+
+[metrics]
+log_interval = 1
+progress_bar = "off"
+
+[slurm]
+job_name = "kforge-test"
+gpus_per_node = 2
+cpus_per_task = 1
+mem = "0"
+time_limit = "{time_limit}"
+signal_before_s = {signal_before_s}
+"""
+
+
+def write_config(path: Path, steps: int = STEPS, time_limit: str = "00:10:00", signal_before_s: int = 300) -> Path:
+    path.write_text(TINY.format(steps=steps, time_limit=time_limit, signal_before_s=signal_before_s))
+    return path
+
+
+def submit(cluster: LocalSlurm, config: Path, run_dir: Path) -> str:
+    """`kforge train --sbatch --submit` on the test cluster; the job id it printed."""
+    r = run_kforge("train", "--config", str(config), "--run-dir", str(run_dir), "--sbatch", "--submit",
+                   env=cluster.env, timeout=120)  # fmt: skip
+    assert r.returncode == 0, r.stderr
+    job_id = r.stdout.strip()
+    assert job_id.isdigit(), r.stdout
+    assert f"submitted {run_dir / 'job.sbatch'} as job {job_id}" in r.stderr
+    return job_id
+
+
+def losses(run_dir: Path) -> dict[int, float]:
+    """Loss per step from metrics.jsonl (a step logged twice after an interruption: the later one)."""
+    out: dict[int, float] = {}
+    for line in (run_dir / "metrics.jsonl").read_text().splitlines():
+        rec = json.loads(line)
+        if "loss" in rec:
+            out[rec["step"]] = rec["loss"]
+    return out
+
+
+def logged_steps(run_dir: Path) -> int:
+    path = run_dir / "metrics.jsonl"
+    return len(path.read_text().splitlines()) if path.is_file() else 0
+
+
+def wait_for(what: str, ready: Any, timeout: float, cluster: LocalSlurm, run_dir: Path) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if ready():
+            return
+        time.sleep(0.05)
+    raise TimeoutError(f"{what} within {timeout} s\n{job_logs(run_dir)}\n{cluster.logs()}")
+
+
+def job_logs(run_dir: Path) -> str:
+    return "\n".join(
+        f"--- {f.name}\n{f.read_text(errors='replace')[-3000:]}" for f in sorted((run_dir / "logs").glob("*"))
+    )
+
+
+def batch_log(run_dir: Path, job_id: str) -> str:
+    return (run_dir / "logs" / f"slurm-{job_id}.out").read_text()
+
+
+def signal_checkpoints(run_dir: Path) -> list[int]:
+    """Steps of the checkpoints saved because of a signal (their metadata.json says why)."""
+    steps = []
+    for meta in (run_dir / "checkpoints").glob("step_*/metadata.json"):
+        record = json.loads(meta.read_text())
+        if record["reason"] == "signal":
+            steps.append(record["step"])
+    return sorted(steps)
+
+
+@pytest.fixture(scope="module")
+def reference(slurm_cluster: LocalSlurm, tmp_path_factory: pytest.TempPathFactory) -> dict[int, float]:
+    """An uninterrupted 2-task job (the generated script, submitted by kforge); its per-step losses."""
+    tmp = tmp_path_factory.mktemp("ref")
+    run_dir = tmp / "run"
+    job_id = submit(slurm_cluster, write_config(tmp / "tiny.toml"), run_dir)
+    info = slurm_cluster.wait_job(job_id, ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL"), 300)
+    assert info["JobState"] == "COMPLETED" and info["ExitCode"] == "0:0", (info, job_logs(run_dir))
+    assert info["Restarts"] == "0" and info["NumTasks"] == "2" and info["Requeue"] == "1"
+    out = batch_log(run_dir, job_id)
+    assert f"kforge: job {job_id} restart 0" in out and "kforge: training complete" in out, out
+    rank0 = (run_dir / "logs" / "rank_0.log").read_text()
+    assert "on 2 process(es), device cpu" in rank0 and (run_dir / "logs" / "rank_1.log").is_file()
+    assert {f.name for f in (run_dir / "logs").glob("srun_rank*.out")} == {"srun_rank0.out", "srun_rank1.out"}
+    curve = losses(run_dir)
+    assert sorted(curve) == list(range(1, STEPS + 1))
+    last = json.loads((run_dir / "metrics.jsonl").read_text().splitlines()[-1])
+    assert last["tokens_seen"] == STEPS * 4 * 32 * 2  # batch 4 x seq 32 on each of the 2 ranks
+    assert curve[STEPS] < curve[1] - 1.0  # it learned
+    final = json.loads((run_dir / "checkpoints" / f"step_{STEPS}" / "metadata.json").read_text())
+    assert final["reason"] == "final" and final["world_size"] == 2
+    return curve
+
+
+def test_two_cpu_tasks_train_to_completion(reference: dict[int, float]) -> None:
+    assert len(reference) == STEPS  # the checks are in the fixture, shared with the preemption test
+
+
+def test_requeue_mid_run_saves_exits_75_requeues_and_ends_on_the_same_losses(
+    slurm_cluster: LocalSlurm, reference: dict[int, float], tmp_path: Path
+) -> None:
+    run_dir = tmp_path / "run"
+    job_id = submit(slurm_cluster, write_config(tmp_path / "tiny.toml"), run_dir)
+    wait_for("step 2", lambda: logged_steps(run_dir) >= 2, 120, slurm_cluster, run_dir)
+    slurm_cluster.run("scontrol", "requeue", job_id)  # what a preemption with PreemptMode=REQUEUE does
+    info = slurm_cluster.wait_job(job_id, ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT"), 300)
+    assert info["JobState"] == "COMPLETED" and info["ExitCode"] == "0:0", (info, job_logs(run_dir))
+    assert info["Restarts"] == "1"
+    stops = signal_checkpoints(run_dir)
+    assert len(stops) == 1 and 2 <= stops[0] < STEPS, stops  # one emergency checkpoint, mid-run
+    out = batch_log(run_dir, job_id)
+    assert f"kforge: job {job_id} restart 0" in out and f"kforge: job {job_id} restart 1" in out, out
+    assert re.search(r"srun: error: .*: Exited with exit code 75", out), out  # the stopped run's exit code
+    srun0 = (run_dir / "logs" / "srun_rank0.out").read_text()
+    # SLURM's SIGTERM reaches every rank; a rank that sees a peer's flag first names it "peer signal"
+    assert re.search(rf"stopped by (SIGTERM|peer signal) at step {stops[0]} after saving a checkpoint", srun0), srun0
+    assert f"(step {stops[0]})" in (run_dir / "logs" / "rank_0.log").read_text()  # resumed from it
+    assert losses(run_dir) == reference  # bit for bit: same data order, RNG and reduction order
+
+
+def test_time_limit_signal_saves_and_requeues_before_slurm_kills_the_job(
+    slurm_cluster: LocalSlurm, tmp_path: Path
+) -> None:
+    """--time=1 with USR1 5 s before it: SLURM sends it 25-55 s in (its time checks run every 30 s, and
+    it signals up to one period early), after the ranks installed their handlers."""
+    run_dir = tmp_path / "run"
+    config = write_config(tmp_path / "tiny.toml", steps=1_000_000, time_limit="1", signal_before_s=5)
+    job_id = submit(slurm_cluster, config, run_dir)
+    script = (run_dir / "job.sbatch").read_text()
+    assert "#SBATCH --time=1\n" in script and "#SBATCH --signal=USR1@5\n" in script
+    out = run_dir / "logs" / f"slurm-{job_id}.out"
+    resumed = re.compile(r"resumed from .*\(step (\d+)\)")
+
+    def second_run_resumed() -> bool:
+        return (run_dir / "logs" / "rank_0.log").is_file() and bool(
+            resumed.search((run_dir / "logs" / "rank_0.log").read_text())
+        )
+
+    wait_for("the job to requeue itself", lambda: out.is_file() and "requeueing job" in out.read_text(), 150,
+             slurm_cluster, run_dir)  # fmt: skip
+    # The second run would get its own early signal 25-55 s in; give it room to start and resume first.
+    slurm_cluster.run("scontrol", "update", f"jobid={job_id}", "TimeLimit=10")
+    wait_for("the requeued job to resume", second_run_resumed, 150, slurm_cluster, run_dir)
+    first = slurm_cluster.job(job_id)
+    assert first["Restarts"] == "1" and first["JobState"] == "RUNNING", first
+    text = out.read_text()
+    assert "requeueing job" in text and "restart 1" in text, text
+    assert re.search(r"srun: error: .*: Exited with exit code 75", text), text
+    stops = signal_checkpoints(run_dir)
+    srun0 = (run_dir / "logs" / "srun_rank0.out").read_text()
+    assert len(stops) == 1, stops
+    assert re.search(rf"stopped by (SIGUSR1|peer signal) at step {stops[0]} after saving a checkpoint", srun0), srun0
+    srun1 = (run_dir / "logs" / "srun_rank1.out").read_text()
+    assert "received SIGUSR1" in srun0 + srun1  # SLURM's --signal reached the training ranks through srun
+    match = resumed.search((run_dir / "logs" / "rank_0.log").read_text())
+    assert match is not None and int(match.group(1)) == stops[0]
+    # scancel is not a preemption: the job saves once more, exits 75 and is NOT requeued.
+    slurm_cluster.run("scancel", job_id)
+    slurm_cluster.wait_gone(job_id, 120)  # the batch shell has finished: a (wrong) requeue would show now
+    info = slurm_cluster.job(job_id)
+    assert info["JobState"] == "CANCELLED" and info["Restarts"] == "1", info
+    assert "job is COMPLETING (cancelled, ending or requeued): not requeueing" in out.read_text()
+    steps = sorted(losses(run_dir))
+    assert steps == list(range(1, steps[-1] + 1))  # no step lost or skipped across the requeue
+
+
+def test_a_script_sbatch_refuses_is_a_clear_error_with_sbatchs_message_and_the_script(
+    slurm_cluster: LocalSlurm, tmp_path: Path
+) -> None:
+    run_dir = tmp_path / "run"
+    r = run_kforge("train", "--config", str(write_config(tmp_path / "tiny.toml")), "--run-dir", str(run_dir),
+                   "--sbatch", "--submit", "--slurm.partition=nosuch", env=slurm_cluster.env, timeout=120)  # fmt: skip
+    assert r.returncode == 1 and r.stdout == "" and "Traceback" not in r.stderr
+    assert f"error: sbatch refused {run_dir / 'job.sbatch'} (exit code 1):" in r.stderr
+    assert "invalid partition specified: nosuch" in r.stderr  # sbatch's own words
+    assert "#SBATCH --partition=nosuch" in (run_dir / "job.sbatch").read_text()
+    assert slurm_cluster.run("squeue", "-h").stdout.strip() == ""
