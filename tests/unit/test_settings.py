@@ -64,6 +64,7 @@ def test_override_values_use_toml_syntax() -> None:
                 "--optimizer.lr=1e-4",
                 "--scheduler.name",
                 "wsd",
+                "--slurm.time_limit=01:00:00",
             ]
         )
     )
@@ -73,6 +74,7 @@ def test_override_values_use_toml_syntax() -> None:
         "data.path": "/tmp/x",
         "optimizer.lr": 1e-4,
         "scheduler.name": "wsd",
+        "slurm.time_limit": "01:00:00",
     }
     s = load_settings(
         overrides=["--optimizer.betas=[0.8, 0.9]", "--data.phases=[{start_step=5, lr_scale=0.5}]"]

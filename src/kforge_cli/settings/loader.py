@@ -6,6 +6,7 @@ environment ``KFORGE_SECTION__KEY`` < command line ``--section.key=value``.
 
 from __future__ import annotations
 
+import datetime
 import difflib
 import tomllib
 import types
@@ -43,11 +44,16 @@ class ResolvedSettings:
 
 
 def parse_override_value(raw: str) -> Any:
-    """A command-line value in TOML syntax (numbers, booleans, lists, inline tables), else a string."""
+    """A command-line value in TOML syntax (numbers, booleans, lists, inline tables), else a string.
+
+    TOML dates and times (e.g. a SLURM time limit `01:00:00`) stay strings: no setting
+    is a datetime, and a user typing one means the text.
+    """
     try:
-        return tomllib.loads(f"v = {raw}")["v"]
+        value = tomllib.loads(f"v = {raw}")["v"]
     except tomllib.TOMLDecodeError:
         return raw
+    return raw if isinstance(value, datetime.date | datetime.time) else value
 
 
 def parse_overrides(args: list[str]) -> list[tuple[str, Any]]:
