@@ -41,7 +41,7 @@ def _one_step_peak(overrides: list[str]) -> tuple[int, dict[str, torch.Tensor]]:
     from kforge_cli.settings import load_settings
 
     s = load_settings(overrides=["--model.dim=128", "--model.n_layers=4", "--train.seq_len=128",
-                                 "--train.batch_size=8", "--train.device=cpu", *overrides]).settings  # fmt: skip
+                                 "--train.batch_size=8", "--train.device=cpu", "--train.num_threads=1", *overrides]).settings  # fmt: skip
     model, _ = build_parallel_model(s, init_runtime(s))
     tokens = torch.randint(0, 256, (8, 129), generator=torch.Generator().manual_seed(0))
     tracker = MemTracker()

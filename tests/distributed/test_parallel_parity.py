@@ -83,7 +83,7 @@ HAS_TORCHAO = importlib.util.find_spec("torchao") is not None
 LOW_PRECISION = {"fsdp_bf16": ["--train.mixed_precision=bf16"]}
 if HAS_TORCHAO:
     LOW_PRECISION["fsdp_float8"] = ["--train.mixed_precision=bf16", "--train.float8=true"]
-FLOAT8_REL = 1e-2  # measured: <= 5e-4 relative over these 10 steps
+FLOAT8_REL = 1e-2  # measured: max 3e-3 relative over these 10 steps
 
 
 @pytest.fixture(scope="module")
