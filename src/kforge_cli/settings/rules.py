@@ -120,6 +120,22 @@ def _vlm_issues(s: JobSettings) -> list[ConfigIssue]:
         out.append(ConfigIssue("vlm.max_text_len", f"exceeds train.seq_len ({s.train.seq_len})"))
     if s.vlm.arch == "mot" and "text" not in s.vlm.modalities:
         out.append(ConfigIssue("vlm.modalities", "a MoT model needs a 'text' modality"))
+    if s.distributed.tp > 1 and s.vlm.arch == "mot":
+        out.append(
+            ConfigIssue(
+                "distributed.tp",
+                "tensor parallelism is not supported for vlm.arch = 'mot' (its per-modality blocks have no TP plan); "
+                "shard with FSDP (distributed.dp_shard) instead, or use arch joint_decoder / cross_attention",
+            )
+        )
+    elif s.distributed.tp > 1 and s.distributed.sequence_parallel:
+        out.append(
+            ConfigIssue(
+                "distributed.sequence_parallel",
+                "must be false for a VLM with distributed.tp > 1 (visual tokens join the text sequence that "
+                "sequence parallelism would split)",
+            )
+        )
     last = -1
     for i, stage in enumerate(s.vlm.freeze_schedule):
         if stage.start_step <= last:

@@ -17,11 +17,13 @@ import logging
 
 import torch
 from torch import nn
+from torch.distributed.fsdp import fully_shard
 
 from kforge_cli.engine.model import Transformer
+from kforge_cli.engine.model.vlm import build_vlm
 from kforge_cli.engine.parallel.activation_checkpoint import apply_activation_checkpointing
 from kforge_cli.engine.parallel.float8 import apply_float8, require_torchao
-from kforge_cli.engine.parallel.fsdp import apply_fsdp, resolve_reshard_after_forward
+from kforge_cli.engine.parallel.fsdp import apply_fsdp, mixed_precision_policy, resolve_reshard_after_forward
 from kforge_cli.engine.parallel.init import init_sharded
 from kforge_cli.engine.parallel.pipeline import (
     PipelineBundle,
@@ -80,6 +82,10 @@ def parallelize(module: nn.Module, settings: JobSettings, runtime: RuntimeContex
     if t.compile_model:
         apply_compile(module)
     if distributed:
+        for block in getattr(module, "vision_blocks", list)():  # a VLM's encoder blocks are FSDP units too
+            policy = mixed_precision_policy(compute_dtype(settings, runtime.device))
+            fully_shard(block, mesh=runtime.fsdp_mesh(), mp_policy=policy,
+                        reshard_after_forward=resolve_reshard_after_forward(settings))  # fmt: skip
         apply_fsdp(
             module,
             runtime.fsdp_mesh(),
@@ -90,7 +96,7 @@ def parallelize(module: nn.Module, settings: JobSettings, runtime: RuntimeContex
 
 def _build_single(settings: JobSettings, runtime: RuntimeContext) -> nn.Module:
     with torch.device("meta"):
-        model = Transformer(settings.model)
+        model = build_vlm(settings) if settings.vlm is not None else Transformer(settings.model)
     parallelize(model, settings, runtime)
     if runtime.world_size == 1:
         master = DTYPES[settings.train.master_dtype]
@@ -100,7 +106,11 @@ def _build_single(settings: JobSettings, runtime: RuntimeContext) -> nn.Module:
         if master != torch.float32:
             model.to(master)
     else:
-        init_sharded([model], settings.model, runtime.device)
+        shadow = None
+        if settings.vlm is not None:  # the sharded init replays the VLM's own init order
+            with torch.device("meta"):
+                shadow = build_vlm(settings)
+        init_sharded([model], settings.model, runtime.device, shadow=shadow)
     return model
 
 

@@ -79,12 +79,15 @@ class _ReplayInit(TorchFunctionMode):
         return first
 
 
-def init_sharded(modules: Iterable[nn.Module], cfg: ModelSettings, device: torch.device) -> None:
+def init_sharded(
+    modules: Iterable[nn.Module], cfg: ModelSettings, device: torch.device, shadow: nn.Module | None = None
+) -> None:
     """Materialise ``modules`` (already parallelised, on meta) on ``device`` with single-process weights.
 
     ``modules`` are the model or its pipeline stages; their parameter names must be the
     full model's (``layers.<global index>...``). Call with the RNG seeded as for the
-    single-process build; the RNG ends where the single-process init leaves it.
+    single-process build; the RNG ends where the single-process init leaves it. ``shadow``
+    is a meta-device copy of the full model (default ``Transformer(cfg)``; a VLM passes its own).
     """
     modules = list(modules)
     real: dict[str, torch.Tensor] = {}
@@ -99,12 +102,13 @@ def init_sharded(modules: Iterable[nn.Module], cfg: ModelSettings, device: torch
             if name in real:
                 raise ValueError(f"parameter {name} is held by two pipeline stages")
             real[name] = param
-    with torch.device("meta"):
-        shadow = Transformer(cfg)
+    if shadow is None:
+        with torch.device("meta"):
+            shadow = Transformer(cfg)
     by_id = {id(p): (n, p) for n, p in shadow.named_parameters()}
     replay = _ReplayInit(by_id, real, device)
     with replay, torch.no_grad():
-        shadow.init_weights(buffer_device=torch.device("meta"))
+        cast(Any, shadow).init_weights(buffer_device=torch.device("meta"))
     missing = sorted(set(real) - replay.written)
     if missing:
         raise RuntimeError(f"sharded init did not initialise {missing[:5]} (parameter names differ from the model's)")

@@ -1,0 +1,127 @@
+"""The VLM step: the plain step (token-normalised accumulation) plus the freeze schedule.
+
+Freezing never touches ``requires_grad``, the optimizer's parameter groups or FSDP's
+shards: after the backward, the gradients of the parameters frozen for this update are
+set to None, so the optimizer skips them (no update, no weight decay, no moment
+change) and the clipped gradient norm ignores them. Unfreezing at step S is therefore
+just "stop dropping", under FSDP too.
+
+A parameter the optimizer has never updated has no optimizer state, which would make
+checkpoints of a run with a frozen module lack those tensors and a resume build them
+differently. So before the first update of a fresh run every parameter gets the state
+the optimizer would create lazily (all zeros, step 0), by one update with zero
+gradients and zero learning rate whose state is then zeroed. For AdamW, Lion and Muon
+that is exactly their lazy initial state, so training is unchanged, and a frozen
+module's state survives save/resume bit for bit.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING
+
+import torch
+
+from kforge_cli.engine.model.vlm import check_specs, frozen_names, frozen_specs_at
+from kforge_cli.engine.model.vlm.freeze import clean_name
+from kforge_cli.engine.runtime import all_reduce_sum
+from kforge_cli.engine.train.loss import IGNORE_INDEX
+from kforge_cli.engine.train.step import Batch, StepResult, _forward_loss_sum, clip_gradients
+
+if TYPE_CHECKING:
+    from kforge_cli.engine.train.session import TrainingSession
+
+log = logging.getLogger("kforge")
+
+
+@torch.no_grad()
+def init_optimizer_state(optimizer: torch.optim.Optimizer) -> bool:
+    """Give every parameter its (all-zero) initial optimizer state; False when the state already exists."""
+    if optimizer.state:
+        return False
+    saved_lrs = []
+    for group in optimizer.param_groups:
+        saved_lrs.append(group["lr"])
+        group["lr"] = torch.zeros_like(group["lr"]) if isinstance(group["lr"], torch.Tensor) else 0.0
+        for p in group["params"]:
+            p.grad = torch.zeros_like(p)
+    try:
+        optimizer.step()
+    finally:
+        for group, lr in zip(optimizer.param_groups, saved_lrs, strict=True):
+            group["lr"] = lr
+        optimizer.zero_grad(set_to_none=True)
+    for state in optimizer.state.values():
+        for value in state.values():
+            if isinstance(value, torch.Tensor):
+                value.zero_()
+    return True
+
+
+class FreezeController:
+    """Which parameters of ``model`` are frozen for the update after a given step (see engine.model.vlm.freeze)."""
+
+    def __init__(self, session: TrainingSession) -> None:
+        vlm = session.settings.vlm
+        assert vlm is not None
+        self.vlm = vlm
+        self.params = dict(session.model.named_parameters())
+        check_specs(vlm, self.params)
+        self.is_main = session.runtime.is_main
+        self._specs: tuple[str, ...] | None = None
+        self._frozen: list[torch.Tensor] = []
+        self.frozen_numel = 0
+
+    def frozen_at(self, step: int) -> list[torch.Tensor]:
+        """The parameters frozen for the update after ``step`` completed steps (logs each change)."""
+        specs = frozen_specs_at(self.vlm, step)
+        if specs != self._specs:
+            names = frozen_names(self.params, specs)
+            by_clean = {n: p for n, p in self.params.items() if clean_name(n) in names}
+            self._frozen = list(by_clean.values())
+            self.frozen_numel = sum(p.numel() for p in self._frozen)
+            if self.is_main and (self._specs is not None or specs):
+                log.info("freeze from step %d: %s (%d parameters frozen)", step + 1, ", ".join(specs) or "nothing",
+                         self.frozen_numel)  # fmt: skip
+            self._specs = specs
+        return self._frozen
+
+
+class VLMStep:
+    """The step function of VLM jobs (``select_step_fn`` returns one per run)."""
+
+    def __init__(self) -> None:
+        self.freeze: FreezeController | None = None
+
+    def __call__(self, session: TrainingSession, micro_batches: list[Batch]) -> StepResult:
+        if self.freeze is None:
+            self.freeze = FreezeController(session)
+        if init_optimizer_state(session.optimizer):
+            log.debug("optimizer state initialised for all %d parameters", len(self.freeze.params))
+        frozen = self.freeze.frozen_at(session.state.step)
+        device = session.runtime.device
+        group = session.runtime.dp_group()
+        local_valid = sum(int((mb["labels"] != IGNORE_INDEX).sum()) for mb in micro_batches)
+        n_valid = all_reduce_sum(torch.tensor(float(local_valid), device=device), group)
+        scale = session.runtime.dp_size / n_valid.clamp(min=1.0)  # dp reduction averages; see engine.train.step
+        total = torch.zeros((), device=device, dtype=torch.float32)
+        last = len(micro_batches) - 1
+        for i, batch in enumerate(micro_batches):
+            sync = getattr(session.model, "set_requires_gradient_sync", None)
+            if sync is not None:
+                sync(i == last)
+            loss_sum = _forward_loss_sum(session, batch)
+            (loss_sum * scale).backward()
+            total += loss_sum.detach().float()
+        total = all_reduce_sum(total, group)
+        for p in frozen:
+            p.grad = None
+        grad_norm = clip_gradients(session)
+        n = float(n_valid)
+        extra = {"frozen_params": float(self.freeze.frozen_numel)}
+        return StepResult(loss=float(total) / max(n, 1.0), grad_norm=grad_norm, valid_tokens=int(n), extra=extra)
+
+
+def vlm_step_fn() -> VLMStep:
+    """A fresh VLM step function (it keeps the run's freeze state)."""
+    return VLMStep()
