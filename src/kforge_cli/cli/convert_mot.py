@@ -7,7 +7,7 @@ from typing import Annotated
 
 import typer
 
-from kforge_cli.cli.common import OVERRIDES, ConfigOpt, ProfileOpt
+from kforge_cli.cli.common import OVERRIDES, ConfigOpt, ProfileOpt, resolve
 
 
 def register(app: typer.Typer) -> None:
@@ -23,8 +23,15 @@ def convert_mot(
 ) -> None:
     """Copy each text layer's weights into every modality of a MoT model (works on CPU).
 
-    The MoT shape comes from the profile/config (default vlm-mot-debug when none given).
+    The MoT shape comes from the profile/config (default vlm-mot-debug when none given);
+    its [model] must be the dense model's. SRC is a kforge checkpoint (step dir or run
+    dir) or a Hugging Face Llama directory. OUT becomes a kforge checkpoint: start a MoT
+    run from it with --checkpoint.init_from=OUT (or skip this step and set
+    --vlm.mot_warm_start_from=SRC on a fresh run).
     """
-    from kforge_cli.errors import NotBuiltYetError
+    from kforge_cli.engine.checkpoint.mot_convert import convert_mot as run_convert
 
-    raise NotBuiltYetError("convert-mot is not built yet (VLM/MoT issue)")
+    settings = resolve(profile or "vlm-mot-debug", config, list(ctx.args)).settings
+    result = run_convert(settings, src, out)
+    typer.echo(f"wrote MoT checkpoint {result.path}: {result.tensors} tensors from {src}, "
+               f"{result.parameters:,} parameters (step 0)")  # fmt: skip

@@ -48,6 +48,7 @@ from kforge_cli.engine.checkpoint.layout import (
 )
 from kforge_cli.engine.checkpoint.resolve import check_compatible, data_phase, decide_restore, freeze_config
 from kforge_cli.engine.checkpoint.train_state import FORMAT, read_rank_state, restore_rng, write_rank_state
+from kforge_cli.engine.model.vlm.freeze import freeze_record
 from kforge_cli.engine.runtime import RuntimeContext, seed_everything
 from kforge_cli.errors import KforgeError
 from kforge_cli.settings import JobSettings
@@ -310,6 +311,7 @@ class CheckpointManager:
             "data": self.loader.state_dict() if self.loader is not None else None,
             "data_phase": data_phase(self.settings, step),
             "freeze": freeze_config(self.settings),
+            "freeze_effective": freeze_record(self.settings.vlm, step),  # VLM: specs frozen for the next update
             "frozen_params": self._frozen_params(),
             "metrics_run_ids": dict(run_ids),
             "fingerprint": self.fingerprint,

@@ -26,6 +26,7 @@ from kforge_cli.engine.checkpoint.layout import (
     resolve_checkpoint,
 )
 from kforge_cli.engine.checkpoint.train_state import FORMAT
+from kforge_cli.engine.model.vlm.freeze import freeze_mismatch
 from kforge_cli.settings import JobSettings
 from kforge_cli.settings.run import CheckpointSettings
 
@@ -99,9 +100,10 @@ def check_compatible(state: dict[str, Any], path: Path, fingerprint: str, shapin
             + "). Continue with the run's own settings (`kforge resume RUN_DIR` uses its config.toml), or start a "
             f"new run directory from these weights with --checkpoint.init_from={path}"
         )
-    ours = freeze_config(settings)
-    if settings.vlm is not None and state.get("freeze") != ours and not settings.vlm.allow_freeze_mismatch:
-        raise CheckpointError(
-            f"cannot resume from {path}: it was trained with freeze settings {state.get('freeze')}, this run has "
-            f"{ours}. Restore them, or set --vlm.allow_freeze_mismatch=true to resume anyway"
-        )
+    if settings.vlm is not None and not settings.vlm.allow_freeze_mismatch:
+        problem = freeze_mismatch(state.get("freeze"), settings.vlm, int(state.get("step", 0)))
+        if problem:
+            raise CheckpointError(
+                f"cannot resume from {path}: {problem}. Restore vlm.freeze / vlm.freeze_schedule as they were "
+                f"({state.get('freeze')}), or set --vlm.allow_freeze_mismatch=true to resume anyway"
+            )

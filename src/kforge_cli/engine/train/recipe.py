@@ -11,7 +11,9 @@ import logging
 from contextlib import ExitStack
 
 from kforge_cli.engine.checkpoint import CheckpointManager
+from kforge_cli.engine.checkpoint.mot_convert import maybe_mot_warm_start
 from kforge_cli.engine.data import build_data
+from kforge_cli.engine.data.vlm import build_vlm_data
 from kforge_cli.engine.model import flops_per_token
 from kforge_cli.engine.observe import (
     ProgressReporter,
@@ -69,6 +71,7 @@ def run_training(
         )
         stack.callback(checkpointer.close)
         checkpointer.restore(progress=state, nan_guard=nan_guard)  # resume or warm start, if any
+        maybe_mot_warm_start(settings, model, checkpointer.restored, checkpointer.groups.save)  # fresh runs only
         metrics = build_tracker(
             settings,
             is_main=runtime.is_main,
@@ -80,7 +83,9 @@ def run_training(
             stack.enter_context(metrics)  # on an exception: the tracked run is marked failed (Ctrl-C: stopped)
         profiler = build_profiler(settings.profiling, run_dir, runtime.rank, first_step=state.step + 1)
         stack.callback(profiler.close)
-        data = build_data(settings, dp_rank=runtime.dp_rank, dp_size=runtime.dp_size)
+        data = (build_vlm_data if settings.vlm is not None else build_data)(
+            settings, dp_rank=runtime.dp_rank, dp_size=runtime.dp_size
+        )
         checkpointer.bind_data(data.train)  # a resume continues the data order exactly
         progress = ProgressReporter(
             total_steps=settings.train.max_steps,
