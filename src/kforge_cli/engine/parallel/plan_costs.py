@@ -1,0 +1,163 @@
+"""The per-rank costs of a plan that follow from the built shards: optimizer state,
+communication buffers, optimizer-step temporaries, FLOPs and throughput, and warnings.
+
+Optimizer state mirrors engine.train's optimizers without importing them (layer 2 may
+not import layer 4): AdamW keeps ``exp_avg`` and ``exp_avg_sq`` in the parameter's
+dtype plus a 4-byte ``step`` per parameter; Lion keeps ``exp_avg``; Muon keeps a
+``momentum_buffer`` for 2-D weights that are neither embeddings nor the output head
+(``build_param_groups(muon=True)``) and AdamW state for the rest. Only trainable
+parameters get state.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+from kforge_cli.engine.observe.mfu import peak_flops
+from kforge_cli.engine.parallel.plan_build import ParamShard
+from kforge_cli.settings import JobSettings, ParallelDims
+from kforge_cli.settings.core import ModelSettings
+
+STEP_BYTES = 4  # torch.optim.AdamW and Muon's AdamW groups keep `step` as an fp32 scalar tensor
+FP32 = 4
+_T = 1e12
+
+
+def muon_managed(p: ParamShard) -> bool:
+    """Muon's rule (engine.train.optimizer.build_param_groups): 2-D, not an embedding, not the head."""
+    return p.ndim == 2 and not p.embedding and not p.is_head
+
+
+def optimizer_slots(p: ParamShard, optimizer: str) -> tuple[int, bool]:
+    """(state tensors shaped like ``p``, whether ``p`` also has a step counter)."""
+    if optimizer == "lion" or (optimizer == "muon" and muon_managed(p)):
+        return 1, False
+    return 2, True
+
+
+def optimizer_state_bytes(params: Iterable[ParamShard], optimizer: str) -> int:
+    """Bytes of optimizer state this rank holds (state has the dtype and sharding of its parameter)."""
+    total = 0
+    for p in params:
+        if p.trainable:
+            slots, step = optimizer_slots(p, optimizer)
+            total += slots * p.local_bytes + (STEP_BYTES if step else 0)
+    return total
+
+
+def optimizer_step_temporaries(params: list[ParamShard], settings: JobSettings, cuda: bool) -> int:
+    """Transient bytes of one optimizer step (after the backward, so never on top of activations).
+
+    foreach AdamW builds ``sqrt(exp_avg_sq)`` for every parameter at once; the fused
+    kernel (CUDA) builds nothing. Lion's per-parameter ``lerp`` needs one parameter-sized
+    temporary. Muon gathers each sharded matrix and runs Newton-Schulz on the full
+    matrix (its input, the iterate, the Gram matrix and the polynomial).
+    """
+    trainable = [p for p in params if p.trainable]
+    if not trainable:
+        return 0
+    opt = settings.optimizer
+    largest_local = max(p.local_bytes for p in trainable)
+    if opt.name == "adamw":
+        fused = opt.fused if opt.fused is not None else cuda
+        return 0 if fused else sum(p.local_bytes for p in trainable)
+    if opt.name == "lion":
+        return largest_local
+    matrices = [p.full_numel * p.element_size for p in trainable if muon_managed(p)]
+    return 4 * max(matrices, default=0) + largest_local
+
+
+@dataclass(frozen=True)
+class CommBuffers:
+    """Communication buffers of one rank at the peak of the backward."""
+
+    fsdp_all_gather: int  # unsharded parameters (compute dtype): the root, the current and the prefetched block
+    fsdp_reduce_scatter: int  # unsharded gradients: the root's (until the end), one block's and its fp32 copy
+    tensor_parallel: int  # one all-gathered activation in flight
+    pipeline: int  # send/receive buffers of activations and gradients per stage
+
+    @property
+    def total(self) -> int:
+        return self.fsdp_all_gather + self.fsdp_reduce_scatter + self.tensor_parallel + self.pipeline
+
+
+def comm_buffers(
+    params: list[ParamShard],
+    settings: JobSettings,
+    dims: ParallelDims,
+    *,
+    compute_bytes: int,
+    reshard_after_forward: bool,
+    float8_all_gather: bool,
+    n_stages_here: int,
+) -> CommBuffers:
+    """FSDP2 / TP / PP buffers of this rank.
+
+    FSDP2 never reshards the root unit (embedding, final norm, head) between forward and
+    backward; each block is gathered before its forward and backward with the next one
+    prefetched, or, with ``reshard_after_forward`` off (the pipeline default), every block
+    stays gathered from its forward to its backward. A unit's gradients are reduced (in
+    fp32) after its backward, so the root's unsharded gradients, made first by the head,
+    live through the whole backward.
+    """
+    if dims.world_size == 1:
+        return CommBuffers(0, 0, 0, 0)
+    units: dict[str, int] = defaultdict(int)
+    for p in params:
+        units[p.unit] += p.tp_numel
+    root = units.pop("root", 0)
+    blocks = list(units.values()) or [0]
+    block_bytes = 1 if float8_all_gather else compute_bytes  # float8 linears are all-gathered in float8
+    gathered = root * compute_bytes + (2 * max(blocks) if reshard_after_forward else sum(blocks)) * block_bytes
+    reduce_bytes = compute_bytes + (FP32 if compute_bytes < FP32 else 0)
+    reduce = root * compute_bytes + max(blocks) * reduce_bytes
+    t = settings.train
+    tokens_dim = t.batch_size * t.seq_len * settings.model.dim * compute_bytes
+    tp = tokens_dim if dims.tp > 1 else 0
+    pp = 2 * tokens_dim * n_stages_here if dims.pp > 1 else 0
+    return CommBuffers(gathered, reduce, tp, pp)
+
+
+@dataclass(frozen=True)
+class Throughput:
+    """Work of one optimizer step and the time a stated MFU implies."""
+
+    tokens_per_step: int
+    flops_per_token: float
+    flops_per_step: float
+    mfu: float
+    peak_tflops: float | None  # per GPU, in the compute dtype (None = unknown device)
+    step_time_s: float | None
+    tokens_per_s: float | None
+
+
+def _block_linear_params(cfg: ModelSettings) -> int:
+    d, q, kv, f = cfg.dim, cfg.n_heads * cfg.head_dim, cfg.kv_heads * cfg.head_dim, cfg.resolved_ffn_hidden_dim
+    return 2 * d * q + 2 * d * kv + (3 if cfg.activation == "swiglu" else 2) * d * f
+
+
+def throughput(settings: JobSettings, dims: ParallelDims, compute_dtype: str, mfu: float) -> Throughput:
+    """FLOPs per step (engine.model.flops convention) and the step time at ``mfu`` of the GPU's peak.
+
+    With float8, the blocks' linear layers run at the float8 peak and the rest (head,
+    attention scores) at the compute dtype's.
+    """
+    from kforge_cli.engine.model import flops_per_token
+
+    t, m = settings.train, settings.model
+    tokens = t.batch_size * t.seq_len * t.grad_accum_steps * dims.dp
+    fpt = flops_per_token(m, t.seq_len)
+    flops = fpt * tokens
+    override = settings.metrics.peak_tflops
+    peak = override * _T if override is not None else peak_flops(settings.slurm.gpu_type, compute_dtype)
+    if peak is None or mfu <= 0:
+        return Throughput(tokens, fpt, flops, mfu, None, None, None)
+    seconds = flops / (dims.world_size * peak)
+    fp8_peak = peak_flops(settings.slurm.gpu_type, "fp8") if t.float8 and override is None else None
+    if fp8_peak is not None:
+        fp8_flops = 6.0 * m.n_layers * _block_linear_params(m) * tokens
+        seconds = (flops - fp8_flops) / (dims.world_size * peak) + fp8_flops / (dims.world_size * fp8_peak)
+    step = seconds / mfu
+    return Throughput(tokens, fpt, flops, mfu, peak / _T, step, tokens / step)
