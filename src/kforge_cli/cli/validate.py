@@ -31,11 +31,15 @@ def validate_config(
     ] = None,
     plan: Annotated[bool, typer.Option("--plan", help="Also simulate the parallel plan and per-GPU memory.")] = False,
     rank: Annotated[int, typer.Option("--rank", help="With --plan: the rank to report.")] = 0,
+    mfu: Annotated[
+        float, typer.Option("--mfu", help="With --plan: the model FLOP utilisation the step time assumes.")
+    ] = 0.4,
 ) -> None:
     """Check a configuration: fields, cross-section rules and world-size rules, all at once.
 
     Overrides follow the options: `kforge validate-config -p h100x64 --model.n_layers=48`.
-    Exit code 0 when valid, 2 when not (every problem listed with its dotted key).
+    Exit code 0 when valid, 2 when not (every problem listed with its dotted key). With
+    `--plan` (`--format json` prints only the plan), 1 when the plan does not fit the GPU.
     """
     from kforge_cli.errors import ConfigError, InvalidInputError
     from kforge_cli.settings import resolve_dims
@@ -53,7 +57,11 @@ def validate_config(
         dims = resolve_dims(s, n)
     except ConfigError:
         raise
-    if fmt is not None:
+    if plan and fmt not in (None, "json"):
+        raise InvalidInputError(f"--plan prints a table, or JSON with --format json (got --format {fmt!r})")
+    if plan and fmt == "json":
+        pass  # only the plan's JSON, below
+    elif fmt is not None:
         if fmt == "toml":
             typer.echo(to_toml(s), nl=False)
         elif fmt == "json":
@@ -71,13 +79,18 @@ def validate_config(
         )
         typer.echo(f"  tokens per step: {tokens:,} (global batch {tokens // s.train.seq_len} x {s.train.seq_len})")
     if plan:
-        _plan(s, n, rank, fmt)
+        _plan(s, n, rank, fmt, mfu)
 
 
-def _plan(settings: Any, world_size: int, rank: int, fmt: str | None) -> None:
-    from kforge_cli.errors import NotBuiltYetError
+def _plan(settings: Any, world_size: int, rank: int, fmt: str | None, mfu: float) -> None:
+    """Build rank ``rank``'s plan (imports torch) and print it; exit 1 when it does not fit."""
+    from kforge_cli.engine.parallel.plan import build_plan
+    from kforge_cli.engine.parallel.plan_report import format_plan, plan_json
 
-    raise NotBuiltYetError("validate-config --plan is not built yet (the parallel plan simulation is a later issue)")
+    result = build_plan(settings, world_size, rank, mfu=mfu)
+    typer.echo(plan_json(result) if fmt == "json" else "\n" + format_plan(result))
+    if not result.fits:
+        raise typer.Exit(1)
 
 
 __all__ = ["Path", "register", "validate_config"]
