@@ -1,0 +1,57 @@
+"""`kforge validate-config --plan` in a subprocess: the table, the JSON, and exit 1 when it does not fit."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+pytestmark = pytest.mark.e2e
+
+GIB = 1024**3
+
+
+def test_plan_table_for_70b_on_h100x64(kforge) -> None:
+    r = kforge("validate-config", "--profile", "llama70b-h100x64", "--plan", "--rank", "9")
+    assert r.returncode == 0, r.stderr
+    out = r.stdout
+    assert "config is valid: profile llama70b-h100x64, world size 64" in out
+    assert "mesh: pp=1 x dp_replicate=1 x dp_shard=8 x tp=8; rank 9 sits at pp=0 dp_replicate=0 dp_shard=1 tp=1" in out
+    assert "80 blocks (0-79) + embedding, norm + head" in out
+    for item in ("parameters", "gradients", "optimizer state", "activations", "FSDP buffers", "peak"):
+        assert f"\n  {item} " in out, item
+    assert "FITS (biggest item: optimizer state" in out
+    assert "at 40% MFU of 989.4 TFLOP/s per GPU" in out
+
+
+def test_plan_json_for_8b_fsdp64(kforge) -> None:
+    r = kforge("validate-config", "--profile", "h100x64", "--distributed.tp=1", "--plan", "--format", "json",
+               "--mfu", "0.5")  # fmt: skip
+    assert r.returncode == 0, r.stderr
+    plan = json.loads(r.stdout)  # nothing but the plan on stdout
+    assert plan["mesh"] == {"pp": 1, "dp_replicate": 1, "dp_shard": 64, "tp": 1}
+    assert plan["local_params"] * 64 == plan["total_params"] == 8_030_261_248
+    params = next(m for m in plan["memory"] if m["name"] == "parameters")
+    assert params["bytes"] == 4 * plan["total_params"] // 64
+    assert plan["throughput"]["mfu"] == 0.5
+    assert plan["verdict"] in ("FITS", "DOES NOT FIT") and plan["fits"] == (plan["verdict"] == "FITS")
+
+
+def test_plan_that_does_not_fit_exits_1(kforge) -> None:
+    r = kforge("validate-config", "--profile", "llama70b-h100x64", "--slurm.nodes=1", "--distributed.dp_shard=1",
+               "--plan", "--format", "json")  # fmt: skip
+    assert r.returncode == 1, r.stderr
+    plan = json.loads(r.stdout)
+    assert plan["verdict"] == "DOES NOT FIT" and plan["biggest"] == "optimizer state"
+    assert plan["peak_bytes"] > plan["capacity_bytes"] == 80 * GIB
+    table = kforge("validate-config", "--profile", "llama70b-h100x64", "--slurm.nodes=1", "--distributed.dp_shard=1",
+                   "--plan")  # fmt: skip
+    assert table.returncode == 1
+    assert "DOES NOT FIT (biggest item: optimizer state" in table.stdout
+
+
+def test_plan_bad_rank_and_format_are_input_errors(kforge) -> None:
+    r = kforge("validate-config", "--plan", "--world-size", "2", "--rank", "2")
+    assert r.returncode == 2 and "--rank must be in [0, 1]" in r.stderr
+    r = kforge("validate-config", "--plan", "--format", "toml")
+    assert r.returncode == 2 and "--plan prints a table" in r.stderr
