@@ -38,7 +38,7 @@ def test_default_train_with_no_arguments_learns(kforge, tmp_path: Path) -> None:
 def test_nan_abort_exits_non_zero(kforge, tmp_path: Path) -> None:
     env = {"PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]),
            "KFORGE_TEST_NAN_STEPS": "2"}  # fmt: skip
-    r = kforge("train", "--run-dir", str(tmp_path / "run"), "--train.max_steps=5", "--eval.interval=0",
+    r = kforge("train", "--run-dir", str(tmp_path / "run"), "--train.max_steps=5", "--scheduler.warmup_steps=1", "--eval.interval=0",
                '--train.hooks=["tests.helpers.nan_hooks:InjectNaN"]', "--resilience.nan_policy=abort",
                "--resilience.nan_max_consecutive=1", env=env)  # fmt: skip
     assert r.returncode == 1, r.stderr[-2000:]

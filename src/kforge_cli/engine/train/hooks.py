@@ -3,7 +3,7 @@
 Subclass `TrainHook` and override what you need. Register hooks from Python
 (`run_training(settings, hooks=[MyHook()])`) or from settings by import path
 (`train.hooks = ["my_pkg.hooks:LogGradNorms"]`; the class is instantiated with no
-arguments, or with the settings when its constructor takes one argument).
+arguments, or with the settings when its constructor has one required argument).
 """
 
 from __future__ import annotations
@@ -89,8 +89,11 @@ def load_hook(spec: str, settings: Any) -> TrainHook:
     cls = getattr(module, attr, None)
     if cls is None:
         raise InvalidInputError(f"train.hooks: module {module_name!r} has no attribute {attr!r}")
-    n_params = len(inspect.signature(cls).parameters) if callable(cls) else -1
-    hook = cls(settings) if n_params == 1 else cls()
+    required = [
+        p for p in inspect.signature(cls).parameters.values()
+        if p.default is inspect.Parameter.empty and p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)
+    ]  # fmt: skip
+    hook = cls(settings) if len(required) == 1 else cls()
     if not isinstance(hook, TrainHook):
         raise InvalidInputError(f"train.hooks: {spec} is not a kforge_cli.engine.train.TrainHook subclass")
     return hook
