@@ -11,6 +11,7 @@ without renaming the ones it keeps.
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -94,26 +95,11 @@ class Transformer(nn.Module):
         seed always gives the same weights.
         """
         device = buffer_device if buffer_device is not None else self.rope_cos.device
-        self.rope_cos, self.rope_sin = rope_tables(self.cfg.head_dim, self.cfg.max_seq_len, self.cfg.rope_theta, device)
-        std, out_std = self.cfg.init_std, residual_std(self.cfg)
-        if self.tok_embeddings is not None:
-            nn.init.normal_(self.tok_embeddings.weight, mean=0.0, std=std)
-        for key in sorted(self.layers.keys(), key=int):
-            block = self.layers[key]
-            assert isinstance(block, TransformerBlock)
-            block.init_weights(std, out_std)
-        if self.norm is not None:
-            reset_norm(self.norm)
-        if self.output is not None:
-            nn.init.normal_(self.output.weight, mean=0.0, std=std)
+        init_decoder_weights(self, device)
 
     def head_weight(self) -> torch.Tensor | None:
         """The ``[vocab, dim]`` output projection (the embedding when tied), or None on a non-last stage."""
-        if self.output is not None:
-            return self.output.weight
-        if self.cfg.tie_embeddings and self.tok_embeddings is not None:
-            return self.tok_embeddings.weight
-        return None
+        return decoder_head_weight(self)
 
     def forward(
         self,
@@ -156,6 +142,32 @@ class Transformer(nn.Module):
         if loss_fn is not None and labels is not None:
             return loss_fn(h, weight, labels)
         return self.output(h) if self.output is not None else F.linear(h, weight)
+
+
+def init_decoder_weights(model: Any, device: torch.device) -> None:
+    """Re-initialise a decoder's text parts in a fixed order: RoPE tables, embedding, blocks by
+    index, final norm, head. Shared by the text Transformer and the VLM language model, which
+    use the same attribute names (``cfg``, ``tok_embeddings``, ``layers``, ``norm``, ``output``)."""
+    cfg = model.cfg
+    model.rope_cos, model.rope_sin = rope_tables(cfg.head_dim, cfg.max_seq_len, cfg.rope_theta, device)
+    std, out_std = cfg.init_std, residual_std(cfg)
+    if model.tok_embeddings is not None:
+        nn.init.normal_(model.tok_embeddings.weight, mean=0.0, std=std)
+    for key in sorted(model.layers.keys(), key=int):
+        model.layers[key].init_weights(std, out_std)
+    if model.norm is not None:
+        reset_norm(model.norm)
+    if model.output is not None:
+        nn.init.normal_(model.output.weight, mean=0.0, std=std)
+
+
+def decoder_head_weight(model: Any) -> torch.Tensor | None:
+    """The decoder's ``[vocab, dim]`` head weight (the embedding when tied; None without a head)."""
+    if model.output is not None:
+        return model.output.weight
+    if model.cfg.tie_embeddings and model.tok_embeddings is not None:
+        return model.tok_embeddings.weight
+    return None
 
 
 def document_causal_mask(doc_ids: torch.Tensor) -> torch.Tensor:

@@ -26,9 +26,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kforge_cli.engine.model.attention import residual_std
-from kforge_cli.engine.model.layers import build_norm, reset_norm, rope_tables
-from kforge_cli.engine.model.transformer import LossFn, TransformerBlock
+from kforge_cli.engine.model.layers import build_norm, rope_tables
+from kforge_cli.engine.model.transformer import LossFn, TransformerBlock, decoder_head_weight, init_decoder_weights
 from kforge_cli.engine.model.vlm.adapters import build_adapter
 from kforge_cli.engine.model.vlm.cross_attention import CrossAttentionDecoderLayer
 from kforge_cli.engine.model.vlm.mot import MoTBlock, build_routes
@@ -100,25 +99,12 @@ class VisionLanguageModel(nn.Module):
     def init_weights(self, buffer_device: torch.device | None = None) -> None:
         """Encoder, adapter, embedding, blocks by index, norm, head: a fixed order of in-place inits."""
         device = buffer_device if buffer_device is not None else self.rope_cos.device
-        self.rope_cos, self.rope_sin = rope_tables(self.cfg.head_dim, self.cfg.max_seq_len, self.cfg.rope_theta, device)
         self.vision.init_weights()  # type: ignore[operator]
         self.adapter.init_weights()  # type: ignore[operator]
-        std, out_std = self.cfg.init_std, residual_std(self.cfg)
-        if self.tok_embeddings is not None:
-            nn.init.normal_(self.tok_embeddings.weight, mean=0.0, std=std)
-        for key in sorted(self.layers.keys(), key=int):
-            self.layers[key].init_weights(std, out_std)  # type: ignore[operator]
-        if self.norm is not None:
-            reset_norm(self.norm)
-        if self.output is not None:
-            nn.init.normal_(self.output.weight, mean=0.0, std=std)
+        init_decoder_weights(self, device)
 
     def head_weight(self) -> torch.Tensor | None:
-        if self.output is not None:
-            return self.output.weight
-        if self.cfg.tie_embeddings and self.tok_embeddings is not None:
-            return self.tok_embeddings.weight
-        return None
+        return decoder_head_weight(self)
 
     def encode_visual(
         self, pixel_values: torch.Tensor, frame_mask: torch.Tensor | None
