@@ -3,17 +3,24 @@
     from kforge_cli import load_model
     model = load_model("runs/x/checkpoints/step_1000")   # or the run dir, or an HF Llama dir
     logits = model(tokens)                                # [B, T, vocab]
+    logits = model(tokens, pixel_values=pixels)           # a vision-language (or MoT) checkpoint
 
 No GPU and no process group: the weights are reassembled from however many shards,
 ranks and pipeline stages wrote them (see ``reader``). The model is built on the meta
-device and materialised empty, so loading costs no random initialisation.
+device and materialised empty, so loading costs no random initialisation. A checkpoint
+whose saved config has a ``vlm`` section (joint decoder, cross-attention or
+Mixture-of-Transformers, including a ``convert-mot`` output) becomes the
+:class:`VisionLanguageModel` of that config; everything else a text :class:`Transformer`.
 """
 
 from __future__ import annotations
 
+import tomllib
 from pathlib import Path
+from typing import Any
 
 import torch
+from torch import nn
 
 from kforge_cli.engine.checkpoint.errors import CheckpointError
 from kforge_cli.engine.checkpoint.hf_format import is_hf_dir
@@ -24,10 +31,46 @@ from kforge_cli.engine.checkpoint.reader import (
     iter_tensors,
     model_settings_of,
     open_checkpoint,
+    shaping_of,
 )
 from kforge_cli.engine.model import Transformer
 from kforge_cli.engine.model.layers import rope_tables
+from kforge_cli.engine.model.vlm import VisionLanguageModel, build_vlm
+from kforge_cli.settings import JobSettings
 from kforge_cli.settings.core import ModelSettings
+
+LoadedModel = Transformer | VisionLanguageModel
+_VLM_SECTIONS = ("model", "vision_encoder", "adapter", "vlm")
+
+
+def _materialise(model: nn.Module, cfg: ModelSettings, dtype: torch.dtype, device: str | torch.device) -> None:
+    """Meta -> uninitialised storage in `dtype` on `device`, then recompute the buffers no checkpoint holds.
+
+    Non-persistent buffers are not saved, so after ``to_empty`` they hold garbage: the
+    RoPE tables are recomputed in fp32 and position-id buffers (Hugging Face vision
+    towers) refilled with their ``arange``. Any other such buffer would be silently wrong,
+    so it is an error rather than a guess.
+    """
+    model.to(dtype)  # on meta: free; RoPE tables are recomputed in fp32 below
+    model.to_empty(device=device)
+    model.rope_cos, model.rope_sin = rope_tables(cfg.head_dim, cfg.max_seq_len, cfg.rope_theta, device)
+    unknown: list[str] = []
+    for module_name, module in model.named_modules():
+        for name in sorted(getattr(module, "_non_persistent_buffers_set", set())):
+            full = f"{module_name}.{name}" if module_name else name
+            buf = module._buffers.get(name)
+            if buf is None or full in ("rope_cos", "rope_sin"):
+                continue
+            if name.endswith("position_ids"):
+                with torch.no_grad():
+                    buf.copy_(torch.arange(buf.shape[-1], device=buf.device).expand_as(buf))
+            else:
+                unknown.append(full)
+    if unknown:
+        raise CheckpointError(
+            f"load_model cannot rebuild the unsaved buffers {unknown[:5]} of this model; "
+            "build it with its own constructor and load the weights with engine.checkpoint.load_model_weights"
+        )
 
 
 def empty_model(
@@ -36,13 +79,77 @@ def empty_model(
     """A Transformer with uninitialised weights in `dtype` and fp32 RoPE tables on `device`."""
     with torch.device("meta"):
         model = Transformer(cfg)
-    model.to(dtype)  # on meta: free; RoPE tables are recomputed in fp32 below
-    model.to_empty(device=device)
-    model.rope_cos, model.rope_sin = rope_tables(cfg.head_dim, cfg.max_seq_len, cfg.rope_theta, device)
+    _materialise(model, cfg, dtype, device)
     return model
 
 
-def _fill_from_checkpoint(model: Transformer, view: CheckpointView) -> None:
+def empty_vlm(
+    settings: JobSettings, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu"
+) -> VisionLanguageModel:
+    """The VLM of `settings` with uninitialised weights in `dtype` and fp32 RoPE tables on `device`."""
+    with torch.device("meta"):
+        model = build_vlm(settings)
+    _materialise(model, settings.model, dtype, device)
+    return model
+
+
+def _saved_run_config(view: CheckpointView) -> dict[str, Any]:
+    """RUN_DIR/config.toml of a step dir inside RUN_DIR/checkpoints, or {} (absent, unreadable, elsewhere)."""
+    path = view.path.parent.parent / "config.toml"
+    if not view.kforge or not path.is_file():
+        return {}
+    try:
+        return tomllib.loads(path.read_text())
+    except (OSError, tomllib.TOMLDecodeError):
+        return {}
+
+
+def _video_section(vlm: dict[str, Any], saved: dict[str, Any]) -> dict[str, Any] | None:
+    """The ``[video]`` section, which only decides which MoT expert visual tokens use.
+
+    It is not part of the checkpoint's shaping record, so it comes from the run's
+    config.toml when there is one; failing that, a MoT model with a ``video`` but no
+    ``image`` modality can only have been a video job.
+    """
+    modalities = vlm.get("modalities") or []
+    if vlm.get("arch") != "mot" or "video" not in modalities:
+        return None
+    if isinstance(saved.get("video"), dict):
+        return dict(saved["video"])
+    return {} if "image" not in modalities else None
+
+
+def vlm_settings_of(view: CheckpointView) -> JobSettings:
+    """The :class:`JobSettings` sections that shape the VLM of a kforge checkpoint (the rest at defaults)."""
+    shaping = shaping_of(view)
+    saved = _saved_run_config(view)
+    sections: dict[str, Any] = {}
+    for name in _VLM_SECTIONS:
+        prefix = f"{name}."
+        fields = {k.removeprefix(prefix): v for k, v in shaping.items() if k.startswith(prefix)}
+        if name == "model":
+            fields.pop("init_std", None)  # not recorded by training; only matters at step 0
+        if fields:
+            sections[name] = fields
+        elif isinstance(shaping.get(name), dict):
+            sections[name] = shaping[name]
+        elif name not in shaping and isinstance(saved.get(name), dict):  # shaping read from config.toml
+            sections[name] = saved[name]
+    if "vlm" not in sections or "vision_encoder" not in sections:
+        raise CheckpointError(
+            f"{view.path} holds a vision-language model but its saved config lacks the [vlm] or [vision_encoder] "
+            "section: pass the job settings, load_model(path, model_settings=JobSettings(...))"
+        )
+    video = _video_section(sections["vlm"], saved)
+    if video is not None:
+        sections["video"] = video
+    try:
+        return JobSettings.model_validate(sections)  # model_validate: no environment variables read
+    except Exception as exc:  # a checkpoint from another kforge version with other fields
+        raise CheckpointError(f"{view.path}: its VLM config does not fit this kforge version ({exc})") from None
+
+
+def _fill_from_checkpoint(model: nn.Module, view: CheckpointView) -> None:
     params = model.state_dict()  # tensors sharing the parameters' storage
     ours = {MODEL_PREFIX + k for k in params}
     theirs = {e.key for e in view.model_entries()}
@@ -61,43 +168,55 @@ def _fill_from_checkpoint(model: Transformer, view: CheckpointView) -> None:
             params[key.removeprefix(MODEL_PREFIX)].copy_(tensor)
 
 
+def _load_hf(checkpoint: str | Path, cfg: ModelSettings | None, dtype: torch.dtype, device: str | torch.device
+             ) -> Transformer:  # fmt: skip
+    from kforge_cli.engine.checkpoint.hf_import import hf_model_settings, read_hf_tensors
+
+    model = empty_model(cfg or hf_model_settings(checkpoint), dtype, device)
+    params = model.state_dict()
+    tensors = read_hf_tensors(checkpoint, params)
+    missing = sorted(set(params) - set(tensors))
+    if missing:
+        raise CheckpointError(f"{checkpoint} has no weights for {', '.join(missing[:8])}")
+    with torch.no_grad():
+        for name, tensor in tensors.items():
+            params[name].copy_(tensor)
+    return model.eval()
+
+
 def load_model(
     checkpoint: str | Path,
     *,
     dtype: torch.dtype = torch.float32,
     device: str | torch.device = "cpu",
-    model_settings: ModelSettings | None = None,
-) -> Transformer:
+    model_settings: ModelSettings | JobSettings | None = None,
+) -> LoadedModel:
     """The model stored in `checkpoint`, in eval mode, with weights in `dtype` on `device` (default CPU).
 
     `checkpoint` is a kforge step dir, a run dir or checkpoints dir (its newest complete
     checkpoint), any DCP directory holding ``model.*`` tensors (then pass
-    `model_settings`), or a Hugging Face Llama directory. ``model(tokens)`` returns logits.
+    `model_settings`: a :class:`ModelSettings` for a text model, a :class:`JobSettings`
+    with ``vlm`` set for a vision-language one), or a Hugging Face Llama directory.
+    ``model(tokens)`` returns logits; a VLM also takes ``pixel_values`` (and ``frame_mask``).
     """
+    job: JobSettings | None = None
+    cfg: ModelSettings | None = None
+    if isinstance(model_settings, JobSettings):
+        job, cfg = model_settings, model_settings.model
+    else:
+        cfg = model_settings
     if is_hf_dir(checkpoint):
-        from kforge_cli.engine.checkpoint.hf_import import hf_model_settings, read_hf_tensors
-
-        cfg = model_settings or hf_model_settings(checkpoint)
-        model = empty_model(cfg, dtype, device)
-        params = model.state_dict()
-        tensors = read_hf_tensors(checkpoint, params)
-        missing = sorted(set(params) - set(tensors))
-        if missing:
-            raise CheckpointError(f"{checkpoint} has no weights for {', '.join(missing[:8])}")
-        with torch.no_grad():
-            for name, tensor in tensors.items():
-                params[name].copy_(tensor)
-        return model.eval()
+        return _load_hf(checkpoint, cfg, dtype, device)
     view = open_checkpoint(checkpoint)
     if not view.complete:
         raise CheckpointError(
             f"{view.path} is an incomplete checkpoint (its save never finished); use an earlier step_N or the run dir"
         )
-    if model_settings is None and is_vlm(view):
-        raise CheckpointError(
-            f"{view.path} holds a vision-language model; load_model builds text Transformers only in this version"
-        )
-    cfg = model_settings or model_settings_of(view)
-    model = empty_model(cfg, dtype, device)
+    if job is not None and job.vlm is not None:
+        model: LoadedModel = empty_vlm(job, dtype, device)
+    elif cfg is None and is_vlm(view):
+        model = empty_vlm(vlm_settings_of(view), dtype, device)
+    else:
+        model = empty_model(cfg or model_settings_of(view), dtype, device)
     _fill_from_checkpoint(model, view)
     return model.eval()
