@@ -5,7 +5,10 @@ Importing this package is cheap (no torch). `load_model` is resolved lazily.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from kforge_cli.engine.checkpoint.load_model import load_model
 
 __version__ = "0.1.0"
 
