@@ -1,4 +1,4 @@
-"""`kforge prepare-data`: text/JSONL -> memory-mapped token shards."""
+"""`kforge prepare-data`: text/JSONL/local Hugging Face datasets -> memory-mapped token shards."""
 
 from __future__ import annotations
 
@@ -13,19 +13,35 @@ def register(app: typer.Typer) -> None:
 
 
 def prepare_data(
-    inputs: Annotated[list[Path], typer.Argument(help="Text files, directories or JSONL files.")],
+    inputs: Annotated[
+        list[Path],
+        typer.Argument(
+            help="Text files, directories, JSONL files, or local Hugging Face datasets: a save_to_disk "
+            "directory, .parquet/.arrow files, or hf:PATH (never downloaded)."
+        ),
+    ],
     out: Annotated[Path, typer.Option("--out", "-o", help="Output directory.")],
     tokenizer: Annotated[str, typer.Option("--tokenizer", help="'byte' or a tokenizer.json path.")] = "byte",
     val_fraction: Annotated[float, typer.Option("--val-fraction", help="Fraction of documents for validation.")] = 0.01,
     shard_tokens: Annotated[int, typer.Option("--shard-tokens", help="Tokens per shard file.")] = 100_000_000,
-    text_field: Annotated[str, typer.Option("--text-field", help="JSONL field holding the text.")] = "text",
+    text_field: Annotated[
+        str, typer.Option("--text-field", help="JSONL field or dataset column holding the text.")
+    ] = "text",
+    hf_split: Annotated[
+        str | None, typer.Option("--hf-split", help="Split of a DatasetDict input (default: train, or its only one).")
+    ] = None,
     skip_bad_records: Annotated[bool, typer.Option("--skip-bad-records", help="Skip and count bad records.")] = False,
     workers: Annotated[
         int, typer.Option("--workers", help="Tokenizer processes (0 = all cores the input keeps busy).", min=0)
     ] = 0,
     quiet: Annotated[bool, typer.Option("--quiet", "-q", help="No progress bar.")] = False,
 ) -> None:
-    """Tokenize inputs into .npy shards plus metadata.json (streaming, all cores)."""
+    """Tokenize inputs into .npy shards plus metadata.json (streaming, all cores).
+
+    A Hugging Face dataset is tokenized like JSONL (one document per record); training then
+    reads the output like any other prepared directory, sharded exactly and resumably across
+    ranks and loader workers. Needs `pip install 'kforge[hf]'`.
+    """
     from rich.console import Console
     from rich.progress import BarColumn, DownloadColumn, Progress, TimeRemainingColumn, TransferSpeedColumn
 
@@ -50,6 +66,7 @@ def prepare_data(
             text_field=text_field,
             skip_bad_records=skip_bad_records,
             workers=workers or None,
+            hf_split=hf_split,
             on_progress=lambda done, total: progress.update(task, completed=done, total=total),
         )
     if result.reused:

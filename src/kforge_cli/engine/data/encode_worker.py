@@ -6,7 +6,8 @@ main process copies them into the shards in the kernel), not back through a pipe
 pickling hundreds of MB of arrays through the pool costs more than tokenizing them.
 Errors are :class:`InvalidInputError` naming the file and line; with
 ``--skip-bad-records`` a bad JSONL record or a text line with invalid UTF-8 is
-dropped and counted instead.
+dropped and counted instead. A Hugging Face dataset unit (a record range, see
+:mod:`hf_source`) is handled the same way, its errors naming the dataset and record index.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from typing import Any
 
 import numpy as np
 
+from kforge_cli.engine.data import hf_source
 from kforge_cli.engine.data.inputs import WorkUnit, cut, line_number
 from kforge_cli.engine.data.tokenizer import ByteTokenizer, HFTokenizer, load_tokenizer
 from kforge_cli.errors import InvalidInputError
@@ -38,7 +40,8 @@ def init_worker(tokenizer_spec: str) -> None:
 class SegmentResult:
     """Where one segment's tokens are in the part file.
 
-    JSONL: every record followed by EOS; text: a piece of one document, no EOS.
+    JSONL and Hugging Face datasets: every record followed by EOS; text: a piece of one
+    document, no EOS.
     """
 
     split: str
@@ -65,13 +68,17 @@ class _Bad:
     def __init__(self, unit: WorkUnit, result: UnitResult) -> None:
         self.unit, self.result = unit, result
 
+    def _where(self, offset: int) -> str:
+        f = self.unit.file
+        return f"dataset {f.hf.name} record {offset}" if f.hf else f"{f.path} line {line_number(f.path, offset)}"
+
     def __call__(self, offset: int, what: str, hint: str) -> None:
-        path = self.unit.file.path
+        """A bad record at byte ``offset`` of the file (the record index of a dataset)."""
         if not self.unit.skip_bad_records:
-            raise InvalidInputError(f"{path} line {line_number(path, offset)}: {what}; {hint}")
+            raise InvalidInputError(f"{self._where(offset)}: {what}; {hint}")
         self.result.skipped += 1
         if len(self.result.examples) < MAX_EXAMPLES:
-            self.result.examples.append(f"{path} line {line_number(path, offset)}: {what}")
+            self.result.examples.append(f"{self._where(offset)}: {what}")
 
 
 def _text(raw: bytes, offset: int, bad: _Bad) -> bytes:
@@ -134,9 +141,53 @@ def _segment_tokens(unit: WorkUnit, raw: bytes, offset: int, bad: _Bad, dtype: n
     return (np.concatenate(parts) if parts else np.empty(0, dtype=dtype)), len(docs)
 
 
+def _dataset_texts(records: hf_source.Records, field: str, bad: _Bad) -> list[str]:
+    """The non-empty texts of ``records`` (a null, missing or non-string value is a bad record)."""
+    if records.values is None:
+        has = ", ".join(records.columns)
+        for i in range(records.start, records.stop):
+            bad(i, f"record has no field {field!r} (has: {has})", "use --text-field or --skip-bad-records")
+        return []
+    texts: list[str] = []
+    for i, text in enumerate(records.values, records.start):
+        if text is None:
+            bad(i, f"field {field!r} is null", "fill it or pass --skip-bad-records")
+        elif not isinstance(text, str):
+            bad(i, f"field {field!r} is {type(text).__name__}, not a string", "pass --skip-bad-records")
+        elif text:
+            texts.append(text)
+    return texts
+
+
+def _encode_records(unit: WorkUnit, dtype: np.dtype[Any], part: str) -> UnitResult:
+    """A Hugging Face dataset unit: one SegmentResult per piece of records within one segment."""
+    tok, ds = _TOKENIZER, unit.file.hf
+    assert tok is not None and ds is not None, "init_worker was not called, or not a dataset unit"
+    end = unit.first_record + unit.num_records
+    result = UnitResult(part=part, segments=[], bytes_read=hf_source.bytes_between(ds, unit.first_record, end))
+    bad = _Bad(unit, result)
+    eos = np.array([tok.eos_id], dtype=dtype)
+    written = 0
+    with open(part, "wb") as out:
+        for records in hf_source.read_column(ds, unit.text_field, unit.first_record, unit.num_records,
+                                             unit.segment_records):  # fmt: skip
+            docs = tok.encode_batch(_dataset_texts(records, unit.text_field, bad), dtype)
+            if not docs:
+                continue
+            tokens = np.concatenate([p for d in docs for p in (d, eos)])
+            out.write(tokens.tobytes())
+            split = unit.splits[records.start // unit.segment_records - unit.first_segment]
+            result.segments.append(SegmentResult(split, "hf", unit.file.index, written, len(tokens), len(docs),
+                                                 len(docs)))  # fmt: skip
+            written += len(tokens)
+    return result
+
+
 def encode_unit(unit: WorkUnit, dtype_name: str, part: str) -> UnitResult:
     """Tokenize one work unit's segments into the raw file ``part`` (see :mod:`inputs` for segments)."""
     dtype = np.dtype(dtype_name)
+    if unit.file.hf is not None:
+        return _encode_records(unit, dtype, part)
     f = unit.file
     result = UnitResult(part=part, segments=[], bytes_read=0)
     bad = _Bad(unit, result)

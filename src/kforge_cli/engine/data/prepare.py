@@ -1,4 +1,4 @@
-"""`kforge prepare-data`: text, directories and JSONL -> token shards + metadata.json.
+"""`kforge prepare-data`: text, directories, JSONL and local HF datasets -> token shards + metadata.json.
 
 Streaming and parallel: work units (a few MiB of one file) are tokenized by a pool of
 processes, at most ``2 * workers`` in flight, each into a raw part file; the main
@@ -8,7 +8,9 @@ Source checksums are computed by a thread alongside. Everything is written to a
 hidden temporary directory next to ``--out`` and renamed into place at the end: an
 interrupted run never leaves a directory that looks complete. Re-running with the
 same inputs (path, size, mtime), tokenizer and options finds the finished directory
-and does nothing.
+and does nothing. A local Hugging Face dataset is one more kind of input
+(:mod:`hf_source`): its records become documents exactly like JSONL records, and
+training reads the result like any other prepared directory.
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ from typing import Any
 
 import numpy as np
 
+from kforge_cli.engine.data import hf_source
 from kforge_cli.engine.data.encode_worker import SegmentResult, UnitResult, encode_unit, init_worker
 from kforge_cli.engine.data.inputs import InputFile, WorkUnit, collect_inputs, plan_units
 from kforge_cli.engine.data.shards import FORMAT, FORMAT_VERSION, METADATA, SplitWriter, load_prepared
@@ -62,7 +65,8 @@ class _Assembler:
 
     A text file is one document whose segments may alternate between splits: a split
     closes its open document (EOS) when the next piece comes from another file, or when
-    the file's preceding piece went to the other split (a discontinuity).
+    the file's preceding piece went to the other split (a discontinuity). JSONL and
+    dataset pieces are whole records that already end with EOS.
     """
 
     def __init__(self, writers: dict[str, SplitWriter], eos_id: int, dtype: np.dtype[Any]) -> None:
@@ -80,7 +84,7 @@ class _Assembler:
         self.records += seg.records
         if not seg.length:
             return
-        if seg.kind == "jsonl" or (
+        if seg.kind != "text" or (
             self.open_doc[seg.split] is not None
             and (self.open_doc[seg.split] != seg.file_index or self.last_split != seg.split)
         ):
@@ -110,10 +114,14 @@ def _sha256(path: Path) -> str:
     return h.hexdigest()
 
 
+def _source_sha256(f: InputFile) -> str:
+    return hf_source.sha256(f.hf) if f.hf else _sha256(f.path)
+
+
 def _inputs_key(files: list[InputFile], tokenizer: dict[str, Any], options: dict[str, Any]) -> str:
     ident = {
         "format_version": FORMAT_VERSION,
-        "files": [[str(f.path), f.size, f.mtime_ns, f.kind] for f in files],
+        "files": [[str(f.path), f.size, f.mtime_ns, f.kind] + ([f.hf.key] if f.hf else []) for f in files],
         "tokenizer": tokenizer,
         "options": options,
     }
@@ -196,10 +204,12 @@ def prepare_data(
     skip_bad_records: bool = False,
     workers: int | None = None,
     on_progress: Callable[[int, int], None] | None = None,
+    hf_split: str | None = None,
 ) -> PrepareResult:
     """Tokenize ``inputs`` into ``out``; ``on_progress(bytes_done, bytes_total)`` after each unit.
 
     ``workers``: processes to tokenize with (None or 0 = :func:`auto_workers`).
+    ``hf_split``: the split of a DatasetDict input (default ``train``, or its only split).
     """
     if not 0 <= val_fraction < 1:
         raise InvalidInputError(f"--val-fraction must be in [0, 1), got {val_fraction}")
@@ -209,7 +219,7 @@ def prepare_data(
     out = out.expanduser().resolve()
     tok = load_tokenizer(tokenizer)
     dtype = token_dtype(tok.vocab_size)
-    files, skipped_files = collect_inputs(list(inputs), skip_bad_records, exclude=out)
+    files, skipped_files = collect_inputs(list(inputs), skip_bad_records, exclude=out, hf_split=hf_split)
     options = {"val_fraction": val_fraction, "shard_tokens": shard_tokens, "text_field": text_field,
                "skip_bad_records": skip_bad_records}  # fmt: skip
     key = _inputs_key(files, tok.describe(), options)
@@ -230,7 +240,7 @@ def prepare_data(
     tmp.mkdir()
     try:
         with ThreadPoolExecutor(1) as hasher:
-            sums: list[Future[str]] = [hasher.submit(_sha256, f.path) for f in files]
+            sums: list[Future[str]] = [hasher.submit(_source_sha256, f) for f in files]
             writers = {s: SplitWriter(tmp, s, dtype, shard_tokens, tok.eos_id) for s in ("train", "val")}
             asm = _Assembler(writers, tok.eos_id, dtype)
             done, skipped, examples = 0, 0, []
@@ -251,7 +261,7 @@ def prepare_data(
             splits = {s: w.close() for s, w in writers.items()}
             parts.rmdir()
             sources = [{"path": str(f.path), "kind": f.kind, "bytes": f.size, "sha256": s.result()}
-                       for f, s in zip(files, sums, strict=True)]  # fmt: skip
+                       | (f.hf.describe() if f.hf else {}) for f, s in zip(files, sums, strict=True)]  # fmt: skip
         if splits["train"]["tokens"] == 0:
             raise InvalidInputError("the inputs contain no text to tokenize")
         if isinstance(tok, HFTokenizer):
@@ -264,7 +274,7 @@ def prepare_data(
             "vocab_size": tok.vocab_size,
             "eos_id": tok.eos_id,
             "dtype": dtype.name,
-            "document_separator": "the EOS id follows every document (a text file or a JSONL record)",
+            "document_separator": "the EOS id follows every document (a text file, a JSONL record or a dataset record)",
             "splits": splits,
             "sources": sources,
             "records": asm.records,
