@@ -129,13 +129,11 @@ class LossFn:
 
     def __call__(self, hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         """Loss sum of ``hidden @ weight.T`` (chunked when configured, else one projection)."""
-        if self.chunked:
-            return chunked_cross_entropy_sum(hidden, weight, labels, self.chunk_size, self.z_loss_weight)
-        return cross_entropy_sum(F.linear(hidden, weight), labels, self.z_loss_weight)
+        return self.per_token(hidden, weight, labels).sum()
 
     def from_logits(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         """Loss sum of precomputed logits ``[..., V]``."""
-        return cross_entropy_sum(logits, labels, self.z_loss_weight)
+        return self.per_token_from_logits(logits, labels).sum()
 
     def per_token(self, hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         """Like ``__call__`` but per position (shape of ``labels``), for per-dataset losses."""
