@@ -19,6 +19,7 @@ import torch
 from kforge_cli.engine.checkpoint import newest_complete, read_latest, resolve_checkpoint
 from kforge_cli.engine.train.hooks import TrainHook
 from tests.conftest import REPO, kforge_cmd
+from tests.helpers.metrics import step_losses as losses
 
 pytestmark = pytest.mark.e2e
 
@@ -38,16 +39,6 @@ class SigtermAt(TrainHook):
         rank = int(os.environ.get("KFORGE_TEST_SIGTERM_RANK", "0"))
         if info.step == step and session.runtime.rank == rank:
             os.kill(os.getpid(), signal.SIGTERM)
-
-
-def losses(run_dir: Path) -> dict[int, float]:
-    """Loss per step from metrics.jsonl (a step run twice after a crash: the later record)."""
-    out: dict[int, float] = {}
-    for line in (run_dir / "metrics.jsonl").read_text().splitlines():
-        rec = json.loads(line)
-        if "loss" in rec:
-            out[rec["step"]] = rec["loss"]
-    return out
 
 
 def last_record(run_dir: Path) -> dict[str, Any]:

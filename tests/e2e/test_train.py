@@ -2,19 +2,19 @@
 
 from __future__ import annotations
 
-import json
 import os
 from pathlib import Path
 
 import pytest
 
+from kforge_cli.engine.observe import read_metrics as observe_read_metrics
 from tests.conftest import REPO
 
 pytestmark = pytest.mark.e2e
 
 
 def read_metrics(run_dir: Path) -> list[dict]:
-    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return observe_read_metrics(run_dir / "metrics.jsonl")
 
 
 def test_default_train_with_no_arguments_learns(kforge, tmp_path: Path) -> None:

@@ -13,6 +13,7 @@ from typing import Any
 import pytest
 
 from tests.conftest import run_kforge
+from tests.helpers.metrics import step_losses as losses
 from tests.slurm.cluster import LocalSlurm
 
 pytestmark = pytest.mark.slurm
@@ -70,16 +71,6 @@ def submit(cluster: LocalSlurm, config: Path, run_dir: Path) -> str:
     assert job_id.isdigit(), r.stdout
     assert f"submitted {run_dir / 'job.sbatch'} as job {job_id}" in r.stderr
     return job_id
-
-
-def losses(run_dir: Path) -> dict[int, float]:
-    """Loss per step from metrics.jsonl (a step logged twice after an interruption: the later one)."""
-    out: dict[int, float] = {}
-    for line in (run_dir / "metrics.jsonl").read_text().splitlines():
-        rec = json.loads(line)
-        if "loss" in rec:
-            out[rec["step"]] = rec["loss"]
-    return out
 
 
 def logged_steps(run_dir: Path) -> int:
