@@ -37,6 +37,9 @@ class _Meter:
     """Throughput over the steps since the last log line (excludes eval and logging time)."""
 
     def __init__(self) -> None:
+        self.reset()
+
+    def reset(self) -> None:
         self.tokens = 0
         self.steps = 0
         self.seconds = 0.0
@@ -49,7 +52,7 @@ class _Meter:
     def take(self) -> tuple[float, float]:
         tps = self.tokens / self.seconds if self.seconds > 0 else 0.0
         step_time = self.seconds / self.steps if self.steps else 0.0
-        self.__init__()
+        self.reset()
         return tps, step_time
 
 
