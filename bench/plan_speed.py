@@ -21,7 +21,7 @@ import sys
 import time
 from pathlib import Path
 
-from kforge_cli.engine.parallel.plan import build_plan
+from kforge_cli.engine.parallel.plan.planner import build_plan
 from kforge_cli.settings import load_settings
 
 HERE = Path(__file__).resolve().parent

@@ -141,7 +141,7 @@ def measured(tmp_path_factory: pytest.TempPathFactory) -> dict[int, dict[str, li
 
 
 def _plan(overrides: list[str], world: int, rank: int) -> Any:
-    from kforge_cli.engine.parallel.plan import build_plan
+    from kforge_cli.engine.parallel.plan.planner import build_plan
     from kforge_cli.settings import load_settings
 
     return build_plan(load_settings(overrides=overrides).settings, world, rank)

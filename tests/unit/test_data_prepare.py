@@ -9,9 +9,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from kforge_cli.engine.data import inputs as inputs_mod
 from kforge_cli.engine.data.builtin_corpus import generate_documents
-from kforge_cli.engine.data.prepare import prepare_data
+from kforge_cli.engine.data.prepare import inputs as inputs_mod
+from kforge_cli.engine.data.prepare.pipeline import prepare_data
 from kforge_cli.engine.data.shards import load_prepared
 from kforge_cli.errors import InvalidInputError
 

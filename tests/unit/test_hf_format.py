@@ -17,7 +17,7 @@ from kforge_cli.engine.checkpoint.hf_format import (
     model_fields_from_hf,
     to_hf_name,
 )
-from kforge_cli.settings.core import ModelSettings
+from kforge_cli.settings.training import ModelSettings
 
 KFORGE_NAMES = ["tok_embeddings.weight", "norm.weight", "output.weight"] + [
     f"layers.{i}.{p}"

@@ -15,7 +15,7 @@ from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
 from kforge_cli import load_model
 from kforge_cli.engine.checkpoint import CheckpointError, CheckpointManager
 from kforge_cli.engine.checkpoint.dcp_io import quiet_single_process
-from kforge_cli.engine.checkpoint.inspect import diff_checkpoints, summarize, tensor_stats
+from kforge_cli.engine.checkpoint.inspection import diff_checkpoints, summarize, tensor_stats
 from kforge_cli.engine.checkpoint.layout import COMMIT_FILE
 from kforge_cli.engine.checkpoint.reader import open_checkpoint, read_tensors
 from kforge_cli.engine.checkpoint.verify import verify_checkpoint

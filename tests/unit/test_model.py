@@ -10,9 +10,9 @@ import torch.nn.functional as F
 
 from kforge_cli.engine.model import Transformer, count_params, flops_per_token, non_embedding_params
 from kforge_cli.engine.model.layers import apply_rotary, rope_tables
-from kforge_cli.settings.core import ModelSettings
 from kforge_cli.settings.explain import param_count
 from kforge_cli.settings.job import JobSettings
+from kforge_cli.settings.training import ModelSettings
 
 VOCAB = 64
 

@@ -29,7 +29,7 @@ from kforge_cli.engine.observe import (
     shutdown_logging,
 )
 from kforge_cli.errors import InvalidInputError
-from kforge_cli.settings.run import ProfilingSettings
+from kforge_cli.settings.infrastructure import ProfilingSettings
 
 LINE = re.compile(r"^\[\d{4}-\d\d-\d\d \d\d:\d\d:\d\d\]\[rank (\d+)\]\[(\w+)\] (.*)$")
 

@@ -13,8 +13,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from kforge_cli.engine.parallel.plan import GIB, ParallelPlan, build_plan
-from kforge_cli.engine.parallel.plan_report import format_plan, plan_json
+from kforge_cli.engine.parallel.plan.planner import GIB, ParallelPlan, build_plan
+from kforge_cli.engine.parallel.plan.report import format_plan, plan_json
 from kforge_cli.errors import InvalidInputError
 from kforge_cli.settings import JobSettings, load_settings
 from kforge_cli.settings.explain import param_count

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from kforge_cli.engine.model import Transformer
-from kforge_cli.engine.parallel.plan_activations import (
+from kforge_cli.engine.parallel.plan.activations import (
     ActivationInputs,
     block_full_bytes,
     block_input_bytes,
@@ -21,7 +21,7 @@ from kforge_cli.engine.parallel.plan_activations import (
     estimate_activations,
     pipeline_in_flight,
 )
-from kforge_cli.settings.core import ModelSettings
+from kforge_cli.settings.training import ModelSettings
 
 B, T = 2, 64
 

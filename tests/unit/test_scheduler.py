@@ -11,8 +11,8 @@ import torch
 from kforge_cli.engine.train.scheduler import build_scheduler, lr_multiplier, phase_lr_scale
 from kforge_cli.errors import ConfigError
 from kforge_cli.settings import JobSettings
-from kforge_cli.settings.core import SchedulerSettings
 from kforge_cli.settings.data import DataPhase
+from kforge_cli.settings.training import SchedulerSettings
 
 TOL = 1e-9
 

@@ -28,7 +28,7 @@ from kforge_cli.engine.train import TrainHook, run_training
 from kforge_cli.errors import InvalidInputError
 from kforge_cli.settings import JobSettings, load_settings
 from kforge_cli.settings.explain import to_toml
-from kforge_cli.settings.run import MetricsSettings
+from kforge_cli.settings.infrastructure import MetricsSettings
 
 mlflow = pytest.importorskip("mlflow")
 

@@ -7,7 +7,7 @@ from typing import Annotated
 
 import typer
 
-from kforge_cli.cli.common import OVERRIDES, ConfigOpt, ProfileOpt, resolve
+from kforge_cli.cli.options import OVERRIDES, ConfigOpt, ProfileOpt, resolve
 
 
 def register(app: typer.Typer) -> None:

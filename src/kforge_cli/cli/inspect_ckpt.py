@@ -36,16 +36,16 @@ def inspect_ckpt(
 
     view = open_checkpoint(path)
     if tensor is not None:
-        from kforge_cli.engine.checkpoint.inspect import tensor_stats
+        from kforge_cli.engine.checkpoint.inspection import tensor_stats
 
         _emit(tensor_stats(view, tensor), as_json, _stats_text)
     elif diff is not None:
-        from kforge_cli.engine.checkpoint.inspect import diff_checkpoints
+        from kforge_cli.engine.checkpoint.inspection import diff_checkpoints
 
         result = diff_checkpoints(view, open_checkpoint(diff))
         _emit(result.to_dict(), as_json, _diff_text)
     else:
-        from kforge_cli.engine.checkpoint.inspect import summarize
+        from kforge_cli.engine.checkpoint.inspection import summarize
 
         _emit(summarize(view), as_json, _summary_text)
 

@@ -45,7 +45,7 @@ def prepare_data(
     from rich.console import Console
     from rich.progress import BarColumn, DownloadColumn, Progress, TimeRemainingColumn, TransferSpeedColumn
 
-    from kforge_cli.engine.data.prepare import prepare_data as run
+    from kforge_cli.engine.data.prepare.pipeline import prepare_data as run
 
     err = Console(stderr=True)
     columns = (

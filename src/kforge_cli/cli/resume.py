@@ -7,7 +7,7 @@ from typing import TYPE_CHECKING, Annotated
 
 import typer
 
-from kforge_cli.cli.common import OVERRIDES, SbatchOpt, SubmitOpt
+from kforge_cli.cli.options import OVERRIDES, SbatchOpt, SubmitOpt
 
 if TYPE_CHECKING:
     from kforge_cli.settings import ResolvedSettings

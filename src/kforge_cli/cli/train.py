@@ -7,7 +7,7 @@ from typing import Annotated, Any
 
 import typer
 
-from kforge_cli.cli.common import OVERRIDES, ConfigOpt, ProfileOpt, RunDirOpt, SbatchOpt, SubmitOpt, resolve
+from kforge_cli.cli.options import OVERRIDES, ConfigOpt, ProfileOpt, RunDirOpt, SbatchOpt, SubmitOpt, resolve
 
 
 def register(app: typer.Typer) -> None:

@@ -8,7 +8,7 @@ from typing import Annotated, Any
 
 import typer
 
-from kforge_cli.cli.common import OVERRIDES, ConfigOpt, ProfileOpt, resolve
+from kforge_cli.cli.options import OVERRIDES, ConfigOpt, ProfileOpt, resolve
 
 
 def register(app: typer.Typer) -> None:
@@ -84,8 +84,8 @@ def validate_config(
 
 def _plan(settings: Any, world_size: int, rank: int, fmt: str | None, mfu: float) -> None:
     """Build rank ``rank``'s plan (imports torch) and print it; exit 1 when it does not fit."""
-    from kforge_cli.engine.parallel.plan import build_plan
-    from kforge_cli.engine.parallel.plan_report import format_plan, plan_json
+    from kforge_cli.engine.parallel.plan.planner import build_plan
+    from kforge_cli.engine.parallel.plan.report import format_plan, plan_json
 
     result = build_plan(settings, world_size, rank, mfu=mfu)
     typer.echo(plan_json(result) if fmt == "json" else "\n" + format_plan(result))

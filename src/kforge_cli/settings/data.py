@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from kforge_cli.settings.base import Section, field
+from kforge_cli.settings.section import Section, field
 
 
 class DatasetSpec(Section):

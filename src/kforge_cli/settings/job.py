@@ -4,10 +4,8 @@ from __future__ import annotations
 
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
-from kforge_cli.settings.base import field
-from kforge_cli.settings.core import ModelSettings, OptimizerSettings, SchedulerSettings, TrainSettings
 from kforge_cli.settings.data import DataSettings, EvalSettings
-from kforge_cli.settings.run import (
+from kforge_cli.settings.infrastructure import (
     CheckpointSettings,
     DistributedSettings,
     MetricsSettings,
@@ -15,6 +13,8 @@ from kforge_cli.settings.run import (
     ResilienceSettings,
     SlurmSettings,
 )
+from kforge_cli.settings.section import field
+from kforge_cli.settings.training import ModelSettings, OptimizerSettings, SchedulerSettings, TrainSettings
 from kforge_cli.settings.vlm import AdapterSettings, VideoSettings, VisionEncoderSettings, VLMSettings
 
 SECTION_NAMES = (

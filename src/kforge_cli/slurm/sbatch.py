@@ -16,7 +16,7 @@ from pathlib import Path
 from kforge_cli import __version__
 from kforge_cli.errors import ConfigError, ConfigIssue
 from kforge_cli.settings import JobSettings
-from kforge_cli.settings.run import SlurmSettings
+from kforge_cli.settings.infrastructure import SlurmSettings
 from kforge_cli.slurm.template import fill, find_template
 
 CONFIG_FILE = "config.toml"

@@ -37,7 +37,7 @@ from kforge_cli.engine.model import Transformer
 from kforge_cli.engine.model.layers import rope_tables
 from kforge_cli.engine.model.vlm import VisionLanguageModel, build_vlm
 from kforge_cli.settings import JobSettings
-from kforge_cli.settings.core import ModelSettings
+from kforge_cli.settings.training import ModelSettings
 
 LoadedModel = Transformer | VisionLanguageModel
 _VLM_SECTIONS = ("model", "vision_encoder", "adapter", "vlm")

@@ -37,7 +37,7 @@ from kforge_cli.engine.checkpoint.layout import (
 )
 from kforge_cli.engine.checkpoint.safe_metadata import SafeFileSystemReader, SafeLoadPlanner, read_dcp_metadata
 from kforge_cli.errors import KforgeError
-from kforge_cli.settings.core import ModelSettings
+from kforge_cli.settings.training import ModelSettings
 
 MODEL_PREFIX = "model."
 DEFAULT_BATCH_BYTES = 512 * 2**20  # tensors read per dcp.load call: bounds memory on huge checkpoints

@@ -28,7 +28,7 @@ from kforge_cli.engine.checkpoint.layout import (
 from kforge_cli.engine.checkpoint.train_state import FORMAT
 from kforge_cli.engine.model.vlm.freeze import freeze_mismatch
 from kforge_cli.settings import JobSettings
-from kforge_cli.settings.run import CheckpointSettings
+from kforge_cli.settings.infrastructure import CheckpointSettings
 
 log = logging.getLogger("kforge")
 

@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from kforge_cli.engine.data.bundle import DataBundle, ValData, build_data
     from kforge_cli.engine.data.loader import DataStateError, StatefulLoader
-    from kforge_cli.engine.data.prepare import PrepareResult, prepare_data
+    from kforge_cli.engine.data.prepare.pipeline import PrepareResult, prepare_data
     from kforge_cli.engine.data.tokenizer import ByteTokenizer, HFTokenizer, Tokenizer, load_tokenizer
 
 _EXPORTS = {

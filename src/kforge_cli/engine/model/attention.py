@@ -9,7 +9,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from kforge_cli.engine.model.layers import apply_rotary, build_norm, reset_norm
-from kforge_cli.settings.core import ModelSettings
+from kforge_cli.settings.training import ModelSettings
 
 
 class Attention(nn.Module):

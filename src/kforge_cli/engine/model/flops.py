@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from torch import nn
 
-from kforge_cli.settings.core import ModelSettings
+from kforge_cli.settings.training import ModelSettings
 
 
 def count_params(model: nn.Module) -> int:

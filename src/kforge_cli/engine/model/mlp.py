@@ -6,7 +6,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kforge_cli.settings.core import ModelSettings
+from kforge_cli.settings.training import ModelSettings
 
 
 class FeedForward(nn.Module):

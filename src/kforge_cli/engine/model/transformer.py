@@ -20,9 +20,9 @@ from torch import nn
 from kforge_cli.engine.model.attention import Attention, residual_std
 from kforge_cli.engine.model.layers import build_norm, reset_norm, rope_tables
 from kforge_cli.engine.model.mlp import FeedForward
-from kforge_cli.settings.core import ModelSettings
+from kforge_cli.settings.training import ModelSettings
 
-LossFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+HeadLossFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 """``loss_fn(hidden [B, T, D], head_weight [V, D], labels [B, T]) -> loss``."""
 
 
@@ -108,7 +108,7 @@ class Transformer(nn.Module):
         doc_ids: torch.Tensor | None = None,
         positions: torch.Tensor | None = None,
         labels: torch.Tensor | None = None,
-        loss_fn: LossFn | None = None,
+        loss_fn: HeadLossFn | None = None,
     ) -> torch.Tensor:
         """Logits ``[B, T, vocab]``, or the loss, or hidden states on a non-last pipeline stage.
 

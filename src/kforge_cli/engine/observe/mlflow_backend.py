@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING, Any
 from urllib.parse import urlsplit
 
 from kforge_cli.errors import InvalidInputError
-from kforge_cli.settings.run import MetricsSettings
+from kforge_cli.settings.infrastructure import MetricsSettings
 
 if TYPE_CHECKING:
     from mlflow import MlflowClient

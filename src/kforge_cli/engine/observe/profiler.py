@@ -18,7 +18,7 @@ import torch
 from torch.profiler import ProfilerAction, ProfilerActivity
 
 from kforge_cli.engine.observe.logs import get_logger
-from kforge_cli.settings.run import ProfilingSettings
+from kforge_cli.settings.infrastructure import ProfilingSettings
 
 _RECORDING = (ProfilerAction.RECORD, ProfilerAction.RECORD_AND_SAVE)
 

@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING, Any
 from urllib.parse import urlsplit
 
 from kforge_cli.errors import EXIT_FAILURE, EXIT_OK, EXIT_REQUEUE
-from kforge_cli.settings.run import MetricsSettings
+from kforge_cli.settings.infrastructure import MetricsSettings
 
 if TYPE_CHECKING:
     from kforge_cli.engine.observe.tracker import CheckpointMark, MetricPoints, RunInfo, TrackerStatus

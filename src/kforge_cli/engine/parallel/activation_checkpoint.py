@@ -19,7 +19,7 @@ from torch import nn
 from torch.distributed._composable.checkpoint_activation import checkpoint
 from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
-from kforge_cli.settings.core import TrainSettings
+from kforge_cli.settings.training import TrainSettings
 
 _aten = torch.ops.aten
 # Ops whose outputs are expensive to recompute: keep them (op-level selective AC).

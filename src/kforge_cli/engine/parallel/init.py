@@ -23,7 +23,7 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 from torch.overrides import TorchFunctionMode
 
 from kforge_cli.engine.model import Transformer
-from kforge_cli.settings.core import ModelSettings
+from kforge_cli.settings.training import ModelSettings
 
 # Ops that only read metadata of a shadow parameter, passed through untouched.
 _PASSIVE = {"dim", "size", "numel", "shape", "dtype", "device", "__get__"}

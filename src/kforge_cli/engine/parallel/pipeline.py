@@ -23,7 +23,7 @@ from torch import nn
 
 from kforge_cli.engine.model import Transformer
 from kforge_cli.settings import JobSettings
-from kforge_cli.settings.core import ModelSettings
+from kforge_cli.settings.training import ModelSettings
 
 V_SCHEDULES = ("zbv_zero_bubble", "dualpipev")
 

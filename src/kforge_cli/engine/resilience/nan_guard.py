@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 from kforge_cli.errors import TrainingAborted
-from kforge_cli.settings.run import ResilienceSettings
+from kforge_cli.settings.infrastructure import ResilienceSettings
 
 Action = Literal["apply", "skip"]
 

@@ -18,8 +18,8 @@ from torch.optim.lr_scheduler import LambdaLR
 
 from kforge_cli.errors import ConfigError, ConfigIssue
 from kforge_cli.settings import JobSettings
-from kforge_cli.settings.core import SchedulerSettings
 from kforge_cli.settings.data import DataPhase
+from kforge_cli.settings.training import SchedulerSettings
 
 WSD_DEFAULT_COOLDOWN_FRACTION = 0.2
 

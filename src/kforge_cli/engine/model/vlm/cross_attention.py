@@ -18,7 +18,7 @@ from torch import nn
 
 from kforge_cli.engine.model.layers import build_norm, reset_norm
 from kforge_cli.engine.model.transformer import TransformerBlock
-from kforge_cli.settings.core import ModelSettings
+from kforge_cli.settings.training import ModelSettings
 
 
 class CrossAttention(nn.Module):

@@ -27,7 +27,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from kforge_cli.engine.model.layers import build_norm, rope_tables
-from kforge_cli.engine.model.transformer import LossFn, TransformerBlock, decoder_head_weight, init_decoder_weights
+from kforge_cli.engine.model.transformer import HeadLossFn, TransformerBlock, decoder_head_weight, init_decoder_weights
 from kforge_cli.engine.model.vlm.adapters import build_adapter
 from kforge_cli.engine.model.vlm.cross_attention import CrossAttentionDecoderLayer
 from kforge_cli.engine.model.vlm.mot import MoTBlock, build_routes
@@ -129,7 +129,7 @@ class VisionLanguageModel(nn.Module):
         doc_ids: torch.Tensor | None = None,
         positions: torch.Tensor | None = None,
         labels: torch.Tensor | None = None,
-        loss_fn: LossFn | None = None,
+        loss_fn: HeadLossFn | None = None,
     ) -> torch.Tensor:
         """Logits ``[B, L, vocab]`` for the text positions, or ``loss_fn(hidden, head, labels)``.
 

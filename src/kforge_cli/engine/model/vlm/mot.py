@@ -22,7 +22,7 @@ from torch import nn
 
 from kforge_cli.engine.model.layers import apply_rotary
 from kforge_cli.engine.model.transformer import TransformerBlock
-from kforge_cli.settings.core import ModelSettings
+from kforge_cli.settings.training import ModelSettings
 
 Route = tuple[str, torch.Tensor | None]
 """(modality, flat token indices into ``B*T``); ``None`` = every token has this modality."""

@@ -19,8 +19,8 @@ from typing import Any
 
 import numpy as np
 
-from kforge_cli.engine.data import hf_source
-from kforge_cli.engine.data.inputs import WorkUnit, cut, line_number
+from kforge_cli.engine.data.prepare import hf_source
+from kforge_cli.engine.data.prepare.inputs import WorkUnit, cut, line_number
 from kforge_cli.engine.data.tokenizer import ByteTokenizer, HFTokenizer, load_tokenizer
 from kforge_cli.errors import InvalidInputError
 

@@ -18,8 +18,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import BinaryIO, Literal
 
-from kforge_cli.engine.data import hf_source
-from kforge_cli.engine.data.hf_source import HFDataset
+from kforge_cli.engine.data.prepare import hf_source
+from kforge_cli.engine.data.prepare.hf_source import HFDataset
 from kforge_cli.errors import InvalidInputError
 
 JSONL_SUFFIXES = (".jsonl", ".ndjson")

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Literal
 
-from kforge_cli.settings.base import Section, field
+from kforge_cli.settings.section import Section, field
 
 
 class ModelSettings(Section):

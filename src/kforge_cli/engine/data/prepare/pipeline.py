@@ -33,9 +33,9 @@ from typing import Any
 
 import numpy as np
 
-from kforge_cli.engine.data import hf_source
-from kforge_cli.engine.data.encode_worker import SegmentResult, UnitResult, encode_unit, init_worker
-from kforge_cli.engine.data.inputs import InputFile, WorkUnit, collect_inputs, plan_units
+from kforge_cli.engine.data.prepare import hf_source
+from kforge_cli.engine.data.prepare.encode_worker import SegmentResult, UnitResult, encode_unit, init_worker
+from kforge_cli.engine.data.prepare.inputs import InputFile, WorkUnit, collect_inputs, plan_units
 from kforge_cli.engine.data.shards import FORMAT, FORMAT_VERSION, METADATA, SplitWriter, load_prepared
 from kforge_cli.engine.data.tokenizer import ByteTokenizer, HFTokenizer, load_tokenizer, token_dtype
 from kforge_cli.errors import InvalidInputError

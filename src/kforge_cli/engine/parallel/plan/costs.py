@@ -16,9 +16,9 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 
 from kforge_cli.engine.observe.mfu import peak_flops
-from kforge_cli.engine.parallel.plan_build import ParamShard
+from kforge_cli.engine.parallel.plan.sharded_model import ParamShard
 from kforge_cli.settings import JobSettings, ParallelDims
-from kforge_cli.settings.core import ModelSettings
+from kforge_cli.settings.training import ModelSettings
 
 STEP_BYTES = 4  # torch.optim.AdamW and Muon's AdamW groups keep `step` as an fp32 scalar tensor
 FP32 = 4

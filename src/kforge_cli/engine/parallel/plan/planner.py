@@ -21,26 +21,26 @@ from typing import Any
 
 from kforge_cli.engine.parallel.build import compute_dtype
 from kforge_cli.engine.parallel.fsdp import resolve_reshard_after_forward
-from kforge_cli.engine.parallel.plan_activations import (
+from kforge_cli.engine.parallel.plan.activations import (
     ActivationEstimate,
     ActivationInputs,
     bubble_fraction,
     estimate_activations,
     pipeline_in_flight,
 )
-from kforge_cli.engine.parallel.plan_build import (
-    MetaBuild,
-    StageLayout,
-    build_meta,
-    fake_process_group,
-    target_device,
-)
-from kforge_cli.engine.parallel.plan_costs import (
+from kforge_cli.engine.parallel.plan.costs import (
     Throughput,
     comm_buffers,
     optimizer_state_bytes,
     optimizer_step_temporaries,
     throughput,
+)
+from kforge_cli.engine.parallel.plan.sharded_model import (
+    MetaBuild,
+    StageLayout,
+    build_meta,
+    fake_process_group,
+    target_device,
 )
 from kforge_cli.errors import InvalidInputError
 from kforge_cli.settings import JobSettings, ParallelDims, resolve_dims
