@@ -41,8 +41,15 @@ MB = 2**20
 
 
 def build(run_dir: Path, args: argparse.Namespace, extra: list[str]) -> CheckpointManager:
-    overrides = [f"--model.dim={args.dim}", f"--model.n_layers={args.layers}", f"--model.vocab_size={args.vocab}",
-                 "--model.n_heads=16", "--train.device=cpu", "--checkpoint.keep_last_n=0", *extra]  # fmt: skip
+    overrides = [
+        f"--model.dim={args.dim}",
+        f"--model.n_layers={args.layers}",
+        f"--model.vocab_size={args.vocab}",
+        "--model.n_heads=16",
+        "--train.device=cpu",
+        "--checkpoint.keep_last_n=0",
+        *extra,
+    ]
     s = load_settings(overrides=overrides, use_env=False).settings
     runtime = init_runtime(s)
     model, _ = build_parallel_model(s, runtime)
@@ -76,8 +83,14 @@ def bench_saves(root: Path, args: argparse.Namespace, mode: str) -> list[dict[st
         rec = mgr.history[-1]
         assert rec.total_s is not None
         # returned_s: how long save() held the training loop (async: the copy to memory only).
-        out.append({"returned_s": returned, "total_s": rec.total_s, "mb": rec.nbytes / MB,
-                    "mb_per_s": rec.nbytes / MB / rec.total_s})  # fmt: skip
+        out.append(
+            {
+                "returned_s": returned,
+                "total_s": rec.total_s,
+                "mb": rec.nbytes / MB,
+                "mb_per_s": rec.nbytes / MB / rec.total_s,
+            }
+        )
         shutil.rmtree(root / mode / "checkpoints" / f"step_{run - 1}", ignore_errors=True)
     return out
 

@@ -50,8 +50,20 @@ def in_process(profile: str, overrides: list[str], world: int, rank: int, repeat
 
 
 def command(profile: str, overrides: list[str], world: int, rank: int) -> dict[str, float]:
-    argv = [sys.executable, "-m", "kforge_cli", "validate-config", "--profile", profile, *overrides,
-            "--world-size", str(world), "--plan", "--rank", str(rank)]  # fmt: skip
+    argv = [
+        sys.executable,
+        "-m",
+        "kforge_cli",
+        "validate-config",
+        "--profile",
+        profile,
+        *overrides,
+        "--world-size",
+        str(world),
+        "--plan",
+        "--rank",
+        str(rank),
+    ]
     c0, w0 = _cpu_seconds(resource.RUSAGE_CHILDREN), time.perf_counter()
     proc = subprocess.run(argv, capture_output=True, text=True)
     wall = time.perf_counter() - w0
@@ -75,8 +87,10 @@ def main() -> None:
     )
     for r in rows:
         p, c = r["plan"], r["command"]
-        print(f"{r['layout']:<18}{r['world_size']:>6}  {p['wall_s']:>9.2f}s{p['cpu_s']:>9.2f}s  "
-              f"{c['wall_s']:>12.2f}s{c['cpu_s']:>11.2f}s  {c['verdict']}")  # fmt: skip
+        print(
+            f"{r['layout']:<18}{r['world_size']:>6}  {p['wall_s']:>9.2f}s{p['cpu_s']:>9.2f}s  "
+            f"{c['wall_s']:>12.2f}s{c['cpu_s']:>11.2f}s  {c['verdict']}"
+        )
     out = HERE / "results" / "plan_speed.json"
     out.parent.mkdir(exist_ok=True)
     out.write_text(json.dumps({"repeat": args.repeat, "rows": rows}, indent=2) + "\n")

@@ -32,11 +32,25 @@ from kforge_cli.settings import load_settings
 HERE = Path(__file__).resolve().parent
 
 # ~1.0B parameters (18 blocks of dim 2048, GQA 16/8 heads, SwiGLU 5504, vocab 32768).
-MODEL = ["--model.dim=2048", "--model.n_layers=18", "--model.n_heads=16", "--model.n_kv_heads=8",
-         "--model.vocab_size=32768", "--model.max_seq_len=2048"]  # fmt: skip
-TRAIN = ["--train.seq_len=2048", "--train.batch_size=4", "--train.device=cuda", "--train.mixed_precision=bf16",
-         "--eval.interval=0", "--checkpoint.save_final=false", "--checkpoint.interval=0",
-         "--metrics.progress_bar=off", "--scheduler.warmup_steps=5"]  # fmt: skip
+MODEL = [
+    "--model.dim=2048",
+    "--model.n_layers=18",
+    "--model.n_heads=16",
+    "--model.n_kv_heads=8",
+    "--model.vocab_size=32768",
+    "--model.max_seq_len=2048",
+]
+TRAIN = [
+    "--train.seq_len=2048",
+    "--train.batch_size=4",
+    "--train.device=cuda",
+    "--train.mixed_precision=bf16",
+    "--eval.interval=0",
+    "--checkpoint.save_final=false",
+    "--checkpoint.interval=0",
+    "--metrics.progress_bar=off",
+    "--scheduler.warmup_steps=5",
+]
 VARIANTS = {
     "bf16": [],
     "bf16+compile": ["--train.compile_model=true"],
@@ -105,8 +119,10 @@ def main() -> int:
     print(f"{'variant':<24}{'tokens/s':>12}{'x base':>8}{'MFU(bf16)':>11}{'warm-up s':>11}{'peak GiB':>10}{'loss':>8}")
     for r in rows:
         mfu = f"{r['mfu_vs_bf16_peak']:.1%}" if r["mfu_vs_bf16_peak"] is not None else "n/a"
-        print(f"{r['variant']:<24}{r['tokens_per_sec']:>12,.0f}{r['tokens_per_sec'] / base:>8.2f}{mfu:>11}"  # type: ignore[operator]
-              f"{r['warmup_s']:>11.1f}{r['peak_mem_gib']:>10.1f}{r['final_loss']:>8.3f}")  # fmt: skip
+        print(
+            f"{r['variant']:<24}{r['tokens_per_sec']:>12,.0f}{r['tokens_per_sec'] / base:>8.2f}{mfu:>11}"  # type: ignore[operator]
+            f"{r['warmup_s']:>11.1f}{r['peak_mem_gib']:>10.1f}{r['final_loss']:>8.3f}"
+        )
     out = HERE / "results" / "single_gpu_throughput.json"
     out.parent.mkdir(exist_ok=True)
     out.write_text(json.dumps({"device": torch.cuda.get_device_name(), "steps": args.steps, "rows": rows}, indent=2))

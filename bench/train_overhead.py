@@ -98,15 +98,24 @@ def main() -> None:
     ap.add_argument("--warmup", type=int, default=10)
     ap.add_argument("--profile", default="cpu-debug")
     args, overrides = ap.parse_known_args()
-    fixed = [f"--train.max_steps={args.steps}", "--eval.interval=0", "--checkpoint.interval=0",
-             "--metrics.progress_bar=off", "--scheduler.warmup_steps=1"]  # fmt: skip
+    fixed = [
+        f"--train.max_steps={args.steps}",
+        "--eval.interval=0",
+        "--checkpoint.interval=0",
+        "--metrics.progress_bar=off",
+        "--scheduler.warmup_steps=1",
+    ]
     settings = load_settings(args.profile, overrides=fixed + overrides).settings
     kf, hand = [], []
     for _ in range(args.runs):
         kf.append(kforge_run(settings, args.warmup))
         hand.append(hand_run(settings, args.steps, args.warmup))
-    result: dict[str, object] = {"profile": args.profile, "threads": torch.get_num_threads(),
-                                 "runs": args.runs, "steps": args.steps}  # fmt: skip
+    result: dict[str, object] = {
+        "profile": args.profile,
+        "threads": torch.get_num_threads(),
+        "runs": args.runs,
+        "steps": args.steps,
+    }
     print(f"{'loop':<14}{'clock':<6}{'median tok/s':>14}{'min':>12}{'max':>12}")
     for i, clock in enumerate(("wall", "cpu")):
         k, h = [r[i] for r in kf], [r[i] for r in hand]

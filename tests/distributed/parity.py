@@ -16,12 +16,26 @@ from tests.conftest import REPO
 from tests.distributed.driver import run_case
 
 # A 4-block model small enough for 2 CPU cores, big enough for every split (2 heads per TP rank).
-TINY = ["--model.dim=64", "--model.n_layers=4", "--model.n_heads=4", "--model.n_kv_heads=2",
-        "--model.vocab_size=320", "--model.max_seq_len=64", "--train.seq_len=32", "--train.batch_size=2",
-        "--train.max_steps=10", "--train.device=cpu", "--train.mixed_precision=fp32", "--eval.interval=0",
-        "--checkpoint.save_final=false", "--checkpoint.interval=0", "--metrics.log_interval=1",
-        "--metrics.progress_bar=off", "--scheduler.warmup_steps=2",
-        "--train.num_threads=1"]  # fmt: skip
+TINY = [
+    "--model.dim=64",
+    "--model.n_layers=4",
+    "--model.n_heads=4",
+    "--model.n_kv_heads=2",
+    "--model.vocab_size=320",
+    "--model.max_seq_len=64",
+    "--train.seq_len=32",
+    "--train.batch_size=2",
+    "--train.max_steps=10",
+    "--train.device=cpu",
+    "--train.mixed_precision=fp32",
+    "--eval.interval=0",
+    "--checkpoint.save_final=false",
+    "--checkpoint.interval=0",
+    "--metrics.log_interval=1",
+    "--metrics.progress_bar=off",
+    "--scheduler.warmup_steps=2",
+    "--train.num_threads=1",
+]
 # num_threads=1: on a shared 2-core machine, 2 intra-op threads per process make these tiny
 # steps ~20x slower (they spin against each other and the other ranks).
 
@@ -34,10 +48,21 @@ def launch(nproc: int, cases: dict[str, list[str]], out_dir: Path, timeout: floa
     out_dir.mkdir(parents=True, exist_ok=True)
     spec = out_dir / "cases.json"
     spec.write_text(json.dumps([{"name": n, "overrides": [*TINY, *o]} for n, o in cases.items()]))
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]),
-           "TORCHINDUCTOR_CACHE_DIR": str(INDUCTOR_CACHE)}  # fmt: skip
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
-           str(REPO / "tests" / "distributed" / "driver.py"), str(spec), str(out_dir)]  # fmt: skip
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]),
+        "TORCHINDUCTOR_CACHE_DIR": str(INDUCTOR_CACHE),
+    }
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        f"--nproc_per_node={nproc}",
+        str(REPO / "tests" / "distributed" / "driver.py"),
+        str(spec),
+        str(out_dir),
+    ]
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
     results: dict[str, list[dict]] = {}
     for name in cases:

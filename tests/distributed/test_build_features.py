@@ -40,8 +40,17 @@ def _one_step_peak(overrides: list[str]) -> tuple[int, dict[str, torch.Tensor]]:
     from kforge_cli.engine.runtime import init_runtime
     from kforge_cli.settings import load_settings
 
-    s = load_settings(overrides=["--model.dim=128", "--model.n_layers=4", "--train.seq_len=128",
-                                 "--train.batch_size=8", "--train.device=cpu", "--train.num_threads=1", *overrides]).settings  # fmt: skip
+    s = load_settings(
+        overrides=[
+            "--model.dim=128",
+            "--model.n_layers=4",
+            "--train.seq_len=128",
+            "--train.batch_size=8",
+            "--train.device=cpu",
+            "--train.num_threads=1",
+            *overrides,
+        ]
+    ).settings
     model, _ = build_parallel_model(s, init_runtime(s))
     tokens = torch.randint(0, 256, (8, 129), generator=torch.Generator().manual_seed(0))
     tracker = MemTracker()
@@ -115,13 +124,23 @@ def test_srun_style_launch_from_slurm_variables(tmp_path: Path) -> None:
     from the job id, so the tasks meet without any launcher."""
     run = tmp_path / "run"
     job_id = str(_free_slurm_port() - 15000)  # kforge derives the port 15000 + job id % 10000
-    base = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR",
-                                                             "MASTER_PORT")}  # fmt: skip
+    base = {
+        k: v
+        for k, v in os.environ.items()
+        if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
+    }
     procs = []
     for rank in range(2):
-        env = {**base, "SLURM_PROCID": str(rank), "SLURM_LOCALID": str(rank), "SLURM_NTASKS": "2",
-               "SLURM_STEP_ID": "0", "SLURM_JOB_ID": job_id, "SLURM_JOB_NODELIST": "localhost",
-               "OMP_NUM_THREADS": "1"}  # fmt: skip
+        env = {
+            **base,
+            "SLURM_PROCID": str(rank),
+            "SLURM_LOCALID": str(rank),
+            "SLURM_NTASKS": "2",
+            "SLURM_STEP_ID": "0",
+            "SLURM_JOB_ID": job_id,
+            "SLURM_JOB_NODELIST": "localhost",
+            "OMP_NUM_THREADS": "1",
+        }
         cmd = [*kforge_cmd(), "train", "--run-dir", str(run), *TINY]
         procs.append(subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
     outputs = [p.communicate(timeout=300)[0] for p in procs]

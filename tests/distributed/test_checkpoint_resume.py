@@ -22,8 +22,13 @@ from tests.e2e.test_resume import ARGS, ENV, HOOK, Payload, losses
 pytestmark = pytest.mark.distributed
 
 # 2 ranks x batch 8 = 16 sequences per step; async saves every 3 steps, all kept.
-REF_ARGS = [*ARGS, "--train.max_steps=12", "--checkpoint.interval=3", "--checkpoint.keep_last_n=0",
-            "--checkpoint.async_mode=async"]  # fmt: skip
+REF_ARGS = [
+    *ARGS,
+    "--train.max_steps=12",
+    "--checkpoint.interval=3",
+    "--checkpoint.keep_last_n=0",
+    "--checkpoint.async_mode=async",
+]
 
 
 def _free_port() -> int:
@@ -37,9 +42,17 @@ def launch(world: int, run_dir: Path, args: list[str], env: dict[str, str] | Non
     port, procs, logs = _free_port(), [], []
     run_dir.mkdir(parents=True, exist_ok=True)
     for rank in range(world):
-        rank_env = {**os.environ, **ENV, **(env or {}), "RANK": str(rank), "LOCAL_RANK": str(rank),
-                    "WORLD_SIZE": str(world), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
-                    "OMP_NUM_THREADS": "1"}  # fmt: skip
+        rank_env = {
+            **os.environ,
+            **ENV,
+            **(env or {}),
+            "RANK": str(rank),
+            "LOCAL_RANK": str(rank),
+            "WORLD_SIZE": str(world),
+            "MASTER_ADDR": "127.0.0.1",
+            "MASTER_PORT": str(port),
+            "OMP_NUM_THREADS": "1",
+        }
         log = run_dir.parent / f"{run_dir.name}.rank{rank}.log"
         with log.open("wb") as f:
             cmd = [*kforge_cmd(), "train", "--run-dir", str(run_dir), *args]

@@ -14,8 +14,15 @@ from tests.distributed.parity import assert_close_losses, completed, launch, ref
 pytestmark = [pytest.mark.gpu, pytest.mark.distributed]
 
 # Dims that are multiples of 16 (float8 GEMMs) and big enough for tensor cores to matter.
-GPU = ["--train.device=cuda", "--model.dim=256", "--model.n_heads=8", "--model.n_kv_heads=4",
-       "--model.vocab_size=512", "--train.seq_len=64", "--model.max_seq_len=64"]  # fmt: skip
+GPU = [
+    "--train.device=cuda",
+    "--model.dim=256",
+    "--model.n_heads=8",
+    "--model.n_kv_heads=4",
+    "--model.vocab_size=512",
+    "--train.seq_len=64",
+    "--model.max_seq_len=64",
+]
 BF16 = [*GPU, "--train.mixed_precision=bf16"]
 
 

@@ -21,9 +21,21 @@ import pytest
 import torch
 
 REPO = Path(__file__).resolve().parents[2]
-TINY = ["--model.dim=32", "--model.n_layers=4", "--model.n_heads=4", "--model.n_kv_heads=2", "--model.vocab_size=64",
-        "--model.max_seq_len=32", "--train.seq_len=16", "--train.batch_size=2", "--train.device=cpu",
-        "--train.mixed_precision=fp32", "--train.max_steps=4", "--scheduler.warmup_steps=1", "--train.seed=11"]  # fmt: skip
+TINY = [
+    "--model.dim=32",
+    "--model.n_layers=4",
+    "--model.n_heads=4",
+    "--model.n_kv_heads=2",
+    "--model.vocab_size=64",
+    "--model.max_seq_len=32",
+    "--train.seq_len=16",
+    "--train.batch_size=2",
+    "--train.device=cpu",
+    "--train.mixed_precision=fp32",
+    "--train.max_steps=4",
+    "--scheduler.warmup_steps=1",
+    "--train.seed=11",
+]
 FSDP = ["--distributed.dp_shard=2"]
 PP = ["--distributed.pp=2", "--distributed.dp_shard=1", "--train.grad_accum_steps=2"]
 
@@ -55,8 +67,10 @@ def _worker(cases_file: str, out: str) -> None:
             mgr.restore(progress=TrainState())
             mgr.save(0, blocking=True)
             full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True))
-            torch.save({k: v.detach().cpu() for k, v in full.items() if isinstance(v, torch.Tensor)},
-                       run_dir / f"held.rank{rank}.pt")  # fmt: skip
+            torch.save(
+                {k: v.detach().cpu() for k, v in full.items() if isinstance(v, torch.Tensor)},
+                run_dir / f"held.rank{rank}.pt",
+            )
             dist.barrier()
     except BaseException:
         traceback.print_exc()
@@ -94,8 +108,16 @@ def launched(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
         {"name": "pp_hf", "overrides": [*TINY, *PP, f"--checkpoint.init_from={hf_dir}"]},
     ]
     (root / "cases.json").write_text(json.dumps(cases))
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", __file__,
-           str(root / "cases.json"), str(root)]  # fmt: skip
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc_per_node=2",
+        __file__,
+        str(root / "cases.json"),
+        str(root),
+    ]
     env = {
         **os.environ,
         "OMP_NUM_THREADS": "1",

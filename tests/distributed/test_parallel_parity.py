@@ -27,8 +27,13 @@ SCHEDULES = {  # name -> extra settings (dualpipev needs as many micro-batches a
     "zbv_zero_bubble": ["--distributed.pp_stages_per_rank=2"],
     "dualpipev": ["--distributed.pp_stages_per_rank=2", "--train.grad_accum_steps=4", "--train.batch_size=1"],
 }
-FEATURES = ["--train.z_loss_weight=0.001", "--model.qk_norm=true", "--data.document_masking=true",
-            "--eval.interval=5", "--eval.steps=2"]  # fmt: skip
+FEATURES = [
+    "--train.z_loss_weight=0.001",
+    "--model.qk_norm=true",
+    "--data.document_masking=true",
+    "--eval.interval=5",
+    "--eval.steps=2",
+]
 
 # case -> (distributed settings, reference settings: the same global batch on one process)
 TWO_RANKS: dict[str, tuple[list[str], list[str]]] = {

@@ -31,15 +31,38 @@ import pytest
 
 REPO = Path(__file__).resolve().parents[2]
 TOLERANCE = 0.25
-BASE = ["--model.dim=128", "--model.n_layers=4", "--model.n_heads=4", "--model.n_kv_heads=2",
-        "--model.max_seq_len=512", "--train.seq_len=256", "--train.batch_size=4", "--train.device=cpu",
-        "--checkpoint.interval=0", "--eval.interval=0"]  # fmt: skip
-AUTOCAST_OP_AC = ["--train.mixed_precision=bf16", "--train.activation_checkpointing=selective",
-                  "--train.ac_selective_mode=op", "--optimizer.name=lion", "--model.activation=gelu"]  # fmt: skip
-FSDP_FULL_AC = ["--train.mixed_precision=fp32", "--train.activation_checkpointing=full", "--train.loss_chunk_size=256",
-                "--model.vocab_size=1024"]  # fmt: skip
-TP_FSDP_BLOCK_AC = ["--train.mixed_precision=bf16", "--distributed.tp=2", "--train.activation_checkpointing=selective",
-                    "--model.qk_norm=true", "--optimizer.name=muon"]  # fmt: skip
+BASE = [
+    "--model.dim=128",
+    "--model.n_layers=4",
+    "--model.n_heads=4",
+    "--model.n_kv_heads=2",
+    "--model.max_seq_len=512",
+    "--train.seq_len=256",
+    "--train.batch_size=4",
+    "--train.device=cpu",
+    "--checkpoint.interval=0",
+    "--eval.interval=0",
+]
+AUTOCAST_OP_AC = [
+    "--train.mixed_precision=bf16",
+    "--train.activation_checkpointing=selective",
+    "--train.ac_selective_mode=op",
+    "--optimizer.name=lion",
+    "--model.activation=gelu",
+]
+FSDP_FULL_AC = [
+    "--train.mixed_precision=fp32",
+    "--train.activation_checkpointing=full",
+    "--train.loss_chunk_size=256",
+    "--model.vocab_size=1024",
+]
+TP_FSDP_BLOCK_AC = [
+    "--train.mixed_precision=bf16",
+    "--distributed.tp=2",
+    "--train.activation_checkpointing=selective",
+    "--model.qk_norm=true",
+    "--optimizer.name=muon",
+]
 PIPELINE = ["--train.mixed_precision=fp32", "--distributed.pp=2", "--train.grad_accum_steps=2"]
 # world size -> {case: overrides}; each exercises another path of the estimate and the optimizer rule.
 CASES: dict[int, dict[str, list[str]]] = {
@@ -87,8 +110,9 @@ def measure(overrides: list[str], *, run_step: bool = True) -> dict[str, Any]:
     out: dict[str, Any] = {"params": sum(_local_bytes(p) for p in model.parameters()), "activation_peak": None}
     if run_step:
         t, device = s.train, runtime.device
-        tokens = torch.randint(0, s.model.vocab_size, (t.batch_size, t.seq_len + 1),
-                               generator=torch.Generator().manual_seed(0)).to(device)  # fmt: skip
+        tokens = torch.randint(
+            0, s.model.vocab_size, (t.batch_size, t.seq_len + 1), generator=torch.Generator().manual_seed(0)
+        ).to(device)
         inputs, labels = tokens[:, :-1], tokens[:, 1:]
         loss_fn = build_loss_fn(s)
         session: Any = SimpleNamespace(loss_fn=loss_fn, runtime=runtime)  # what the step's loss helpers read
@@ -111,8 +135,9 @@ def measure(overrides: list[str], *, run_step: bool = True) -> dict[str, Any]:
             p.grad = torch.zeros_like(p)
     out["grads"] = sum(_local_bytes(p.grad) for p in model.parameters() if p.grad is not None)
     optimizer.step()
-    out["optimizer"] = sum(_local_bytes(v) for st in optimizer.state.values() for v in st.values()
-                           if isinstance(v, torch.Tensor))  # fmt: skip
+    out["optimizer"] = sum(
+        _local_bytes(v) for st in optimizer.state.values() for v in st.values() if isinstance(v, torch.Tensor)
+    )
     return out
 
 
@@ -121,13 +146,22 @@ def launch(world: int, out_dir: Path) -> dict[str, list[dict[str, Any]]]:
     spec = out_dir / "cases.json"
     spec.write_text(json.dumps(CASES[world]))
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={world}",
-           str(Path(__file__).resolve()), str(spec), str(out_dir)]  # fmt: skip
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        f"--nproc_per_node={world}",
+        str(Path(__file__).resolve()),
+        str(spec),
+        str(out_dir),
+    ]
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
     files = [out_dir / f"rank{r}.json" for r in range(world)]
     if not all(f.is_file() for f in files):
-        raise AssertionError(f"world {world}: no result from every rank (exit {proc.returncode}):\n"
-                             f"{(proc.stdout + proc.stderr)[-4000:]}")  # fmt: skip
+        raise AssertionError(
+            f"world {world}: no result from every rank (exit {proc.returncode}):\n{(proc.stdout + proc.stderr)[-4000:]}"
+        )
     per_rank = [json.loads(f.read_text()) for f in files]
     return {name: [r[name] for r in per_rank] for name in CASES[world]}
 
@@ -171,8 +205,10 @@ def test_activation_estimate_within_25_percent(
     for rank, got in enumerate(measured[world][name]):
         estimate = _plan(CASES[world][name], world, rank).item("activations").bytes
         error = (estimate - got["activation_peak"]) / got["activation_peak"]
-        print(f"\n{name} rank {rank}: estimate {estimate / 2**20:.2f} MiB, measured "
-              f"{got['activation_peak'] / 2**20:.2f} MiB, error {error:+.1%}")  # fmt: skip
+        print(
+            f"\n{name} rank {rank}: estimate {estimate / 2**20:.2f} MiB, measured "
+            f"{got['activation_peak'] / 2**20:.2f} MiB, error {error:+.1%}"
+        )
         record_property(f"activation_error_rank{rank}", round(error, 4))
         assert abs(error) <= TOLERANCE, (name, rank, estimate, got["activation_peak"])
 
@@ -180,11 +216,22 @@ def test_activation_estimate_within_25_percent(
 @pytest.mark.gpu
 def test_activation_estimate_on_gpu(record_property: Callable[[str, object], None]) -> None:
     """A bf16 single-GPU step (autocast, selective op AC, chunked loss): estimate vs the tracked CUDA peak."""
-    overrides = ["--model.dim=1024", "--model.n_layers=8", "--model.n_heads=16", "--model.n_kv_heads=4",
-                 "--model.vocab_size=32000", "--model.max_seq_len=2048", "--train.seq_len=2048",
-                 "--train.batch_size=4", "--train.device=cuda", "--train.mixed_precision=bf16",
-                 "--train.activation_checkpointing=selective", "--train.ac_selective_mode=op",
-                 "--train.loss_chunk_size=2048", "--slurm.gpu_type=h100"]  # fmt: skip
+    overrides = [
+        "--model.dim=1024",
+        "--model.n_layers=8",
+        "--model.n_heads=16",
+        "--model.n_kv_heads=4",
+        "--model.vocab_size=32000",
+        "--model.max_seq_len=2048",
+        "--train.seq_len=2048",
+        "--train.batch_size=4",
+        "--train.device=cuda",
+        "--train.mixed_precision=bf16",
+        "--train.activation_checkpointing=selective",
+        "--train.ac_selective_mode=op",
+        "--train.loss_chunk_size=2048",
+        "--slurm.gpu_type=h100",
+    ]
     got = measure(overrides)
     estimate = _plan(overrides, 1, 0).item("activations").bytes
     error = (estimate - got["activation_peak"]) / got["activation_peak"]

@@ -17,8 +17,15 @@ from tests.e2e.test_resume import ENV, losses
 
 pytestmark = pytest.mark.distributed
 
-BASE = ["--profile", "vlm-mot-debug", "--scheduler.warmup_steps=2", "--metrics.log_interval=1",
-        "--metrics.progress_bar=off", "--eval.interval=0", "--train.num_threads=1"]  # fmt: skip
+BASE = [
+    "--profile",
+    "vlm-mot-debug",
+    "--scheduler.warmup_steps=2",
+    "--metrics.log_interval=1",
+    "--metrics.progress_bar=off",
+    "--eval.interval=0",
+    "--train.num_threads=1",
+]
 # Encoder frozen for the updates after steps 0..2, trained from the update after step 3 on (update 4).
 UNFREEZE_AT = 3
 SCHEDULE = f'--vlm.freeze_schedule=[{{start_step=0, freeze=["vision"]}}, {{start_step={UNFREEZE_AT}, freeze=[]}}]'
@@ -46,8 +53,20 @@ def _vision(step_dir: Path) -> dict[str, torch.Tensor]:
 def schedule_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """2-rank FSDP, freeze schedule, a checkpoint after every step."""
     run = tmp_path_factory.mktemp("sched") / "run"
-    ok(launch(2, run, [*BASE, SCHEDULE, "--train.max_steps=5", "--train.batch_size=4", "--checkpoint.interval=1",
-                       "--checkpoint.keep_last_n=0"]))  # fmt: skip
+    ok(
+        launch(
+            2,
+            run,
+            [
+                *BASE,
+                SCHEDULE,
+                "--train.max_steps=5",
+                "--train.batch_size=4",
+                "--checkpoint.interval=1",
+                "--checkpoint.keep_last_n=0",
+            ],
+        )
+    )
     return run
 
 
@@ -71,8 +90,20 @@ def test_encoder_is_unchanged_before_the_unfreeze_and_trains_after(schedule_run:
 def test_mid_schedule_resume_on_two_fsdp_ranks_is_bit_exact(schedule_run: Path, tmp_path: Path) -> None:
     run = tmp_path / "resumed"
     start = schedule_run / "checkpoints" / "step_2"
-    ok(launch(2, run, [*BASE, SCHEDULE, "--train.max_steps=5", "--train.batch_size=4", "--checkpoint.interval=0",
-                       f"--checkpoint.load_path={start}"]))  # fmt: skip
+    ok(
+        launch(
+            2,
+            run,
+            [
+                *BASE,
+                SCHEDULE,
+                "--train.max_steps=5",
+                "--train.batch_size=4",
+                "--checkpoint.interval=0",
+                f"--checkpoint.load_path={start}",
+            ],
+        )
+    )
     ref, got = losses(schedule_run), losses(run)
     assert sorted(got) == [3, 4, 5]
     assert all(got[s] == ref[s] for s in got), (got, ref)

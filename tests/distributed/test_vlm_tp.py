@@ -12,9 +12,19 @@ from tests.e2e.test_resume import ENV, losses
 
 pytestmark = pytest.mark.distributed
 
-ARGS = ["--profile", "vlm-mot-debug", "--vlm.cross_attention_every=1", "--train.max_steps=4",
-        "--scheduler.warmup_steps=2", "--metrics.log_interval=1", "--metrics.progress_bar=off", "--eval.interval=0",
-        "--checkpoint.interval=0", "--checkpoint.save_final=false", "--train.num_threads=1"]  # fmt: skip
+ARGS = [
+    "--profile",
+    "vlm-mot-debug",
+    "--vlm.cross_attention_every=1",
+    "--train.max_steps=4",
+    "--scheduler.warmup_steps=2",
+    "--metrics.log_interval=1",
+    "--metrics.progress_bar=off",
+    "--eval.interval=0",
+    "--checkpoint.interval=0",
+    "--checkpoint.save_final=false",
+    "--train.num_threads=1",
+]
 
 
 @pytest.mark.parametrize("arch", ["joint_decoder", "cross_attention"])

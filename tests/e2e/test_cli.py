@@ -79,4 +79,3 @@ def test_format_and_explain(kforge, tmp_path: Path) -> None:
     assert json.loads(again.stdout) == data
     e = kforge("validate-config", "-p", "h200x32", "--explain", "model.dim")
     assert e.returncode == 0 and "Hidden size" in e.stdout and "profile h200x32" in e.stdout
-

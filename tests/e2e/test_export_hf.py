@@ -19,10 +19,23 @@ pytestmark = pytest.mark.e2e
 transformers = pytest.importorskip("transformers")
 
 # GQA (4 query heads, 2 kv heads) with a tied embedding / output head.
-MODEL = ["--model.dim=32", "--model.n_layers=2", "--model.n_heads=4", "--model.n_kv_heads=2", "--model.max_seq_len=64",
-         "--model.tie_embeddings=true"]  # fmt: skip
-TRAIN = ["--train.seq_len=32", "--train.batch_size=2", "--eval.interval=0", "--scheduler.warmup_steps=1",
-         "--metrics.progress_bar=off", "--train.num_threads=1", "--checkpoint.keep_last_n=0"]  # fmt: skip
+MODEL = [
+    "--model.dim=32",
+    "--model.n_layers=2",
+    "--model.n_heads=4",
+    "--model.n_kv_heads=2",
+    "--model.max_seq_len=64",
+    "--model.tie_embeddings=true",
+]
+TRAIN = [
+    "--train.seq_len=32",
+    "--train.batch_size=2",
+    "--eval.interval=0",
+    "--scheduler.warmup_steps=1",
+    "--metrics.progress_bar=off",
+    "--train.num_threads=1",
+    "--checkpoint.keep_last_n=0",
+]
 REL_TOL = 1e-5
 
 
@@ -58,9 +71,18 @@ def test_trained_checkpoint_exports_to_transformers_with_the_same_logits(tmp_pat
 
 
 def _make_hf_llama(path: Path) -> None:
-    cfg = transformers.LlamaConfig(vocab_size=320, hidden_size=32, intermediate_size=96, num_hidden_layers=2,
-                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
-                                   rope_theta=10000.0, rms_norm_eps=1e-5, tie_word_embeddings=True)  # fmt: skip
+    cfg = transformers.LlamaConfig(
+        vocab_size=320,
+        hidden_size=32,
+        intermediate_size=96,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+        rope_theta=10000.0,
+        rms_norm_eps=1e-5,
+        tie_word_embeddings=True,
+    )
     torch.manual_seed(0)
     model = transformers.LlamaForCausalLM(cfg)
     with torch.no_grad():
@@ -75,9 +97,19 @@ def test_continued_pretraining_from_a_transformers_directory(tmp_path: Path) -> 
     hf_dir = tmp_path / "hf"
     _make_hf_llama(hf_dir)
     run = tmp_path / "run"
-    r = run_kforge("train", "--run-dir", str(run), *MODEL, *TRAIN, "--model.ffn_hidden_dim=96",
-                   f"--checkpoint.init_from={hf_dir}", "--train.max_steps=1", "--checkpoint.interval=1",
-                   "--optimizer.lr=1e-9", "--optimizer.weight_decay=0")  # fmt: skip
+    r = run_kforge(
+        "train",
+        "--run-dir",
+        str(run),
+        *MODEL,
+        *TRAIN,
+        "--model.ffn_hidden_dim=96",
+        f"--checkpoint.init_from={hf_dir}",
+        "--train.max_steps=1",
+        "--checkpoint.interval=1",
+        "--optimizer.lr=1e-9",
+        "--optimizer.weight_decay=0",
+    )
     assert r.returncode == 0, r.stderr[-3000:]
     log = (run / "logs" / "rank_0.log").read_text()
     assert f"warm start: loaded 20 tensors from Hugging Face {hf_dir}" in log
@@ -90,8 +122,9 @@ def test_continued_pretraining_from_a_transformers_directory(tmp_path: Path) -> 
 def test_init_from_an_hf_model_of_another_shape_is_refused_with_the_fitting_overrides(tmp_path: Path) -> None:
     hf_dir = tmp_path / "hf"
     _make_hf_llama(hf_dir)
-    r = run_kforge("train", "--run-dir", str(tmp_path / "run"), *TRAIN, "--train.max_steps=1",
-                   f"--checkpoint.init_from={hf_dir}")  # fmt: skip
+    r = run_kforge(
+        "train", "--run-dir", str(tmp_path / "run"), *TRAIN, "--train.max_steps=1", f"--checkpoint.init_from={hf_dir}"
+    )
     assert r.returncode == 2, r.stderr[-3000:]
     assert "is a differently shaped model" in r.stderr and "dim: run has 128, hf has 32" in r.stderr
     assert "--model.dim=32" in r.stderr and "--model.ffn_hidden_dim=96" in r.stderr

@@ -20,17 +20,37 @@ from tests.conftest import run_kforge
 pytestmark = pytest.mark.e2e
 
 MODEL = ["--model.dim=32", "--model.n_layers=2", "--model.n_heads=4", "--model.n_kv_heads=2", "--model.max_seq_len=64"]
-ARGS = [*MODEL, "--train.seq_len=32", "--train.batch_size=2", "--train.max_steps=4", "--checkpoint.interval=2",
-        "--checkpoint.keep_last_n=0", "--eval.interval=0", "--scheduler.warmup_steps=1", "--metrics.progress_bar=off",
-        "--train.num_threads=1"]  # fmt: skip
+ARGS = [
+    *MODEL,
+    "--train.seq_len=32",
+    "--train.batch_size=2",
+    "--train.max_steps=4",
+    "--checkpoint.interval=2",
+    "--checkpoint.keep_last_n=0",
+    "--eval.interval=0",
+    "--scheduler.warmup_steps=1",
+    "--metrics.progress_bar=off",
+    "--train.num_threads=1",
+]
 
 
 @pytest.fixture(scope="module")
 def fsdp_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A 2-rank FSDP run (dp_shard=2) with checkpoints at steps 2 and 4."""
     run = tmp_path_factory.mktemp("fsdp") / "run"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "-m", "kforge_cli",
-           "train", "--run-dir", str(run), *ARGS]  # fmt: skip
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc_per_node=2",
+        "-m",
+        "kforge_cli",
+        "train",
+        "--run-dir",
+        str(run),
+        *ARGS,
+    ]
     r = subprocess.run(cmd, env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
     return run

@@ -25,8 +25,9 @@ def test_plan_table_for_70b_on_h100x64(kforge) -> None:
 
 
 def test_plan_json_for_8b_fsdp64(kforge) -> None:
-    r = kforge("validate-config", "--profile", "h100x64", "--distributed.tp=1", "--plan", "--format", "json",
-               "--mfu", "0.5")  # fmt: skip
+    r = kforge(
+        "validate-config", "--profile", "h100x64", "--distributed.tp=1", "--plan", "--format", "json", "--mfu", "0.5"
+    )
     assert r.returncode == 0, r.stderr
     plan = json.loads(r.stdout)  # nothing but the plan on stdout
     assert plan["mesh"] == {"pp": 1, "dp_replicate": 1, "dp_shard": 64, "tp": 1}
@@ -38,14 +39,23 @@ def test_plan_json_for_8b_fsdp64(kforge) -> None:
 
 
 def test_plan_that_does_not_fit_exits_1(kforge) -> None:
-    r = kforge("validate-config", "--profile", "llama70b-h100x64", "--slurm.nodes=1", "--distributed.dp_shard=1",
-               "--plan", "--format", "json")  # fmt: skip
+    r = kforge(
+        "validate-config",
+        "--profile",
+        "llama70b-h100x64",
+        "--slurm.nodes=1",
+        "--distributed.dp_shard=1",
+        "--plan",
+        "--format",
+        "json",
+    )
     assert r.returncode == 1, r.stderr
     plan = json.loads(r.stdout)
     assert plan["verdict"] == "DOES NOT FIT" and plan["biggest"] == "optimizer state"
     assert plan["peak_bytes"] > plan["capacity_bytes"] == 80 * GIB
-    table = kforge("validate-config", "--profile", "llama70b-h100x64", "--slurm.nodes=1", "--distributed.dp_shard=1",
-                   "--plan")  # fmt: skip
+    table = kforge(
+        "validate-config", "--profile", "llama70b-h100x64", "--slurm.nodes=1", "--distributed.dp_shard=1", "--plan"
+    )
     assert table.returncode == 1
     assert "DOES NOT FIT (biggest item: optimizer state" in table.stdout
 

@@ -24,9 +24,20 @@ from tests.helpers.metrics import step_losses as losses
 pytestmark = pytest.mark.e2e
 
 # A small learnable job (built-in corpus), one log record per step, no eval, saves only where asked.
-ARGS = ["--model.dim=64", "--model.n_layers=2", "--model.n_heads=4", "--model.n_kv_heads=2", "--train.seq_len=64",
-        "--train.batch_size=8", "--scheduler.warmup_steps=2", "--eval.interval=0", "--metrics.log_interval=1",
-        "--checkpoint.interval=0", "--metrics.progress_bar=off", "--train.num_threads=1"]  # fmt: skip
+ARGS = [
+    "--model.dim=64",
+    "--model.n_layers=2",
+    "--model.n_heads=4",
+    "--model.n_kv_heads=2",
+    "--train.seq_len=64",
+    "--train.batch_size=8",
+    "--scheduler.warmup_steps=2",
+    "--eval.interval=0",
+    "--metrics.log_interval=1",
+    "--checkpoint.interval=0",
+    "--metrics.progress_bar=off",
+    "--train.num_threads=1",
+]
 HOOK = '--train.hooks=["tests.e2e.test_resume:SigtermAt"]'
 ENV = {"PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
 
@@ -49,8 +60,15 @@ def test_sigterm_at_n_then_resume_matches_uninterrupted_run_bit_for_bit(kforge, 
     ref, run = tmp_path / "ref", tmp_path / "run"
     r = kforge("train", "--run-dir", str(ref), *ARGS, "--train.max_steps=12", env=ENV)
     assert r.returncode == 0, r.stderr[-3000:]
-    r = kforge("train", "--run-dir", str(run), *ARGS, "--train.max_steps=12", HOOK,
-               env={**ENV, "KFORGE_TEST_SIGTERM_STEP": "6"})  # fmt: skip
+    r = kforge(
+        "train",
+        "--run-dir",
+        str(run),
+        *ARGS,
+        "--train.max_steps=12",
+        HOOK,
+        env={**ENV, "KFORGE_TEST_SIGTERM_STEP": "6"},
+    )
     assert r.returncode == 75, r.stderr[-3000:]
     assert "stopped by SIGTERM at step 6 after saving a checkpoint" in r.stderr
     assert read_latest(run / "checkpoints") == run / "checkpoints" / "step_6" and max(losses(run)) == 6
@@ -66,8 +84,12 @@ def test_sigterm_at_n_then_resume_matches_uninterrupted_run_bit_for_bit(kforge, 
 
 def _start(run: Path, args: list[str], log: Path) -> subprocess.Popen[bytes]:
     with log.open("wb") as f:
-        return subprocess.Popen([*kforge_cmd(), "train", "--run-dir", str(run), *args],
-                                stdout=f, stderr=subprocess.STDOUT, env={**os.environ, **ENV})  # fmt: skip
+        return subprocess.Popen(
+            [*kforge_cmd(), "train", "--run-dir", str(run), *args],
+            stdout=f,
+            stderr=subprocess.STDOUT,
+            env={**os.environ, **ENV},
+        )
 
 
 def _kill_during_save(proc: subprocess.Popen[bytes], root: Path, min_step: int, deadline: float) -> None:
@@ -104,8 +126,13 @@ def _kill_after_progress(proc: subprocess.Popen[bytes], run: Path, delay: float,
 
 
 def test_kill_9_at_random_moments_always_resumes_from_a_complete_checkpoint(kforge, tmp_path: Path) -> None:
-    args = [*ARGS, "--train.max_steps=16", "--checkpoint.interval=1", "--checkpoint.keep_last_n=2",
-            "--checkpoint.async_mode=async"]  # fmt: skip
+    args = [
+        *ARGS,
+        "--train.max_steps=16",
+        "--checkpoint.interval=1",
+        "--checkpoint.keep_last_n=2",
+        "--checkpoint.async_mode=async",
+    ]
     ref, run = tmp_path / "ref", tmp_path / "run"
     r = kforge("train", "--run-dir", str(ref), *args, env=ENV)
     assert r.returncode == 0, r.stderr[-3000:]
@@ -153,9 +180,11 @@ def test_hostile_checkpoints_are_refused_by_resume_and_warm_start(kforge, tmp_pa
     attempts = {  # what -> (arguments, the file the error must name)
         "resume, .metadata": (["--run-dir", str(meta_run)], meta_run / step / ".metadata"),
         "resume, train state": (["--run-dir", str(state_run)], state_run / step / "train_state" / "rank_0.pt"),
-        "warm start, .metadata": (["--run-dir", str(tmp_path / "fresh"), f"--checkpoint.init_from={meta_run}"],
-                                  meta_run / step / ".metadata"),
-    }  # fmt: skip
+        "warm start, .metadata": (
+            ["--run-dir", str(tmp_path / "fresh"), f"--checkpoint.init_from={meta_run}"],
+            meta_run / step / ".metadata",
+        ),
+    }
     for what, (extra, bad_file) in attempts.items():
         r = kforge("train", *extra, *ARGS, "--train.max_steps=4", env=ENV)
         assert r.returncode == 2, (what, r.stderr[-2000:])

@@ -22,9 +22,16 @@ HOOKS = "tests.e2e.test_tracking_hooks"
 
 # A model small enough that a step takes milliseconds on a busy CPU.
 TINY = [
-    "--train.batch_size=2", "--train.seq_len=32", "--model.n_layers=1", "--model.dim=64", "--model.n_heads=2",
-    "--model.n_kv_heads=1", "--scheduler.warmup_steps=2", "--metrics.log_interval=1", "--metrics.progress_bar=off",
-]  # fmt: skip
+    "--train.batch_size=2",
+    "--train.seq_len=32",
+    "--model.n_layers=1",
+    "--model.dim=64",
+    "--model.n_heads=2",
+    "--model.n_kv_heads=1",
+    "--scheduler.warmup_steps=2",
+    "--metrics.log_interval=1",
+    "--metrics.progress_bar=off",
+]
 
 
 def hook_env(**extra: str) -> dict[str, str]:

@@ -51,9 +51,20 @@ def start_mlflow_server(root: Path, timeout_s: float = 240) -> MlflowServer:
     """`mlflow server` from this venv on a sqlite store; returns once /health answers."""
     root.mkdir(parents=True, exist_ok=True)
     port = free_port()
-    cmd = [str(Path(sys.executable).parent / "mlflow"), "server",
-           "--backend-store-uri", f"sqlite:///{root / 'mlflow.db'}", "--artifacts-destination", str(root / "artifacts"),
-           "--host", "127.0.0.1", "--port", str(port), "--workers", "1"]  # fmt: skip
+    cmd = [
+        str(Path(sys.executable).parent / "mlflow"),
+        "server",
+        "--backend-store-uri",
+        f"sqlite:///{root / 'mlflow.db'}",
+        "--artifacts-destination",
+        str(root / "artifacts"),
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--workers",
+        "1",
+    ]
     env = {**os.environ, "MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false"}  # no background job runners
     with (root / "server.log").open("wb") as log:
         proc = subprocess.Popen(cmd, cwd=root, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
@@ -111,10 +122,21 @@ def toml_params(table: dict[str, Any], prefix: str = "") -> dict[str, str]:
 def test_preempted_and_requeued_job_is_one_mlflow_run(kforge, mlflow_server: MlflowServer, tmp_path: Path) -> None:
     n = 4
     run_dir = tmp_path / "run"
-    args = ["train", "--run-dir", str(run_dir), f"--train.max_steps={2 * n}", "--eval.interval=3", "--eval.steps=2",
-            "--checkpoint.interval=3", f'--train.hooks=["{HOOKS}:SigtermAt"]', '--metrics.backends=["jsonl","mlflow"]',
-            f"--metrics.mlflow_tracking_uri={mlflow_server.uri}", "--metrics.mlflow_experiment=preempted",
-            "--metrics.tags=[\"suite=e2e\"]", *TINY]  # fmt: skip
+    args = [
+        "train",
+        "--run-dir",
+        str(run_dir),
+        f"--train.max_steps={2 * n}",
+        "--eval.interval=3",
+        "--eval.steps=2",
+        "--checkpoint.interval=3",
+        f'--train.hooks=["{HOOKS}:SigtermAt"]',
+        '--metrics.backends=["jsonl","mlflow"]',
+        f"--metrics.mlflow_tracking_uri={mlflow_server.uri}",
+        "--metrics.mlflow_experiment=preempted",
+        '--metrics.tags=["suite=e2e"]',
+        *TINY,
+    ]
     first = kforge(*args, cwd=REPO, env=hook_env(KFORGE_TEST_SIGTERM_AT=str(n)))
     assert first.returncode == 75, first.stderr[-3000:]
     client = mlflow.MlflowClient(mlflow_server.uri)
@@ -166,12 +188,24 @@ def test_tracking_server_killed_mid_run_does_not_stop_training(kforge, tmp_path:
     server = start_mlflow_server(tmp_path / "server")  # its own: this test kills it
     try:
         run_dir = tmp_path / "run"
-        result = kforge("train", "--run-dir", str(run_dir), f"--train.max_steps={steps}", "--eval.interval=0",
-                        "--checkpoint.interval=0", "--checkpoint.save_final=false",
-                        f'--train.hooks=["{HOOKS}:KillServerAt"]', '--metrics.backends=["jsonl","mlflow"]',
-                        f"--metrics.mlflow_tracking_uri={server.uri}", *TINY,
-                        env=hook_env(KFORGE_TEST_KILL_AT=str(kill_at), KFORGE_TEST_KILL_PGID=str(server.proc.pid),
-                                     KFORGE_TEST_KILL_PORT=str(server.port)))  # fmt: skip
+        result = kforge(
+            "train",
+            "--run-dir",
+            str(run_dir),
+            f"--train.max_steps={steps}",
+            "--eval.interval=0",
+            "--checkpoint.interval=0",
+            "--checkpoint.save_final=false",
+            f'--train.hooks=["{HOOKS}:KillServerAt"]',
+            '--metrics.backends=["jsonl","mlflow"]',
+            f"--metrics.mlflow_tracking_uri={server.uri}",
+            *TINY,
+            env=hook_env(
+                KFORGE_TEST_KILL_AT=str(kill_at),
+                KFORGE_TEST_KILL_PGID=str(server.proc.pid),
+                KFORGE_TEST_KILL_PORT=str(server.port),
+            ),
+        )
     finally:
         stop_mlflow_server(server)
     assert result.returncode == 0, result.stderr[-3000:]

@@ -77,16 +77,35 @@ def read_offline_run(run_dir: Path) -> dict[str, Any]:
 def test_offline_run_continues_under_the_same_id_after_preemption(kforge, tmp_path: Path) -> None:
     n = 3
     run_dir, wandb_root = tmp_path / "run", tmp_path / "wandb_root"
-    env = hook_env(WANDB_MODE="offline", WANDB_DIR=str(wandb_root), WANDB_CONFIG_DIR=str(tmp_path / "wandb_config"),
-                   WANDB_CACHE_DIR=str(tmp_path / "wandb_cache"), WANDB_DATA_DIR=str(tmp_path / "wandb_data"))  # fmt: skip
-    args = ["train", "--run-dir", str(run_dir), f"--train.max_steps={2 * n}", "--eval.interval=2", "--eval.steps=2",
-            "--checkpoint.interval=2", f'--train.hooks=["{HOOKS}:SigtermAt"]', '--metrics.backends=["jsonl","wandb"]',
-            "--metrics.wandb_project=kforge-e2e", "--metrics.wandb_group=g1", '--metrics.tags=["e2e","offline"]',
-            *TINY]  # fmt: skip
+    env = hook_env(
+        WANDB_MODE="offline",
+        WANDB_DIR=str(wandb_root),
+        WANDB_CONFIG_DIR=str(tmp_path / "wandb_config"),
+        WANDB_CACHE_DIR=str(tmp_path / "wandb_cache"),
+        WANDB_DATA_DIR=str(tmp_path / "wandb_data"),
+    )
+    args = [
+        "train",
+        "--run-dir",
+        str(run_dir),
+        f"--train.max_steps={2 * n}",
+        "--eval.interval=2",
+        "--eval.steps=2",
+        "--checkpoint.interval=2",
+        f'--train.hooks=["{HOOKS}:SigtermAt"]',
+        '--metrics.backends=["jsonl","wandb"]',
+        "--metrics.wandb_project=kforge-e2e",
+        "--metrics.wandb_group=g1",
+        '--metrics.tags=["e2e","offline"]',
+        *TINY,
+    ]
     first = kforge(*args, env={**env, "KFORGE_TEST_SIGTERM_AT": str(n)})
     assert first.returncode == 75, first.stderr[-3000:]
-    said = re.search(r"wandb: logging OFFLINE \(WANDB_MODE=offline\): started run (\w+) in (\S+); "
-                     r"upload it later with `wandb sync (\S+)`", first.stderr)  # fmt: skip
+    said = re.search(
+        r"wandb: logging OFFLINE \(WANDB_MODE=offline\): started run (\w+) in (\S+); "
+        r"upload it later with `wandb sync (\S+)`",
+        first.stderr,
+    )
     assert said, first.stderr[-3000:]
     run_id, sync_dir = said.group(1), Path(said.group(2))
     assert said.group(3) == str(sync_dir) and sync_dir.parent == wandb_root / "wandb"

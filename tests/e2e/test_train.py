@@ -36,11 +36,19 @@ def test_default_train_with_no_arguments_learns(kforge, tmp_path: Path) -> None:
 
 
 def test_nan_abort_exits_non_zero(kforge, tmp_path: Path) -> None:
-    env = {"PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]),
-           "KFORGE_TEST_NAN_STEPS": "2"}  # fmt: skip
-    r = kforge("train", "--run-dir", str(tmp_path / "run"), "--train.max_steps=5", "--scheduler.warmup_steps=1", "--eval.interval=0",
-               '--train.hooks=["tests.helpers.nan_hooks:InjectNaN"]', "--resilience.nan_policy=abort",
-               "--resilience.nan_max_consecutive=1", env=env)  # fmt: skip
+    env = {"PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]), "KFORGE_TEST_NAN_STEPS": "2"}
+    r = kforge(
+        "train",
+        "--run-dir",
+        str(tmp_path / "run"),
+        "--train.max_steps=5",
+        "--scheduler.warmup_steps=1",
+        "--eval.interval=0",
+        '--train.hooks=["tests.helpers.nan_hooks:InjectNaN"]',
+        "--resilience.nan_policy=abort",
+        "--resilience.nan_max_consecutive=1",
+        env=env,
+    )
     assert r.returncode == 1, r.stderr[-2000:]
     assert "nan_policy = 'abort'" in r.stderr and "Traceback" not in r.stderr
 
@@ -60,8 +68,16 @@ def test_prepare_data_then_train_reports_eval_loss(kforge, tmp_path: Path) -> No
     p = kforge("prepare-data", str(text), "--tokenizer", "byte", "--out", str(data), "--quiet")
     assert p.returncode == 0, p.stderr[-2000:]
     run = tmp_path / "run"
-    r = kforge("train", "--run-dir", str(run), f"--data.path={data}", "--train.max_steps=30",
-               "--eval.interval=15", "--eval.steps=2", "--checkpoint.interval=0")  # fmt: skip
+    r = kforge(
+        "train",
+        "--run-dir",
+        str(run),
+        f"--data.path={data}",
+        "--train.max_steps=30",
+        "--eval.interval=15",
+        "--eval.steps=2",
+        "--checkpoint.interval=0",
+    )
     assert r.returncode == 0, r.stderr[-2000:]
     evals = [m for m in read_metrics(run) if "eval_loss" in m]
     assert [m["step"] for m in evals] == [15, 30]
@@ -75,8 +91,16 @@ def test_mixture_logs_tokens_per_dataset(kforge, tmp_path: Path) -> None:
         assert kforge("prepare-data", str(src), "--out", str(tmp_path / name), "--quiet").returncode == 0
     run = tmp_path / "run"
     datasets = f'[{{name="a", path="{tmp_path / "a"}", weight=3}}, {{name="b", path="{tmp_path / "b"}", weight=1}}]'
-    r = kforge("train", "--run-dir", str(run), f"--data.datasets={datasets}", "--train.max_steps=20",
-               "--eval.interval=0", "--checkpoint.interval=0", "--metrics.log_interval=20")  # fmt: skip
+    r = kforge(
+        "train",
+        "--run-dir",
+        str(run),
+        f"--data.datasets={datasets}",
+        "--train.max_steps=20",
+        "--eval.interval=0",
+        "--checkpoint.interval=0",
+        "--metrics.log_interval=20",
+    )
     assert r.returncode == 0, r.stderr[-2000:]
     last = [m for m in read_metrics(run) if "loss" in m][-1]
     a, b = last["tokens/a"], last["tokens/b"]

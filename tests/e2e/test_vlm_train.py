@@ -12,17 +12,33 @@ from tests.e2e.test_resume import ENV, HOOK, losses
 
 pytestmark = pytest.mark.e2e
 
-QUIET = ["--metrics.log_interval=1", "--metrics.progress_bar=off", "--train.num_threads=1", "--eval.interval=0",
-         "--checkpoint.interval=0"]  # fmt: skip
+QUIET = [
+    "--metrics.log_interval=1",
+    "--metrics.progress_bar=off",
+    "--train.num_threads=1",
+    "--eval.interval=0",
+    "--checkpoint.interval=0",
+]
 SCHEDULE = '--vlm.freeze_schedule=[{start_step=0, freeze=["vision"]}, {start_step=4, freeze=["adapter"]}]'
 
 
 @pytest.mark.parametrize("arch", ["mot", "joint_decoder", "cross_attention"])
 def test_vlm_trains_and_the_loss_falls(kforge, tmp_path: Path, arch: str) -> None:
     run = tmp_path / "run"
-    r = kforge("train", "--profile", "vlm-mot-debug", "--run-dir", str(run), f"--vlm.arch={arch}",
-               "--vlm.cross_attention_every=2", "--train.max_steps=30", "--scheduler.warmup_steps=5",
-               "--checkpoint.save_final=false", *QUIET, env=ENV)  # fmt: skip
+    r = kforge(
+        "train",
+        "--profile",
+        "vlm-mot-debug",
+        "--run-dir",
+        str(run),
+        f"--vlm.arch={arch}",
+        "--vlm.cross_attention_every=2",
+        "--train.max_steps=30",
+        "--scheduler.warmup_steps=5",
+        "--checkpoint.save_final=false",
+        *QUIET,
+        env=ENV,
+    )
     assert r.returncode == 0, r.stderr[-3000:]
     got = losses(run)
     first, last = got[1], sum(got[s] for s in range(26, 31)) / 5
@@ -30,13 +46,23 @@ def test_vlm_trains_and_the_loss_falls(kforge, tmp_path: Path, arch: str) -> Non
 
 
 def test_mid_schedule_resume_is_bit_exact_and_a_changed_freeze_is_refused(kforge, tmp_path: Path) -> None:
-    args = ["--profile", "vlm-mot-debug", "--train.max_steps=8", "--scheduler.warmup_steps=2", "--train.batch_size=4",
-            SCHEDULE, *QUIET]  # fmt: skip
+    args = [
+        "--profile",
+        "vlm-mot-debug",
+        "--train.max_steps=8",
+        "--scheduler.warmup_steps=2",
+        "--train.batch_size=4",
+        SCHEDULE,
+        *QUIET,
+    ]
     ref, run = tmp_path / "ref", tmp_path / "run"
     r = kforge("train", "--run-dir", str(ref), *args, env=ENV)
     assert r.returncode == 0, r.stderr[-3000:]
-    frozen = {rec["step"]: rec["frozen_params"] for rec in map(json.loads, (ref / "metrics.jsonl").open())
-              if "frozen_params" in rec}  # fmt: skip
+    frozen = {
+        rec["step"]: rec["frozen_params"]
+        for rec in map(json.loads, (ref / "metrics.jsonl").open())
+        if "frozen_params" in rec
+    }
     assert frozen[1] == frozen[4] > 0 and frozen[5] != frozen[4]  # vision until step 4, then the adapter
     stopped = kforge("train", "--run-dir", str(run), *args, HOOK, env={**ENV, "KFORGE_TEST_SIGTERM_STEP": "3"})
     assert stopped.returncode == 75, stopped.stderr[-3000:]
@@ -44,22 +70,37 @@ def test_mid_schedule_resume_is_bit_exact_and_a_changed_freeze_is_refused(kforge
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert "(step 3)" in resumed.stderr
     assert losses(run) == losses(ref)  # bit for bit, across the unfreeze at step 5
-    changed = kforge("train", "--run-dir", str(run), *[a for a in args if a != SCHEDULE], "--train.max_steps=10",
-                     '--vlm.freeze_schedule=[{start_step=0, freeze=["vision"]}]', env=ENV)  # fmt: skip
+    changed = kforge(
+        "train",
+        "--run-dir",
+        str(run),
+        *[a for a in args if a != SCHEDULE],
+        "--train.max_steps=10",
+        '--vlm.freeze_schedule=[{start_step=0, freeze=["vision"]}]',
+        env=ENV,
+    )
     assert changed.returncode == 2
     assert "module adapter frozen in the checkpoint's run but trained in this one" in changed.stderr
     assert "module vision frozen in this run" in changed.stderr
-    forced = kforge("train", "--run-dir", str(run), *[a for a in args if a != SCHEDULE], "--train.max_steps=9",
-                    '--vlm.freeze_schedule=[{start_step=0, freeze=["vision"]}]', "--vlm.allow_freeze_mismatch=true",
-                    env=ENV)  # fmt: skip
+    forced = kforge(
+        "train",
+        "--run-dir",
+        str(run),
+        *[a for a in args if a != SCHEDULE],
+        "--train.max_steps=9",
+        '--vlm.freeze_schedule=[{start_step=0, freeze=["vision"]}]',
+        "--vlm.allow_freeze_mismatch=true",
+        env=ENV,
+    )
     assert forced.returncode == 0, forced.stderr[-3000:]
 
 
 def test_convert_mot_then_warm_start_and_resume(kforge, tmp_path: Path) -> None:
     small = ["--model.dim=64", "--model.n_layers=2", "--train.num_threads=1"]
     dense = tmp_path / "dense"
-    r = kforge("train", "--run-dir", str(dense), *small, "--train.max_steps=2", "--scheduler.warmup_steps=1", *QUIET,
-               env=ENV)  # fmt: skip
+    r = kforge(
+        "train", "--run-dir", str(dense), *small, "--train.max_steps=2", "--scheduler.warmup_steps=1", *QUIET, env=ENV
+    )
     assert r.returncode == 0, r.stderr[-3000:]
     out = tmp_path / "mot"
     r = kforge("convert-mot", str(dense), str(out), *small, env=ENV)
@@ -69,13 +110,31 @@ def test_convert_mot_then_warm_start_and_resume(kforge, tmp_path: Path) -> None:
     assert "layers.1.experts.image.attention.wq.weight" in info.stdout
     again = kforge("convert-mot", str(dense), str(out), *small, env=ENV)
     assert again.returncode == 2 and "not empty" in again.stderr
-    init = kforge("train", "--profile", "vlm-mot-debug", "--run-dir", str(tmp_path / "init"), *small,
-                  f"--checkpoint.init_from={out}", "--train.max_steps=2", "--scheduler.warmup_steps=1", *QUIET,
-                  env=ENV)  # fmt: skip
+    init = kforge(
+        "train",
+        "--profile",
+        "vlm-mot-debug",
+        "--run-dir",
+        str(tmp_path / "init"),
+        *small,
+        f"--checkpoint.init_from={out}",
+        "--train.max_steps=2",
+        "--scheduler.warmup_steps=1",
+        *QUIET,
+        env=ENV,
+    )
     assert init.returncode == 0, init.stderr[-3000:]
     warm = tmp_path / "warm"
-    base = ["--profile", "vlm-mot-debug", "--run-dir", str(warm), *small, f"--vlm.mot_warm_start_from={dense}",
-            "--scheduler.warmup_steps=1", *QUIET]  # fmt: skip
+    base = [
+        "--profile",
+        "vlm-mot-debug",
+        "--run-dir",
+        str(warm),
+        *small,
+        f"--vlm.mot_warm_start_from={dense}",
+        "--scheduler.warmup_steps=1",
+        *QUIET,
+    ]
     r = kforge("train", *base, "--train.max_steps=2", env=ENV)
     assert r.returncode == 0, r.stderr[-3000:]
     assert "MoT warm start:" in r.stderr

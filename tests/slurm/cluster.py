@@ -132,9 +132,19 @@ class LocalSlurm:
         key.chmod(0o600)
         self.write_conf()
         m = r / "munge"
-        self._spawn("munged", ["munged", "-F", "--force", f"--socket={m / 'munge.socket'}", f"--key-file={key}",
-                               f"--pid-file={m / 'munged.pid'}", f"--log-file={m / 'munged.log'}",
-                               f"--seed-file={m / 'munged.seed'}"])  # fmt: skip
+        self._spawn(
+            "munged",
+            [
+                "munged",
+                "-F",
+                "--force",
+                f"--socket={m / 'munge.socket'}",
+                f"--key-file={key}",
+                f"--pid-file={m / 'munged.pid'}",
+                f"--log-file={m / 'munged.log'}",
+                f"--seed-file={m / 'munged.seed'}",
+            ],
+        )
         self._wait(lambda: (m / "munge.socket").exists(), 20, "munged did not create its socket")
         self._spawn("slurmctld", ["slurmctld", "-D", "-c", "-f", str(self.conf)])
         self._wait(lambda: self.run("scontrol", "ping", check=False).returncode == 0, 30, "slurmctld did not answer")

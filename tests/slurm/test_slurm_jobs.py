@@ -64,8 +64,17 @@ def write_config(path: Path, steps: int = STEPS, time_limit: str = "00:10:00", s
 
 def submit(cluster: LocalSlurm, config: Path, run_dir: Path) -> str:
     """`kforge train --sbatch --submit` on the test cluster; the job id it printed."""
-    r = run_kforge("train", "--config", str(config), "--run-dir", str(run_dir), "--sbatch", "--submit",
-                   env=cluster.env, timeout=120)  # fmt: skip
+    r = run_kforge(
+        "train",
+        "--config",
+        str(config),
+        "--run-dir",
+        str(run_dir),
+        "--sbatch",
+        "--submit",
+        env=cluster.env,
+        timeout=120,
+    )
     assert r.returncode == 0, r.stderr
     job_id = r.stdout.strip()
     assert job_id.isdigit(), r.stdout
@@ -175,8 +184,13 @@ def test_time_limit_signal_saves_and_requeues_before_slurm_kills_the_job(
             resumed.search((run_dir / "logs" / "rank_0.log").read_text())
         )
 
-    wait_for("the job to requeue itself", lambda: out.is_file() and "requeueing job" in out.read_text(), 150,
-             slurm_cluster, run_dir)  # fmt: skip
+    wait_for(
+        "the job to requeue itself",
+        lambda: out.is_file() and "requeueing job" in out.read_text(),
+        150,
+        slurm_cluster,
+        run_dir,
+    )
     # The second run would get its own early signal 25-55 s in; give it room to start and resume first.
     slurm_cluster.run("scontrol", "update", f"jobid={job_id}", "TimeLimit=10")
     wait_for("the requeued job to resume", second_run_resumed, 150, slurm_cluster, run_dir)
@@ -207,8 +221,18 @@ def test_a_script_sbatch_refuses_is_a_clear_error_with_sbatchs_message_and_the_s
     slurm_cluster: LocalSlurm, tmp_path: Path
 ) -> None:
     run_dir = tmp_path / "run"
-    r = run_kforge("train", "--config", str(write_config(tmp_path / "tiny.toml")), "--run-dir", str(run_dir),
-                   "--sbatch", "--submit", "--slurm.partition=nosuch", env=slurm_cluster.env, timeout=120)  # fmt: skip
+    r = run_kforge(
+        "train",
+        "--config",
+        str(write_config(tmp_path / "tiny.toml")),
+        "--run-dir",
+        str(run_dir),
+        "--sbatch",
+        "--submit",
+        "--slurm.partition=nosuch",
+        env=slurm_cluster.env,
+        timeout=120,
+    )
     assert r.returncode == 1 and r.stdout == "" and "Traceback" not in r.stderr
     assert f"error: sbatch refused {run_dir / 'job.sbatch'} (exit code 1):" in r.stderr
     assert "invalid partition specified: nosuch" in r.stderr  # sbatch's own words

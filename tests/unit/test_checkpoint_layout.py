@@ -66,8 +66,9 @@ def test_retention_never_deletes_latest_or_in_flight(tmp_path: Path) -> None:
 
 def test_fingerprint_covers_model_shape_only() -> None:
     base = load_settings(use_env=False).settings
-    same = load_settings(overrides=["--model.init_std=0.01", "--train.max_steps=70", "--optimizer.lr=1"],
-                         use_env=False).settings  # fmt: skip
+    same = load_settings(
+        overrides=["--model.init_std=0.01", "--train.max_steps=70", "--optimizer.lr=1"], use_env=False
+    ).settings
     other = load_settings(overrides=["--model.n_kv_heads=1"], use_env=False).settings
     assert fingerprint(shaping_config(base)) == fingerprint(shaping_config(same))
     assert fingerprint(shaping_config(base)) != fingerprint(shaping_config(other))

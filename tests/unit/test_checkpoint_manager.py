@@ -22,10 +22,21 @@ from kforge_cli.engine.train.scheduler import build_scheduler
 from kforge_cli.engine.train.session import TrainState
 from kforge_cli.settings import JobSettings, load_settings
 
-TINY = ["--model.dim=32", "--model.n_layers=2", "--model.n_heads=4", "--model.n_kv_heads=2",
-        "--model.vocab_size=64", "--model.max_seq_len=32", "--train.seq_len=16", "--train.device=cpu",
-        "--train.mixed_precision=fp32", "--train.max_steps=20", "--scheduler.warmup_steps=3",
-        "--optimizer.lr=1e-2", "--checkpoint.keep_last_n=0"]  # fmt: skip
+TINY = [
+    "--model.dim=32",
+    "--model.n_layers=2",
+    "--model.n_heads=4",
+    "--model.n_kv_heads=2",
+    "--model.vocab_size=64",
+    "--model.max_seq_len=32",
+    "--train.seq_len=16",
+    "--train.device=cpu",
+    "--train.mixed_precision=fp32",
+    "--train.max_steps=20",
+    "--scheduler.warmup_steps=3",
+    "--optimizer.lr=1e-2",
+    "--checkpoint.keep_last_n=0",
+]
 
 
 class FakeLoader:
@@ -190,8 +201,14 @@ def test_warm_start_loads_weights_only_with_exclusions(tmp_path: Path) -> None:
     train(src, 3)
     src.manager.save(3)
     weights = {k: v.clone() for k, v in src.model.state_dict().items()}
-    b = make_run(tmp_path / "new", ["--train.seed=9", f"--checkpoint.init_from={tmp_path / 'src'}",
-                                    "--checkpoint.exclude_from_loading=['output.*', 'layers.1']"])  # fmt: skip
+    b = make_run(
+        tmp_path / "new",
+        [
+            "--train.seed=9",
+            f"--checkpoint.init_from={tmp_path / 'src'}",
+            "--checkpoint.exclude_from_loading=['output.*', 'layers.1']",
+        ],
+    )
     fresh = {k: v.clone() for k, v in b.model.state_dict().items()}
     restored = b.manager.restore(progress=b.state)
     assert restored is not None and restored.kind == "warm_start" and b.state.step == 0
@@ -218,8 +235,14 @@ def test_warm_start_shape_mismatch_and_missing_names_are_clear(tmp_path: Path) -
     deep = make_run(tmp_path / "deep", ["--model.n_layers=3", f"--checkpoint.init_from={tmp_path / 'src'}"])
     with pytest.raises(CheckpointError, match=r"no weights for layers\.2\..*exclude_from_loading"):
         deep.manager.restore(progress=deep.state)
-    ok = make_run(tmp_path / "ok", ["--model.n_layers=3", f"--checkpoint.init_from={tmp_path / 'src'}",
-                                    "--checkpoint.exclude_from_loading=['layers.2']"])  # fmt: skip
+    ok = make_run(
+        tmp_path / "ok",
+        [
+            "--model.n_layers=3",
+            f"--checkpoint.init_from={tmp_path / 'src'}",
+            "--checkpoint.exclude_from_loading=['layers.2']",
+        ],
+    )
     assert ok.manager.restore(progress=ok.state).kind == "warm_start"  # type: ignore[union-attr]
 
 

@@ -133,8 +133,9 @@ def test_prepared_hf_data_brings_its_tokenizer(tmp_path: Path) -> None:
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
     alphabet = pre_tokenizers.ByteLevel.alphabet()
-    trainer = trainers.BpeTrainer(vocab_size=300, special_tokens=["<|endoftext|>"], initial_alphabet=alphabet,
-                                  show_progress=False)  # fmt: skip
+    trainer = trainers.BpeTrainer(
+        vocab_size=300, special_tokens=["<|endoftext|>"], initial_alphabet=alphabet, show_progress=False
+    )
     stories = "".join(generate_documents(40))
     tok.train_from_iterator(stories.splitlines(), trainer)
     tok.save(str(tmp_path / "bpe.json"))

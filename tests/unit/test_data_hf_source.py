@@ -37,8 +37,9 @@ def _tokens(out: Path, split: str) -> np.ndarray:
 def _docs(tokens: np.ndarray) -> list[str]:
     cuts = np.flatnonzero(tokens == EOS)
     assert len(tokens) == 0 or cuts[-1] == len(tokens) - 1  # every document ends with EOS
-    return [tokens[a + 1 : b].astype(np.uint8).tobytes().decode() for a, b in zip(np.r_[-1, cuts[:-1]], cuts,
-                                                                                  strict=True)]  # fmt: skip
+    return [
+        tokens[a + 1 : b].astype(np.uint8).tobytes().decode() for a, b in zip(np.r_[-1, cuts[:-1]], cuts, strict=True)
+    ]
 
 
 def _disk(tmp_path: Path, name: str, columns: dict[str, list[object]]) -> Path:
@@ -152,8 +153,12 @@ def test_missing_datasets_package_says_how_to_install(tmp_path: Path, monkeypatc
 
 
 def test_dataset_dict_splits_and_a_walked_directory(tmp_path: Path) -> None:
-    dd = datasets.DatasetDict({"train": datasets.Dataset.from_dict({"text": ["tr1", "tr2"]}),
-                               "test": datasets.Dataset.from_dict({"text": ["te"]})})  # fmt: skip
+    dd = datasets.DatasetDict(
+        {
+            "train": datasets.Dataset.from_dict({"text": ["tr1", "tr2"]}),
+            "test": datasets.Dataset.from_dict({"text": ["te"]}),
+        }
+    )
     dd.save_to_disk(str(tmp_path / "corpus" / "dd"))
     (tmp_path / "corpus" / "a.txt").write_text("plain text\n")
     prepare_data([tmp_path / "corpus"], tmp_path / "out", val_fraction=0.0, workers=1)

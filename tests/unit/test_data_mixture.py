@@ -99,5 +99,6 @@ def test_mixture_batches_carry_dataset_ids_and_resume_exactly() -> None:
     second.load_state_dict(first.state_dict())
     got += list(islice(iter(second), 6))
     assert all((a["input_ids"] == b["input_ids"]).all() for a, b in zip(ref, got, strict=True))
-    assert second.state_dict()["counts"] == [int((np.concatenate([b["dataset_ids"] for b in ref]) == d).sum())
-                                             for d in range(2)]  # fmt: skip
+    assert second.state_dict()["counts"] == [
+        int((np.concatenate([b["dataset_ids"] for b in ref]) == d).sum()) for d in range(2)
+    ]

@@ -27,8 +27,10 @@ def _tokens(out: Path, split: str) -> np.ndarray:
 def _docs(tokens: np.ndarray) -> list[bytes]:
     cuts = np.flatnonzero(tokens == EOS)
     assert len(cuts) and cuts[-1] == len(tokens) - 1  # every document ends with EOS
-    return [tokens[a + 1 if i else 0 : b].astype(np.uint8).tobytes() for i, (a, b) in
-            enumerate(zip(np.r_[-1, cuts[:-1]], cuts, strict=True))]  # fmt: skip
+    return [
+        tokens[a + 1 if i else 0 : b].astype(np.uint8).tobytes()
+        for i, (a, b) in enumerate(zip(np.r_[-1, cuts[:-1]], cuts, strict=True))
+    ]
 
 
 def _write(path: Path, data: str | bytes) -> Path:
@@ -51,8 +53,12 @@ def test_text_files_become_byte_tokens_with_eos_and_metadata(tmp_path: Path) -> 
     assert meta["splits"]["train"]["tokens"] == len(train) == res.tokens["train"] == 13 + 12 + 2
     assert meta["splits"]["train"]["documents"] == 2 and meta["splits"]["val"]["tokens"] == 0
     a = (src / "a.txt").read_bytes()
-    assert meta["sources"][0] == {"path": str((src / "a.txt").resolve()), "kind": "text", "bytes": len(a),
-                                  "sha256": hashlib.sha256(a).hexdigest()}  # fmt: skip
+    assert meta["sources"][0] == {
+        "path": str((src / "a.txt").resolve()),
+        "kind": "text",
+        "bytes": len(a),
+        "sha256": hashlib.sha256(a).hexdigest(),
+    }
     assert not list(tmp_path.glob(".out.*"))  # no temporary directory left behind
 
 

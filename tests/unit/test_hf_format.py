@@ -56,8 +56,17 @@ def test_names_without_an_equivalent() -> None:
 
 
 def _fields(**over: object) -> dict[str, object]:
-    return ModelSettings(dim=64, n_layers=3, n_heads=8, n_kv_heads=2, vocab_size=100, rope_theta=5e5, norm_eps=1e-6,
-                         tie_embeddings=True, **over).model_dump()  # type: ignore[arg-type]
+    return ModelSettings(
+        dim=64,
+        n_layers=3,
+        n_heads=8,
+        n_kv_heads=2,
+        vocab_size=100,
+        rope_theta=5e5,
+        norm_eps=1e-6,
+        tie_embeddings=True,
+        **over,
+    ).model_dump()  # type: ignore[arg-type]
 
 
 def test_config_round_trip_keeps_every_shaping_field() -> None:
@@ -67,8 +76,21 @@ def test_config_round_trip_keeps_every_shaping_field() -> None:
     assert cfg["rope_parameters"] == {"rope_type": "default", "rope_theta": 5e5} and cfg["rope_theta"] == 5e5
     back = ModelSettings.model_validate(model_fields_from_hf(cfg))
     ours = ModelSettings.model_validate(fields)
-    for f in ("dim", "n_layers", "n_heads", "kv_heads", "vocab_size", "resolved_ffn_hidden_dim", "rope_theta",
-              "norm_eps", "tie_embeddings", "max_seq_len", "norm", "activation", "qk_norm"):  # fmt: skip
+    for f in (
+        "dim",
+        "n_layers",
+        "n_heads",
+        "kv_heads",
+        "vocab_size",
+        "resolved_ffn_hidden_dim",
+        "rope_theta",
+        "norm_eps",
+        "tie_embeddings",
+        "max_seq_len",
+        "norm",
+        "activation",
+        "qk_norm",
+    ):
         assert getattr(back, f) == getattr(ours, f), f
 
 
@@ -113,8 +135,10 @@ def test_hf_dir_detection_and_weight_files(tmp_path: Path) -> None:
     (tmp_path / "model-00002-of-00002.safetensors").write_bytes(b"")
     (tmp_path / "model-00001-of-00002.safetensors").write_bytes(b"")
     assert is_hf_dir(tmp_path)
-    assert [p.name for p in hf_weight_files(tmp_path)] == ["model-00001-of-00002.safetensors",
-                                                           "model-00002-of-00002.safetensors"]
+    assert [p.name for p in hf_weight_files(tmp_path)] == [
+        "model-00001-of-00002.safetensors",
+        "model-00002-of-00002.safetensors",
+    ]
     (tmp_path / "model.safetensors.index.json").write_text(
         json.dumps({"weight_map": {"a": "model-00002-of-00002.safetensors"}})
     )

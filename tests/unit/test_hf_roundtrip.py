@@ -84,8 +84,9 @@ def test_sharded_bf16_export(tmp_path: Path) -> None:
 
 
 def test_export_refuses_what_llama_cannot_represent(tmp_path: Path) -> None:
-    saved = train_and_save(tmp_path / "run", ["--model.activation=gelu", "--model.norm=layernorm",
-                                              "--model.qk_norm=true"], steps=1)  # fmt: skip
+    saved = train_and_save(
+        tmp_path / "run", ["--model.activation=gelu", "--model.norm=layernorm", "--model.qk_norm=true"], steps=1
+    )
     with pytest.raises(CheckpointError, match="cannot export") as info:
         export_hf(saved.steps[1], tmp_path / "hf")
     for word in ("RMSNorm", "SwiGLU", "qk_norm"):
@@ -106,9 +107,18 @@ def test_export_will_not_overwrite_by_accident(tmp_path: Path) -> None:
 
 def make_hf_llama(path: Path, *, tied: bool, seed: int = 0) -> torch.nn.Module:
     """A random tiny Llama made and saved by transformers itself (norm weights randomised too)."""
-    cfg = transformers.LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=80, num_hidden_layers=2,
-                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=32,
-                                   rope_theta=500.0, rms_norm_eps=1e-6, tie_word_embeddings=tied)  # fmt: skip
+    cfg = transformers.LlamaConfig(
+        vocab_size=64,
+        hidden_size=32,
+        intermediate_size=80,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=32,
+        rope_theta=500.0,
+        rms_norm_eps=1e-6,
+        tie_word_embeddings=tied,
+    )
     torch.manual_seed(seed)
     model = transformers.LlamaForCausalLM(cfg).eval()
     with torch.no_grad():
@@ -125,8 +135,15 @@ HF_MATCH = ["--model.ffn_hidden_dim=80", "--model.rope_theta=500", "--model.norm
 @pytest.mark.parametrize("tied", [False, True], ids=["untied", "tied"])
 def test_init_from_a_transformers_directory_gives_transformers_logits(tmp_path: Path, tied: bool) -> None:
     hf = make_hf_llama(tmp_path / "hf", tied=tied)
-    s = load_settings(overrides=[*TINY, *HF_MATCH, f"--model.tie_embeddings={str(tied).lower()}",
-                                 f"--checkpoint.init_from={tmp_path / 'hf'}"], use_env=False).settings  # fmt: skip
+    s = load_settings(
+        overrides=[
+            *TINY,
+            *HF_MATCH,
+            f"--model.tie_embeddings={str(tied).lower()}",
+            f"--checkpoint.init_from={tmp_path / 'hf'}",
+        ],
+        use_env=False,
+    ).settings
     runtime = init_runtime(s)
     model, _ = build_parallel_model(s, runtime)
     opt = build_optimizer(model, s)
@@ -149,8 +166,9 @@ def test_init_from_a_transformers_directory_gives_transformers_logits(tmp_path: 
 
 def test_init_from_a_differently_shaped_hf_model_says_which_overrides_fit(tmp_path: Path) -> None:
     make_hf_llama(tmp_path / "hf", tied=False)
-    s = load_settings(overrides=[*TINY, "--model.n_layers=3", f"--checkpoint.init_from={tmp_path / 'hf'}"],
-                      use_env=False).settings  # fmt: skip
+    s = load_settings(
+        overrides=[*TINY, "--model.n_layers=3", f"--checkpoint.init_from={tmp_path / 'hf'}"], use_env=False
+    ).settings
     runtime = init_runtime(s)
     model, _ = build_parallel_model(s, runtime)
     opt = build_optimizer(model, s)

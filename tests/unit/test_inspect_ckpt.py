@@ -27,10 +27,21 @@ from kforge_cli.engine.train.scheduler import build_scheduler
 from kforge_cli.engine.train.session import TrainState
 from kforge_cli.settings import JobSettings, load_settings
 
-TINY = ["--model.dim=32", "--model.n_layers=2", "--model.n_heads=4", "--model.n_kv_heads=2", "--model.vocab_size=64",
-        "--model.max_seq_len=32", "--train.seq_len=16", "--train.device=cpu", "--train.mixed_precision=fp32",
-        "--train.max_steps=20", "--scheduler.warmup_steps=1", "--optimizer.lr=1e-2",
-        "--checkpoint.keep_last_n=0"]  # fmt: skip
+TINY = [
+    "--model.dim=32",
+    "--model.n_layers=2",
+    "--model.n_heads=4",
+    "--model.n_kv_heads=2",
+    "--model.vocab_size=64",
+    "--model.max_seq_len=32",
+    "--train.seq_len=16",
+    "--train.device=cpu",
+    "--train.mixed_precision=fp32",
+    "--train.max_steps=20",
+    "--scheduler.warmup_steps=1",
+    "--optimizer.lr=1e-2",
+    "--checkpoint.keep_last_n=0",
+]
 
 
 @dataclass

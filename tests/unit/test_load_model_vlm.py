@@ -33,9 +33,17 @@ from kforge_cli.settings import JobSettings
 from tests.unit.test_vlm_convert import dense_checkpoint
 from tests.unit.test_vlm_model import inputs, vlm_settings
 
-RUN = ["--train.max_steps=3", "--train.batch_size=2", "--scheduler.warmup_steps=1", "--eval.interval=0",
-       "--metrics.log_interval=1", "--metrics.progress_bar=off", "--checkpoint.interval=0",
-       "--vlm.cross_attention_every=1", "--optimizer.lr=1e-2"]  # fmt: skip
+RUN = [
+    "--train.max_steps=3",
+    "--train.batch_size=2",
+    "--scheduler.warmup_steps=1",
+    "--eval.interval=0",
+    "--metrics.log_interval=1",
+    "--metrics.progress_bar=off",
+    "--checkpoint.interval=0",
+    "--vlm.cross_attention_every=1",
+    "--optimizer.lr=1e-2",
+]
 TOL = 1e-6
 
 
@@ -153,10 +161,14 @@ def _saved_untrained(tmp: Path, s: JobSettings, with_config: bool) -> tuple[Path
     return path, model
 
 
-@pytest.mark.parametrize(("modalities", "with_config", "expected"), [
-    ('["text", "image", "video"]', True, "video"),  # the run's config.toml has [video]
-    ('["text", "video"]', False, "video"),  # no config.toml, but only a video expert exists
-], ids=["config", "only-video"])  # fmt: skip
+@pytest.mark.parametrize(
+    ("modalities", "with_config", "expected"),
+    [
+        ('["text", "image", "video"]', True, "video"),  # the run's config.toml has [video]
+        ('["text", "video"]', False, "video"),  # no config.toml, but only a video expert exists
+    ],
+    ids=["config", "only-video"],
+)
 def test_a_video_mot_routes_frames_to_the_video_experts(
     tmp_path: Path, modalities: str, with_config: bool, expected: str
 ) -> None:

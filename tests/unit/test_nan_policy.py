@@ -14,9 +14,19 @@ from kforge_cli.errors import TrainingAborted
 from kforge_cli.settings import load_settings
 from tests.helpers.nan_hooks import InjectNaN
 
-TINY = ["--model.dim=32", "--model.n_layers=2", "--model.n_heads=4", "--train.seq_len=32",
-        "--train.batch_size=4", "--train.max_steps=8", "--scheduler.warmup_steps=2", "--eval.interval=0",
-        "--metrics.log_interval=1", "--metrics.progress_bar=off", "--checkpoint.interval=0"]  # fmt: skip
+TINY = [
+    "--model.dim=32",
+    "--model.n_layers=2",
+    "--model.n_heads=4",
+    "--train.seq_len=32",
+    "--train.batch_size=4",
+    "--train.max_steps=8",
+    "--scheduler.warmup_steps=2",
+    "--eval.interval=0",
+    "--metrics.log_interval=1",
+    "--metrics.progress_bar=off",
+    "--checkpoint.interval=0",
+]
 
 
 def settings(tmp_path: Path, *extra: str):

@@ -109,8 +109,13 @@ def test_optimizer_state_equals_the_real_optimizer(name: str, tied: bool) -> Non
     from kforge_cli.engine.runtime import init_runtime
     from kforge_cli.engine.train.optimizer import build_optimizer
 
-    s = _settings(None, "--model.dim=64", "--model.n_layers=2", f"--optimizer.name={name}",
-                  f"--model.tie_embeddings={str(tied).lower()}")  # fmt: skip
+    s = _settings(
+        None,
+        "--model.dim=64",
+        "--model.n_layers=2",
+        f"--optimizer.name={name}",
+        f"--model.tie_embeddings={str(tied).lower()}",
+    )
     model, _ = build_parallel_model(s, init_runtime(s))
     optimizer = build_optimizer(model, s)
     for p in model.parameters():
@@ -123,8 +128,7 @@ def test_optimizer_state_equals_the_real_optimizer(name: str, tied: bool) -> Non
 def test_warnings_bubble_tp_across_nodes_tiny_batch() -> None:
     bubble = build_plan(_settings(None, "--distributed.pp=4", "--train.grad_accum_steps=4"), 4, 0)
     assert any(w.startswith("pipeline bubble: 43%") for w in bubble.warnings), bubble.warnings
-    across = _settings(None, "--slurm.nodes=2", "--slurm.gpus_per_node=6", "--distributed.tp=4",
-                       "--model.n_kv_heads=4")  # fmt: skip
+    across = _settings(None, "--slurm.nodes=2", "--slurm.gpus_per_node=6", "--distributed.tp=4", "--model.n_kv_heads=4")
     assert any("crosses nodes" in w for w in build_plan(across, 12, 0).warnings)
     tiny = build_plan(_settings(None, "--train.device=cuda"), 1, 0)  # 16 x 128 tokens per micro-batch
     assert any(w.startswith("tiny per-GPU batch: 2048 tokens") for w in tiny.warnings)

@@ -28,11 +28,28 @@ B, T = 2, 64
 
 def _inputs(cfg: ModelSettings, **kw: object) -> ActivationInputs:
     base: dict[str, object] = dict(
-        micro_batch=B, seq_len=T, dim=cfg.dim, q_dim=cfg.n_heads * cfg.head_dim, kv_dim=cfg.kv_heads * cfg.head_dim,
-        n_heads=cfg.n_heads, ffn=cfg.resolved_ffn_hidden_dim, gated=cfg.activation == "swiglu", vocab=cfg.vocab_size,
-        norm=cfg.norm, qk_norm=cfg.qk_norm, tp=1, sequence_parallel=False, loss_parallel=False, compute_bytes=4,
-        autocast=False, cuda=False, block_weight_copy_bytes=0, loss_chunk=0, document_mask=False, ac_mode="none",
-    )  # fmt: skip
+        micro_batch=B,
+        seq_len=T,
+        dim=cfg.dim,
+        q_dim=cfg.n_heads * cfg.head_dim,
+        kv_dim=cfg.kv_heads * cfg.head_dim,
+        n_heads=cfg.n_heads,
+        ffn=cfg.resolved_ffn_hidden_dim,
+        gated=cfg.activation == "swiglu",
+        vocab=cfg.vocab_size,
+        norm=cfg.norm,
+        qk_norm=cfg.qk_norm,
+        tp=1,
+        sequence_parallel=False,
+        loss_parallel=False,
+        compute_bytes=4,
+        autocast=False,
+        cuda=False,
+        block_weight_copy_bytes=0,
+        loss_chunk=0,
+        document_mask=False,
+        ac_mode="none",
+    )
     base.update(kw)
     return ActivationInputs(**base)  # type: ignore[arg-type]
 

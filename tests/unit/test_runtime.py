@@ -39,8 +39,14 @@ def test_torchrun_variables() -> None:
 
 
 def test_srun_variables_give_rank_world_and_rendezvous() -> None:
-    env = {"SLURM_PROCID": "9", "SLURM_LOCALID": "1", "SLURM_NTASKS": "16", "SLURM_STEP_ID": "0",
-           "SLURM_JOB_ID": "123456", "SLURM_JOB_NODELIST": "gpu[007-010,020],cpu1"}  # fmt: skip
+    env = {
+        "SLURM_PROCID": "9",
+        "SLURM_LOCALID": "1",
+        "SLURM_NTASKS": "16",
+        "SLURM_STEP_ID": "0",
+        "SLURM_JOB_ID": "123456",
+        "SLURM_JOB_NODELIST": "gpu[007-010,020],cpu1",
+    }
     info = detect_launch(env)
     assert (info.launcher, info.rank, info.local_rank, info.world_size) == ("srun", 9, 1, 16)
     assert info.master_addr == "gpu007"
@@ -90,8 +96,11 @@ def test_mesh_has_dp_shard_always_and_other_dims_only_when_used() -> None:
     assert mesh_shape(ParallelDims(pp=1, dp_replicate=1, dp_shard=8, tp=1)) == [("dp_shard", 8)]
     assert mesh_shape(ParallelDims(pp=1, dp_replicate=1, dp_shard=1, tp=2)) == [("dp_shard", 1), ("tp", 2)]
     assert mesh_shape(ParallelDims(pp=2, dp_replicate=2, dp_shard=4, tp=8)) == [
-        ("pp", 2), ("dp_replicate", 2), ("dp_shard", 4), ("tp", 8)
-    ]  # fmt: skip
+        ("pp", 2),
+        ("dp_replicate", 2),
+        ("dp_shard", 4),
+        ("tp", 8),
+    ]
 
 
 # --- pipeline layout ----------------------------------------------------------------
@@ -193,10 +202,14 @@ def test_rules_refuse_combinations_that_would_train_wrong() -> None:
 
 def test_rules_accept_the_supported_combinations() -> None:
     for extra in (
-        ["--distributed.pp=2", "--train.grad_accum_steps=4", "--distributed.pp_schedule=dualpipev",
-         "--distributed.pp_stages_per_rank=2"],
+        [
+            "--distributed.pp=2",
+            "--train.grad_accum_steps=4",
+            "--distributed.pp_schedule=dualpipev",
+            "--distributed.pp_stages_per_rank=2",
+        ],
         ["--distributed.tp=2", "--train.loss_chunk_size=64"],  # vocab-parallel loss instead of chunks
         ["--distributed.dp_replicate=2", "--train.compile_model=true"],
-    ):  # fmt: skip
+    ):
         s = load_settings(overrides=extra).settings
         assert resolve_dims(s, 4).world_size == 4

@@ -35,9 +35,18 @@ def run_cli(argv: list[str], capsys: pytest.CaptureFixture[str]) -> tuple[int, s
 
 @pytest.mark.parametrize(
     ("text", "seconds"),
-    [("30", 1800), ("5:30", 330), ("01:00:00", 3600), ("48:00:00", 172800), ("2-12", 216000),
-     ("1-02:03", 93780), ("1-00:00:01", 86401), ("UNLIMITED", None), ("infinite", None)],
-)  # fmt: skip
+    [
+        ("30", 1800),
+        ("5:30", 330),
+        ("01:00:00", 3600),
+        ("48:00:00", 172800),
+        ("2-12", 216000),
+        ("1-02:03", 93780),
+        ("1-00:00:01", 86401),
+        ("UNLIMITED", None),
+        ("infinite", None),
+    ],
+)
 def test_parse_time_limit_reads_every_slurm_format(text: str, seconds: int | None) -> None:
     assert parse_time_limit(text) == seconds
 
@@ -54,10 +63,19 @@ def test_h100x64_script_asks_for_one_task_per_gpu_on_8_nodes_with_requeue_and_an
     run = (tmp_path / "run").resolve()
     script = files.script.read_text()
     assert directives(script) == [
-        "--job-name=kforge", "--nodes=8", "--ntasks-per-node=8", "--gpus-per-node=8", "--cpus-per-task=12",
-        "--mem=0", "--time=48:00:00", "--requeue", "--signal=USR1@300", "--open-mode=append",
-        f"--output={run}/logs/slurm-%j.out", f"--chdir={tmp_path.resolve()}",
-    ]  # fmt: skip
+        "--job-name=kforge",
+        "--nodes=8",
+        "--ntasks-per-node=8",
+        "--gpus-per-node=8",
+        "--cpus-per-task=12",
+        "--mem=0",
+        "--time=48:00:00",
+        "--requeue",
+        "--signal=USR1@300",
+        "--open-mode=append",
+        f"--output={run}/logs/slurm-%j.out",
+        f"--chdir={tmp_path.resolve()}",
+    ]
     assert script.startswith("#!/bin/bash\n") and "{{" not in script and files.script.stat().st_mode & 0o111
     assert f"     {PY} -m kforge_cli train --profile {run}/config.toml --run-dir {run} &\n" in script
     assert "srun --kill-on-bad-exit=1 --cpus-per-task=12 \\\n" in script
@@ -82,12 +100,18 @@ def test_config_toml_is_the_resolved_settings_and_reloads_identically_as_the_job
 def test_cpu_job_has_no_gpu_request_and_optional_options_and_environment_appear_when_set(tmp_path: Path) -> None:
     settings = load_settings(
         overrides=[
-            f"--train.run_dir={tmp_path / 'run'}", "--slurm.partition=batch", "--slurm.account=proj-42",
-            "--slurm.qos=high", "--slurm.constraint=h100&ib", "--slurm.network_interface=ib0",
-            '--slurm.extra_sbatch=["--exclusive", "#SBATCH --reservation=r1"]', "--slurm.env.NCCL_DEBUG=WARN",
-            "--slurm.env.MY_FLAGS=a b", "--slurm.job_name=my run",
+            f"--train.run_dir={tmp_path / 'run'}",
+            "--slurm.partition=batch",
+            "--slurm.account=proj-42",
+            "--slurm.qos=high",
+            "--slurm.constraint=h100&ib",
+            "--slurm.network_interface=ib0",
+            '--slurm.extra_sbatch=["--exclusive", "#SBATCH --reservation=r1"]',
+            "--slurm.env.NCCL_DEBUG=WARN",
+            "--slurm.env.MY_FLAGS=a b",
+            "--slurm.job_name=my run",
         ]
-    ).settings  # fmt: skip
+    ).settings
     script = write_job(settings, python=PY, workdir=tmp_path).script.read_text()
     lines = directives(script)
     assert not any(line.startswith("--gpus") for line in lines)  # cpu-debug: gpu_type = "cpu"
@@ -100,8 +124,13 @@ def test_cpu_job_has_no_gpu_request_and_optional_options_and_environment_appear_
 
 
 def test_no_early_signal_when_signal_before_s_is_zero(tmp_path: Path) -> None:
-    settings = load_settings(overrides=[f"--train.run_dir={tmp_path}", "--slurm.signal_before_s=0",
-                                        '--resilience.shutdown_signals=["SIGTERM"]']).settings  # fmt: skip
+    settings = load_settings(
+        overrides=[
+            f"--train.run_dir={tmp_path}",
+            "--slurm.signal_before_s=0",
+            '--resilience.shutdown_signals=["SIGTERM"]',
+        ]
+    ).settings
     lines = directives(write_job(settings, python=PY, workdir=tmp_path).script.read_text())
     assert "--requeue" in lines and not any(line.startswith("--signal") for line in lines)
 
@@ -109,16 +138,25 @@ def test_no_early_signal_when_signal_before_s_is_zero(tmp_path: Path) -> None:
 def test_settings_that_cannot_work_are_all_reported_and_nothing_is_written(tmp_path: Path) -> None:
     settings = load_settings(
         overrides=[
-            f"--train.run_dir={tmp_path / 'run'}", '--slurm.time_limit="00:04:00"', "--slurm.signal_before_s=300",
-            '--resilience.shutdown_signals=["SIGTERM"]', '--slurm.extra_sbatch=["exclusive"]',
-            "--slurm.partition=a b", "--slurm.env.1BAD=x",
+            f"--train.run_dir={tmp_path / 'run'}",
+            '--slurm.time_limit="00:04:00"',
+            "--slurm.signal_before_s=300",
+            '--resilience.shutdown_signals=["SIGTERM"]',
+            '--slurm.extra_sbatch=["exclusive"]',
+            "--slurm.partition=a b",
+            "--slurm.env.1BAD=x",
         ]
-    ).settings  # fmt: skip
+    ).settings
     with pytest.raises(ConfigError) as info:
         write_job(settings, python=PY, workdir=tmp_path)
     paths = [issue.path for issue in info.value.issues]
-    assert paths == ["slurm.partition", "slurm.signal_before_s", "resilience.shutdown_signals",
-                     "slurm.extra_sbatch[0]", "slurm.env.1BAD"]  # fmt: skip
+    assert paths == [
+        "slurm.partition",
+        "slurm.signal_before_s",
+        "resilience.shutdown_signals",
+        "slurm.extra_sbatch[0]",
+        "slurm.env.1BAD",
+    ]
     assert "300 s is not before the time limit 00:04:00 (240 s)" in str(info.value)
     assert not (tmp_path / "run").exists()
     bad_time = load_settings(overrides=[f"--train.run_dir={tmp_path / 'run'}", "--slurm.time_limit=2h"]).settings
@@ -131,8 +169,14 @@ def test_the_shipped_template_uses_every_value_and_a_site_template_with_a_typo_i
 ) -> None:
     shipped = find_template()
     assert placeholders(shipped.read_text()) == {
-        "kforge_version", "run_dir", "run_dir_q", "sbatch_directives", "env_exports", "cpus_per_task", "command",
-    }  # fmt: skip
+        "kforge_version",
+        "run_dir",
+        "run_dir_q",
+        "sbatch_directives",
+        "env_exports",
+        "cpus_per_task",
+        "command",
+    }
     assert fill("a {{ x }} b {{y}}", {"x": "1", "y": "$2", "z": "unused"}) == "a 1 b $2"
     site = tmp_path / "site"
     site.mkdir()

@@ -105,8 +105,17 @@ def record(step: int, n: int = 2) -> dict[str, Any]:
 
 
 def test_metric_points_keep_numbers_only() -> None:
-    rec = {"step": 3, "loss": 1.5, "lr": torch.tensor(0.25), "tokens_seen": 100, "skipped": True,
-           "note": "x", "mfu": None, "bad": float("nan"), "time": 12.0}  # fmt: skip
+    rec = {
+        "step": 3,
+        "loss": 1.5,
+        "lr": torch.tensor(0.25),
+        "tokens_seen": 100,
+        "skipped": True,
+        "note": "x",
+        "mfu": None,
+        "bad": float("nan"),
+        "time": 12.0,
+    }
     points = metric_points(rec, now=99.0)
     assert points is not None and points.step == 3 and points.time == 12.0
     assert set(points.values) == {"loss", "lr", "tokens_seen", "bad"}
@@ -208,8 +217,9 @@ def test_checkpoint_marks_keep_their_place_among_metrics(tmp_path: Path) -> None
     tracker.write(record(2))
     backend.failing = False
     tracker.close("stopped")
-    kinds = [(kind, [p.step for p in arg] if kind == "metrics" else getattr(arg, "step", arg))
-             for kind, arg in backend.calls]  # fmt: skip
+    kinds = [
+        (kind, [p.step for p in arg] if kind == "metrics" else getattr(arg, "step", arg)) for kind, arg in backend.calls
+    ]
     assert kinds == [("metrics", [1]), ("checkpoint", 1), ("metrics", [2]), ("finish", "stopped")]
     assert backend.calls[1][1].path == "/ckpt/step_1"
 

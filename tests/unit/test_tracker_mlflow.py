@@ -67,8 +67,13 @@ def job(tmp_path: Path, db_dir: Path, experiment: str, max_steps: int = 7) -> tu
 
 
 def test_flatten_params_follows_mlflow_limits() -> None:
-    config = {"a": {"b": 1, "c": {"d": [1, 2]}, "e": None, "f": {}}, "s": "x" * 7000, "t": True, "lr": 3e-4,
-              "metrics": {"mlflow_run_id": "r", "wandb_run_id": "w", "tags": []}}  # fmt: skip
+    config = {
+        "a": {"b": 1, "c": {"d": [1, 2]}, "e": None, "f": {}},
+        "s": "x" * 7000,
+        "t": True,
+        "lr": 3e-4,
+        "metrics": {"mlflow_run_id": "r", "wandb_run_id": "w", "tags": []},
+    }
     params = flatten_params(config)
     assert params == {
         "a.b": "1",
@@ -164,13 +169,28 @@ class FailAtStep2(TrainHook):
 
 def test_training_that_raises_closes_the_mlflow_run_as_failed(tmp_path: Path, db_dir: Path) -> None:
     uri = f"sqlite:///{db_dir / 'mlflow.db'}"
-    settings = load_settings(overrides=[
-        "--model.dim=32", "--model.n_layers=1", "--model.n_heads=2", "--model.n_kv_heads=1", "--model.vocab_size=320",
-        "--train.batch_size=2", "--train.seq_len=16", "--train.max_steps=5", "--scheduler.warmup_steps=1",
-        "--eval.interval=0", "--checkpoint.interval=0", "--checkpoint.save_final=false", "--metrics.log_interval=1",
-        "--metrics.progress_bar=off", '--metrics.backends=["jsonl","mlflow"]', f"--metrics.mlflow_tracking_uri={uri}",
-        "--metrics.mlflow_experiment=raises", f"--train.run_dir={tmp_path / 'run'}",
-    ]).settings  # fmt: skip
+    settings = load_settings(
+        overrides=[
+            "--model.dim=32",
+            "--model.n_layers=1",
+            "--model.n_heads=2",
+            "--model.n_kv_heads=1",
+            "--model.vocab_size=320",
+            "--train.batch_size=2",
+            "--train.seq_len=16",
+            "--train.max_steps=5",
+            "--scheduler.warmup_steps=1",
+            "--eval.interval=0",
+            "--checkpoint.interval=0",
+            "--checkpoint.save_final=false",
+            "--metrics.log_interval=1",
+            "--metrics.progress_bar=off",
+            '--metrics.backends=["jsonl","mlflow"]',
+            f"--metrics.mlflow_tracking_uri={uri}",
+            "--metrics.mlflow_experiment=raises",
+            f"--train.run_dir={tmp_path / 'run'}",
+        ]
+    ).settings
     try:
         with pytest.raises(RuntimeError, match="boom at step 2"):
             run_training(settings, hooks=[FailAtStep2()])

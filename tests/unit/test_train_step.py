@@ -19,9 +19,18 @@ from kforge_cli.engine.train.session import TrainingSession
 from kforge_cli.engine.train.step import plain_step
 from kforge_cli.settings import load_settings
 
-TINY = ["--model.dim=32", "--model.n_layers=2", "--model.n_heads=4", "--model.n_kv_heads=2",
-        "--model.vocab_size=64", "--model.max_seq_len=32", "--train.seq_len=16", "--train.device=cpu",
-        "--train.mixed_precision=fp32", "--train.grad_clip_norm=0"]  # fmt: skip
+TINY = [
+    "--model.dim=32",
+    "--model.n_layers=2",
+    "--model.n_heads=4",
+    "--model.n_kv_heads=2",
+    "--model.vocab_size=64",
+    "--model.max_seq_len=32",
+    "--train.seq_len=16",
+    "--train.device=cpu",
+    "--train.mixed_precision=fp32",
+    "--train.grad_clip_norm=0",
+]
 
 
 def make_session(tmp_path: Path, extra: list[str] | None = None) -> TrainingSession:
@@ -32,12 +41,25 @@ def make_session(tmp_path: Path, extra: list[str] | None = None) -> TrainingSess
     import logging
 
     return TrainingSession(
-        settings=s, runtime=runtime, run_dir=tmp_path, model=model, pipeline=None, optimizer=optimizer,
-        scheduler=build_scheduler(optimizer, s), loss_fn=build_loss_fn(s), data=None, hooks=HookList([]),
-        metrics=None, progress=ProgressReporter(1, 0, "off", False, logging.getLogger("kforge")),
-        profiler=build_profiler(s.profiling, tmp_path, 0), nan_guard=NanGuard.from_settings(s.resilience),
-        shutdown=ShutdownHandler([]), compute_dtype=torch.float32, flops_per_token=1.0, peak_flops=None,
-    )  # fmt: skip
+        settings=s,
+        runtime=runtime,
+        run_dir=tmp_path,
+        model=model,
+        pipeline=None,
+        optimizer=optimizer,
+        scheduler=build_scheduler(optimizer, s),
+        loss_fn=build_loss_fn(s),
+        data=None,
+        hooks=HookList([]),
+        metrics=None,
+        progress=ProgressReporter(1, 0, "off", False, logging.getLogger("kforge")),
+        profiler=build_profiler(s.profiling, tmp_path, 0),
+        nan_guard=NanGuard.from_settings(s.resilience),
+        shutdown=ShutdownHandler([]),
+        compute_dtype=torch.float32,
+        flops_per_token=1.0,
+        peak_flops=None,
+    )
 
 
 def make_batch(n: int = 8, t: int = 16, seed: int = 0) -> dict[str, torch.Tensor]:

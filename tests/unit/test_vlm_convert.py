@@ -24,8 +24,9 @@ DENSE = [o for o in VLM_TINY if o.startswith(("--model.", "--train."))]
 
 def dense_checkpoint(tmp: Path, *extra: str) -> tuple[Path, Transformer]:
     """A kforge text checkpoint (written by CheckpointManager) of a model with random norms too."""
-    s = load_settings(profile="cpu-debug", overrides=[*DENSE, *extra, f"--checkpoint.dir={tmp / 'dense'}"],
-                      use_env=False).settings  # fmt: skip
+    s = load_settings(
+        profile="cpu-debug", overrides=[*DENSE, *extra, f"--checkpoint.dir={tmp / 'dense'}"], use_env=False
+    ).settings
     runtime = init_runtime(s)
     model, _ = build_parallel_model(s, runtime)
     with torch.no_grad():
@@ -67,8 +68,9 @@ def test_converted_mot_gives_the_dense_logits_on_text(tmp_path: Path) -> None:
         if ".experts.text." in name or not name.startswith(("layers.", "vision.", "adapter.")):
             assert torch.equal(p, dense_params[dense_name(name) or name]), name
     stored = read_tensors(view, ["model.layers.1.experts.image.feed_forward.w2.weight"])
-    assert torch.equal(stored["model.layers.1.experts.image.feed_forward.w2.weight"],
-                       dense_params["layers.1.feed_forward.w2.weight"])  # fmt: skip
+    assert torch.equal(
+        stored["model.layers.1.experts.image.feed_forward.w2.weight"], dense_params["layers.1.feed_forward.w2.weight"]
+    )
     with pytest.raises(Exception, match="not empty"):
         convert_mot(s, ckpt, tmp_path / "mot")
 
@@ -77,8 +79,14 @@ def test_a_hugging_face_llama_directory_converts_with_transformers_logits(tmp_pa
     from tests.unit.test_hf_roundtrip import HF_MATCH, make_hf_llama
 
     hf = make_hf_llama(tmp_path / "hf", tied=False)
-    s = vlm_settings("--vlm.arch=mot", "--model.vocab_size=64", "--model.max_seq_len=32", "--train.seq_len=32",
-                     "--vlm.max_text_len=24", *HF_MATCH)  # fmt: skip
+    s = vlm_settings(
+        "--vlm.arch=mot",
+        "--model.vocab_size=64",
+        "--model.max_seq_len=32",
+        "--train.seq_len=32",
+        "--vlm.max_text_len=24",
+        *HF_MATCH,
+    )
     mot = build_vlm(s)
     load_dense_into_mot(mot, tmp_path / "hf", s)
     ids = torch.randint(0, 64, (2, 20), generator=torch.Generator().manual_seed(0))

@@ -72,8 +72,9 @@ def test_synthetic_video_clips_are_padded_and_masked() -> None:
 
 def test_the_sequence_budget_is_checked_by_validation() -> None:
     with pytest.raises(ConfigError, match=r"4 frame\(s\) x 4 image tokens \+ vlm.max_text_len 48 = 64"):
-        load_settings(profile="vlm-mot-debug", overrides=[*VLM_TINY, "--train.seq_len=63", "--video.max_frames=4"],
-                      use_env=False)  # fmt: skip
+        load_settings(
+            profile="vlm-mot-debug", overrides=[*VLM_TINY, "--train.seq_len=63", "--video.max_frames=4"], use_env=False
+        )
     vlm_settings("--video.max_frames=4")  # 4 x 4 + 48 = 64 fits exactly
 
 
@@ -95,8 +96,10 @@ def test_a_jsonl_manifest_of_images_of_any_size_is_resized(tmp_path: Path) -> No
     _manifest(tmp_path, [{"image": "blue.jpg", "caption": "blue"}], "val.jsonl")
     bundle = build_vlm_data(vlm_settings(f"--vlm.data_path={tmp_path}", "--train.batch_size=2"), dp_rank=0, dp_size=1)
     batch = _take(bundle.train, 1)[0]
-    by_caption = {bundle.tokenizer.decode(r[1:].tolist()).strip(): p for r, p in
-                  zip(batch["input_ids"], batch["pixel_values"], strict=True)}  # fmt: skip
+    by_caption = {
+        bundle.tokenizer.decode(r[1:].tolist()).strip(): p
+        for r, p in zip(batch["input_ids"], batch["pixel_values"], strict=True)
+    }
     assert torch.allclose(by_caption["red"][0, 0], torch.ones(16, 16)) and (by_caption["red"][0, 1:] == 0).all()
     assert (by_caption["blue"][0, 2] > 0.99).all()
     assert bundle.val is not None
@@ -106,12 +109,14 @@ def test_a_jsonl_manifest_of_images_of_any_size_is_resized(tmp_path: Path) -> No
 
 def test_a_missing_image_is_an_error_naming_it_or_skipped_when_asked(tmp_path: Path) -> None:
     _png(tmp_path / "ok.png", (16, 16), (9, 9, 9))
-    manifest = _manifest(tmp_path, [{"image": "ok.png", "caption": "fine"}, {"image": "gone.png", "caption": "x"}],
-                         "data.jsonl")  # fmt: skip
+    manifest = _manifest(
+        tmp_path, [{"image": "ok.png", "caption": "fine"}, {"image": "gone.png", "caption": "x"}], "data.jsonl"
+    )
     with pytest.raises(BadSampleError, match=r"image .*gone\.png \(from .*data\.jsonl:2\) does not exist"):
         build_vlm_data(vlm_settings(f"--vlm.data_path={manifest}"), dp_rank=0, dp_size=1)
-    bundle = build_vlm_data(vlm_settings(f"--vlm.data_path={manifest}", "--vlm.skip_bad_samples=true"),
-                            dp_rank=0, dp_size=1)  # fmt: skip
+    bundle = build_vlm_data(
+        vlm_settings(f"--vlm.data_path={manifest}", "--vlm.skip_bad_samples=true"), dp_rank=0, dp_size=1
+    )
     assert bundle.train.state_dict()["dataset_windows"] == [1]
 
 
@@ -122,8 +127,11 @@ def test_a_corrupt_image_is_an_error_naming_it_or_replaced_and_counted(tmp_path:
     strict = build_vlm_data(vlm_settings(f"--vlm.data_path={manifest}", "--train.batch_size=2"), dp_rank=0, dp_size=1)
     with pytest.raises(BadSampleError, match=r"image .*bad\.png is corrupt or not an image"):
         _take(strict.train, 1)
-    lenient = build_vlm_data(vlm_settings(f"--vlm.data_path={manifest}", "--train.batch_size=2",
-                                          "--vlm.skip_bad_samples=true"), dp_rank=0, dp_size=1)  # fmt: skip
+    lenient = build_vlm_data(
+        vlm_settings(f"--vlm.data_path={manifest}", "--train.batch_size=2", "--vlm.skip_bad_samples=true"),
+        dp_rank=0,
+        dp_size=1,
+    )
     batch = _take(lenient.train, 1)[0]
     assert lenient.skipped_samples == 1
     assert (batch["pixel_values"] - 9 / 255).abs().max() < 1e-6  # both rows are the readable image
@@ -136,8 +144,9 @@ def test_a_caption_longer_than_max_text_len_is_never_truncated(tmp_path: Path) -
     manifest = _manifest(tmp_path, [{"image": "a.png", "caption": long}, {"image": "b.png", "caption": "short"}])
     with pytest.raises(BadSampleError, match=r"caption of .*a\.png .* has 60 tokens but vlm.max_text_len = 48"):
         build_vlm_data(vlm_settings(f"--vlm.data_path={manifest}"), dp_rank=0, dp_size=1)
-    ok = build_vlm_data(vlm_settings(f"--vlm.data_path={manifest}", "--vlm.skip_bad_samples=true"),
-                        dp_rank=0, dp_size=1)  # fmt: skip
+    ok = build_vlm_data(
+        vlm_settings(f"--vlm.data_path={manifest}", "--vlm.skip_bad_samples=true"), dp_rank=0, dp_size=1
+    )
     assert ok.train.state_dict()["dataset_windows"] == [1]
 
 
@@ -152,15 +161,18 @@ def test_clips_from_frame_directories_and_npy_arrays(tmp_path: Path) -> None:
     np.save(tmp_path / "fade.npy", arr)
     (tmp_path / "fade.txt").write_text("a fade")
     records = scan_directory(tmp_path)
-    assert [(r.kind, r.path.name, r.caption) for r in records] == [("video", "fade.npy", "a fade"),
-                                                                   ("video", "walk", "a walk")]  # fmt: skip
+    assert [(r.kind, r.path.name, r.caption) for r in records] == [
+        ("video", "fade.npy", "a fade"),
+        ("video", "walk", "a walk"),
+    ]
     clip = load_clip(frames, 16, 3, max_frames=4, stride=1)
     assert clip.shape == (3, 3, 16, 16) and abs(float(clip[2, 0].mean()) - 200 / 255) < 1e-6
     long = load_clip(tmp_path / "fade.npy", 16, 3, max_frames=4, stride=2)  # frames 0,2,4,6,8 -> 4 spread
     assert long.shape == (4, 3, 16, 16)
     assert [round(float(f[1].mean()) * 255) for f in long] == [0, 40, 120, 160]  # frames 0, 2, 6, 8
-    s = vlm_settings(f"--vlm.data_path={tmp_path}", "--train.seq_len=96", "--video.max_frames=4",
-                     "--train.batch_size=2")  # fmt: skip
+    s = vlm_settings(
+        f"--vlm.data_path={tmp_path}", "--train.seq_len=96", "--video.max_frames=4", "--train.batch_size=2"
+    )
     batch = _take(build_vlm_data(s, dp_rank=0, dp_size=1).train, 1)[0]
     assert sorted(batch["frame_mask"].sum(1).tolist()) == [3, 4]
 

@@ -59,19 +59,33 @@ def test_a_spec_that_matches_nothing_is_an_error_naming_it() -> None:
 
 
 def test_freeze_mismatch_names_the_module_and_when() -> None:
-    saved = {"freeze": ["embeddings"], "freeze_schedule": [{"start_step": 0, "freeze": ["vision", "adapter"]},
-             {"start_step": 5, "freeze": ["vision"]}, {"start_step": 9, "freeze": []}]}  # fmt: skip
+    saved = {
+        "freeze": ["embeddings"],
+        "freeze_schedule": [
+            {"start_step": 0, "freeze": ["vision", "adapter"]},
+            {"start_step": 5, "freeze": ["vision"]},
+            {"start_step": 9, "freeze": []},
+        ],
+    }
     assert freeze_mismatch(saved, SCHEDULE, 6) is None
     # the past may differ: only the freeze from the resume step on matters
-    past = VLMSettings(freeze=["embeddings"], freeze_schedule=[{"start_step": 5, "freeze": ["vision"]},
-                                                                {"start_step": 9, "freeze": []}])  # fmt: skip
+    past = VLMSettings(
+        freeze=["embeddings"],
+        freeze_schedule=[{"start_step": 5, "freeze": ["vision"]}, {"start_step": 9, "freeze": []}],
+    )
     assert freeze_mismatch(saved, past, 6) is None
     now = VLMSettings(freeze=["embeddings"], freeze_schedule=[{"start_step": 0, "freeze": ["vision", "adapter"]}])
     msg = freeze_mismatch(saved, now, 6)
     assert msg is not None and "module adapter frozen in this run but trained in the checkpoint's" in msg
     assert "from the resume step (step=6)" in msg
-    later = VLMSettings(freeze=["embeddings"], freeze_schedule=[{"start_step": 0, "freeze": ["vision", "adapter"]},
-                        {"start_step": 5, "freeze": ["vision"]}, {"start_step": 12, "freeze": []}])  # fmt: skip
+    later = VLMSettings(
+        freeze=["embeddings"],
+        freeze_schedule=[
+            {"start_step": 0, "freeze": ["vision", "adapter"]},
+            {"start_step": 5, "freeze": ["vision"]},
+            {"start_step": 12, "freeze": []},
+        ],
+    )
     msg = freeze_mismatch(saved, later, 6)
     assert msg is not None and "from step 9" in msg and "module vision frozen in this run" in msg
 

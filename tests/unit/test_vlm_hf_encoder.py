@@ -14,8 +14,14 @@ from tests.unit.test_vlm_model import vlm_settings
 
 transformers = pytest.importorskip("transformers")
 
-SMALL = {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4,
-         "image_size": 16, "patch_size": 8}  # fmt: skip
+SMALL = {
+    "hidden_size": 32,
+    "intermediate_size": 64,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "image_size": 16,
+    "patch_size": 8,
+}
 
 
 def save_tower(path: Path, family: str) -> torch.nn.Module:
@@ -59,8 +65,9 @@ def test_hf_tower_features_equal_transformers(tmp_path: Path, family: str) -> No
 
 def test_hf_tower_of_another_size_says_which_settings_fit(tmp_path: Path) -> None:
     save_tower(tmp_path / "siglip", "siglip")
-    s = vlm_settings("--vision_encoder.type=hf", f"--vision_encoder.path={tmp_path / 'siglip'}",
-                     "--vision_encoder.image_size=32")  # fmt: skip
+    s = vlm_settings(
+        "--vision_encoder.type=hf", f"--vision_encoder.path={tmp_path / 'siglip'}", "--vision_encoder.image_size=32"
+    )
     with pytest.raises(InvalidInputError, match="--vision_encoder.image_size=16 --vision_encoder.patch_size=8"):
         build_vlm(s)
     missing = vlm_settings("--vision_encoder.type=hf", f"--vision_encoder.path={tmp_path / 'none'}")

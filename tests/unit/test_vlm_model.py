@@ -18,11 +18,23 @@ from kforge_cli.settings import JobSettings, load_settings
 from kforge_cli.settings.vlm import VisionEncoderSettings
 
 # A tiny VLM: 16 px images, 8 px patches -> 4 tokens per frame; 2 text layers of dim 32.
-VLM_TINY = ["--model.dim=32", "--model.n_layers=2", "--model.n_heads=4", "--model.n_kv_heads=2",
-            "--model.max_seq_len=128", "--train.seq_len=64", "--train.device=cpu", "--train.mixed_precision=fp32",
-            "--vision_encoder.image_size=16", "--vision_encoder.patch_size=8", "--vision_encoder.dim=32",
-            "--vision_encoder.n_layers=1", "--vision_encoder.n_heads=4", "--vlm.max_text_len=48",
-            "--train.num_threads=1"]  # fmt: skip
+VLM_TINY = [
+    "--model.dim=32",
+    "--model.n_layers=2",
+    "--model.n_heads=4",
+    "--model.n_kv_heads=2",
+    "--model.max_seq_len=128",
+    "--train.seq_len=64",
+    "--train.device=cpu",
+    "--train.mixed_precision=fp32",
+    "--vision_encoder.image_size=16",
+    "--vision_encoder.patch_size=8",
+    "--vision_encoder.dim=32",
+    "--vision_encoder.n_layers=1",
+    "--vision_encoder.n_heads=4",
+    "--vlm.max_text_len=48",
+    "--train.num_threads=1",
+]
 
 
 def vlm_settings(*extra: str) -> JobSettings:
@@ -61,8 +73,9 @@ def test_avgpool_adapter_averages_each_neighbourhood_and_reduces_tokens() -> Non
     top_left = grid[0].view(4, 4, 2)[0:2, 0:2].reshape(4, 2).mean(0)
     bottom_right = grid[0].view(4, 4, 2)[2:4, 2:4].reshape(4, 2).mean(0)
     assert torch.equal(out[0, 0], top_left) and torch.equal(out[0, 3], bottom_right)
-    s = vlm_settings("--vlm.arch=joint_decoder", "--adapter.type=avgpool", "--adapter.pool=2",
-                     "--vision_encoder.image_size=32")  # fmt: skip
+    s = vlm_settings(
+        "--vlm.arch=joint_decoder", "--adapter.type=avgpool", "--adapter.pool=2", "--vision_encoder.image_size=32"
+    )
     assert build_vlm(s).tokens_per_frame == 4  # 16 patches pooled 2x2
 
 

@@ -33,5 +33,7 @@ def convert_mot(
 
     settings = resolve(profile or "vlm-mot-debug", config, list(ctx.args)).settings
     result = run_convert(settings, src, out)
-    typer.echo(f"wrote MoT checkpoint {result.path}: {result.tensors} tensors from {src}, "
-               f"{result.parameters:,} parameters (step 0)")  # fmt: skip
+    typer.echo(
+        f"wrote MoT checkpoint {result.path}: {result.tensors} tensors from {src}, "
+        f"{result.parameters:,} parameters (step 0)"
+    )

@@ -146,10 +146,14 @@ def _summary_text(s: dict[str, Any]) -> str:
     for group in ("model", "optimizer", "other"):
         if t[group]["tensors"]:
             g = t[group]
-            lines.append(f"{group}: {g['tensors']} tensors, {human_count(g['numel'])} elements "
-                         f"({g['numel']:,}), {human_bytes(g['bytes'])}")
-    lines.append(f"total: {t['all']['tensors']} tensors, {human_bytes(t['all']['bytes'])} in {t['files']} shard "
-                 f"file(s) ({human_bytes(t['file_bytes'])} on disk), {s['non_tensor_items']} non-tensor items")
+            lines.append(
+                f"{group}: {g['tensors']} tensors, {human_count(g['numel'])} elements "
+                f"({g['numel']:,}), {human_bytes(g['bytes'])}"
+            )
+    lines.append(
+        f"total: {t['all']['tensors']} tensors, {human_bytes(t['all']['bytes'])} in {t['files']} shard "
+        f"file(s) ({human_bytes(t['file_bytes'])} on disk), {s['non_tensor_items']} non-tensor items"
+    )
     return "\n".join(lines)
 
 
@@ -172,7 +176,12 @@ def _diff_text(d: dict[str, Any]) -> str:
         for name in d[key]:
             lines.append(f"{label}: {name}")
     same = d["compared"] - len(d["differing"])
-    lines.append(f"\n{len(d['differing'])} of {d['compared']} common tensors differ, {same} identical"
-                 + ("" if not (d["only_in_a"] or d["only_in_b"]) else
-                    f"; {len(d['only_in_a'])} only in A, {len(d['only_in_b'])} only in B"))
+    lines.append(
+        f"\n{len(d['differing'])} of {d['compared']} common tensors differ, {same} identical"
+        + (
+            ""
+            if not (d["only_in_a"] or d["only_in_b"])
+            else f"; {len(d['only_in_a'])} only in A, {len(d['only_in_b'])} only in B"
+        )
+    )
     return "\n".join(lines)

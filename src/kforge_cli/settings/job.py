@@ -18,9 +18,23 @@ from kforge_cli.settings.training import ModelSettings, OptimizerSettings, Sched
 from kforge_cli.settings.vlm import AdapterSettings, VideoSettings, VisionEncoderSettings, VLMSettings
 
 SECTION_NAMES = (
-    "model", "train", "optimizer", "scheduler", "data", "eval", "distributed", "checkpoint",
-    "metrics", "profiling", "resilience", "slurm", "vision_encoder", "adapter", "vlm", "video",
-)  # fmt: skip
+    "model",
+    "train",
+    "optimizer",
+    "scheduler",
+    "data",
+    "eval",
+    "distributed",
+    "checkpoint",
+    "metrics",
+    "profiling",
+    "resilience",
+    "slurm",
+    "vision_encoder",
+    "adapter",
+    "vlm",
+    "video",
+)
 
 
 class JobSettings(BaseSettings):

@@ -55,8 +55,9 @@ def training_state_dict(model: nn.Module, optimizer: torch.optim.Optimizer) -> d
 
 
 def apply_training_state_dict(model: nn.Module, optimizer: torch.optim.Optimizer, state: dict[str, Any]) -> None:
-    set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"],
-                   options=OPTIONS)  # fmt: skip
+    set_state_dict(
+        model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"], options=OPTIONS
+    )
 
 
 def state_nbytes(state: dict[str, Any]) -> int:
@@ -114,8 +115,13 @@ def load_from_dirs(state: dict[str, Any], dirs: Iterable[Path], group: Any = Non
         _check_shapes(sub, md, path)
         try:
             with quiet_single_process():
-                dcp_load(sub, storage_reader=SafeFileSystemReader(path), planner=SafeLoadPlanner(path),
-                         process_group=group, no_dist=no_dist)  # fmt: skip
+                dcp_load(
+                    sub,
+                    storage_reader=SafeFileSystemReader(path),
+                    planner=SafeLoadPlanner(path),
+                    process_group=group,
+                    no_dist=no_dist,
+                )
         except CheckpointException as exc:
             raise user_error(exc) from None
         for section, values in sub.items():
@@ -148,8 +154,11 @@ def load_model_weights(model: nn.Module, dirs: list[Path], exclude: list[str], g
     wanted = {k: v for k, v in full.items() if not _excluded(k, exclude)}
     skipped = sorted(set(full) - set(wanted))
     if skipped:
-        log.info("warm start: not loading %d tensor(s) matching checkpoint.exclude_from_loading: %s",
-                 len(skipped), ", ".join(skipped[:8]) + (" ..." if len(skipped) > 8 else ""))  # fmt: skip
+        log.info(
+            "warm start: not loading %d tensor(s) matching checkpoint.exclude_from_loading: %s",
+            len(skipped),
+            ", ".join(skipped[:8]) + (" ..." if len(skipped) > 8 else ""),
+        )
     state = {"model": wanted}
     missing = load_from_dirs(state, dirs, group)
     if missing:

@@ -119,9 +119,11 @@ def export_hf(
     tmp = _prepare_out(out, overwrite)
     try:
         shards = _plan(entries, target.itemsize, max_shard_bytes)
-        files = [SINGLE_FILE] if len(shards) == 1 else [
-            f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))
-        ]  # fmt: skip
+        files = (
+            [SINGLE_FILE]
+            if len(shards) == 1
+            else [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
+        )
         weight_map: dict[str, str] = {}
         for shard, file in zip(shards, files, strict=True):
             loaded = read_tensors(view, [e.key for e in shard], dtype=target)
@@ -141,5 +143,6 @@ def export_hf(
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
-    return ExportResult(out, files, len(entries), sum(e.numel for e in entries), _HF_DTYPE_NAMES[target], view.step,
-                        config)  # fmt: skip
+    return ExportResult(
+        out, files, len(entries), sum(e.numel for e in entries), _HF_DTYPE_NAMES[target], view.step, config
+    )

@@ -24,8 +24,18 @@ from kforge_cli.settings.training import ModelSettings
 
 log = logging.getLogger("kforge")
 
-_SHAPE_FIELDS = ("dim", "n_layers", "n_heads", "kv_heads", "vocab_size", "resolved_ffn_hidden_dim", "tie_embeddings",
-                 "norm", "activation", "qk_norm")
+_SHAPE_FIELDS = (
+    "dim",
+    "n_layers",
+    "n_heads",
+    "kv_heads",
+    "vocab_size",
+    "resolved_ffn_hidden_dim",
+    "tie_embeddings",
+    "norm",
+    "activation",
+    "qk_norm",
+)
 _SOFT_FIELDS = ("rope_theta", "norm_eps")
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)  # buffers some old exports carry; recomputed from the config
 
@@ -38,8 +48,11 @@ def hf_model_settings(hf_dir: str | Path) -> ModelSettings:
 def check_matches(cfg: ModelSettings, hf_dir: Path) -> None:
     """Refuse an HF model of another shape than `cfg`; warn about RoPE theta / norm eps differences."""
     theirs = hf_model_settings(hf_dir)
-    wrong = [f"{f}: run has {getattr(cfg, f)!r}, {hf_dir.name} has {getattr(theirs, f)!r}" for f in _SHAPE_FIELDS
-             if getattr(cfg, f) != getattr(theirs, f)]
+    wrong = [
+        f"{f}: run has {getattr(cfg, f)!r}, {hf_dir.name} has {getattr(theirs, f)!r}"
+        for f in _SHAPE_FIELDS
+        if getattr(cfg, f) != getattr(theirs, f)
+    ]
     if wrong:
         overrides = " ".join(
             f"--model.{k}={str(v).lower() if isinstance(v, bool) else v}"
@@ -64,8 +77,13 @@ def check_matches(cfg: ModelSettings, hf_dir: Path) -> None:
         )
     for f in _SOFT_FIELDS:
         if getattr(cfg, f) != getattr(theirs, f):
-            log.warning("warm start from %s: model.%s is %r here but %r there (the function changes)", hf_dir, f,
-                        getattr(cfg, f), getattr(theirs, f))
+            log.warning(
+                "warm start from %s: model.%s is %r here but %r there (the function changes)",
+                hf_dir,
+                f,
+                getattr(cfg, f),
+                getattr(theirs, f),
+            )
 
 
 def read_hf_tensors(hf_dir: str | Path, names: Iterable[str] | None = None) -> dict[str, torch.Tensor]:

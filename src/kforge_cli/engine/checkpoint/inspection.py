@@ -34,8 +34,15 @@ def storage_files(view: CheckpointView) -> dict[str, int]:
 
 def tensor_record(e: TensorEntry, view: CheckpointView) -> dict[str, Any]:
     source = str(e.source.relative_to(view.path)) if e.source != view.path else "."
-    return {"name": e.key, "shape": list(e.shape), "dtype": str(e.dtype).removeprefix("torch."), "numel": e.numel,
-            "bytes": e.nbytes, "shards": e.shards, "dir": source}  # fmt: skip
+    return {
+        "name": e.key,
+        "shape": list(e.shape),
+        "dtype": str(e.dtype).removeprefix("torch."),
+        "numel": e.numel,
+        "bytes": e.nbytes,
+        "shards": e.shards,
+        "dir": source,
+    }
 
 
 def summarize(view: CheckpointView) -> dict[str, Any]:

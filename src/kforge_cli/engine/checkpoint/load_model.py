@@ -168,8 +168,9 @@ def _fill_from_checkpoint(model: nn.Module, view: CheckpointView) -> None:
             params[key.removeprefix(MODEL_PREFIX)].copy_(tensor)
 
 
-def _load_hf(checkpoint: str | Path, cfg: ModelSettings | None, dtype: torch.dtype, device: str | torch.device
-             ) -> Transformer:  # fmt: skip
+def _load_hf(
+    checkpoint: str | Path, cfg: ModelSettings | None, dtype: torch.dtype, device: str | torch.device
+) -> Transformer:
     from kforge_cli.engine.checkpoint.hf_import import hf_model_settings, read_hf_tensors
 
     model = empty_model(cfg or hf_model_settings(checkpoint), dtype, device)

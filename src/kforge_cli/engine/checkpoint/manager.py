@@ -252,15 +252,19 @@ class CheckpointManager:
         if use_async:
             writer = self._async_writer()
             with quiet_single_process():
-                result = async_save(tensors, checkpoint_id=target, storage_writer=writer,
-                                    process_group=self.groups.save, no_dist=no_dist)  # fmt: skip
+                result = async_save(
+                    tensors,
+                    checkpoint_id=target,
+                    storage_writer=writer,
+                    process_group=self.groups.save,
+                    no_dist=no_dist,
+                )
             future = result.upload_completion if isinstance(result, AsyncSaveResponse) else result
             record.blocking_s = time.perf_counter() - started
             self._pending = _Pending(record, step_dir, future, started)
         else:
             with quiet_single_process():
-                save(tensors, storage_writer=FileSystemWriter(target), process_group=self.groups.save,
-                     no_dist=no_dist)  # fmt: skip
+                save(tensors, storage_writer=FileSystemWriter(target), process_group=self.groups.save, no_dist=no_dist)
             self.groups.barrier()
             record.blocking_s = time.perf_counter() - started
             self._commit(step_dir, record, started)
@@ -342,8 +346,12 @@ class CheckpointManager:
     def _commit(self, step_dir: Path, record: SaveRecord, started: float) -> None:
         """Rank 0, after every rank finished: the commit marker, then `latest`, then retention."""
         if self.is_main:
-            record_json = {"step": record.step, "dcp_dirs": self._dcp_dir_names(), "world_size": self.groups.world_size,
-                           "fingerprint": self.fingerprint}  # fmt: skip
+            record_json = {
+                "step": record.step,
+                "dcp_dirs": self._dcp_dir_names(),
+                "world_size": self.groups.world_size,
+                "fingerprint": self.fingerprint,
+            }
             atomic_write_json(step_dir / COMMIT_FILE, record_json)
             write_latest(self.root, step_dir)
             deleted = prune(self.root, self.cfg.keep_last_n, protect={step_dir})
@@ -351,8 +359,16 @@ class CheckpointManager:
                 log.info("retention: deleted %s", d)
         record.total_s = time.perf_counter() - started
         mb = record.nbytes / 2**20
-        log.info("checkpoint step %d (%s, %s): %.1f MB/rank in %.2f s, loop blocked %.2f s -> %s", record.step,
-                 record.reason, record.mode, mb, record.total_s, record.blocking_s, step_dir)  # fmt: skip
+        log.info(
+            "checkpoint step %d (%s, %s): %.1f MB/rank in %.2f s, loop blocked %.2f s -> %s",
+            record.step,
+            record.reason,
+            record.mode,
+            mb,
+            record.total_s,
+            record.blocking_s,
+            step_dir,
+        )
 
     def _stages_written(self, step_dir: Path) -> bool:
         return all((step_dir / d / DCP_METADATA).is_file() for d in self._dcp_dir_names())
@@ -388,8 +404,9 @@ class CheckpointManager:
         try:
             p.future.result(timeout=self.settings.distributed.timeout_s)
         except Exception as exc:  # the run is ending anyway: report, keep the previous checkpoint
-            log.error("async checkpoint of step %d did not finish (%s); the previous one stays latest", p.record.step,
-                      exc)  # fmt: skip
+            log.error(
+                "async checkpoint of step %d did not finish (%s); the previous one stays latest", p.record.step, exc
+            )
             return
         if not self.is_main or self._stages_written(p.step_dir):
             self._commit(p.step_dir, p.record, p.started)

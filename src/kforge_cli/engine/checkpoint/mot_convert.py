@@ -70,11 +70,17 @@ def _check_dense_shape(path: Path, settings: JobSettings) -> None:
     if any(k.startswith("vlm.") for k in theirs):
         raise CheckpointError(f"{path} is already a vision-language checkpoint; convert-mot takes a dense text one")
     ours = shaping_config(settings)
-    wrong = [f"model.{k[6:]}: checkpoint {theirs.get(k)!r}, config {ours[k]!r}" for k in sorted(ours)
-             if k.startswith("model.") and k in theirs and theirs[k] != ours[k]]  # fmt: skip
+    wrong = [
+        f"model.{k[6:]}: checkpoint {theirs.get(k)!r}, config {ours[k]!r}"
+        for k in sorted(ours)
+        if k.startswith("model.") and k in theirs and theirs[k] != ours[k]
+    ]
     if wrong:
-        fix = " ".join(f"--model.{k[6:]}={theirs[k]}" for k in sorted(ours) if k.startswith("model.") and k in theirs
-                       and theirs[k] != ours[k])  # fmt: skip
+        fix = " ".join(
+            f"--model.{k[6:]}={theirs[k]}"
+            for k in sorted(ours)
+            if k.startswith("model.") and k in theirs and theirs[k] != ours[k]
+        )
         raise CheckpointError(
             f"{path} is a differently shaped text model ({'; '.join(wrong)}); build the same one: {fix}"
         )
@@ -146,13 +152,33 @@ class ConvertResult:
 def _summary(settings: JobSettings, src: Path) -> tuple[dict[str, Any], dict[str, Any]]:
     shaping = shaping_config(settings)
     fp = fingerprint(shaping)
-    state = {"format": FORMAT, "step": 0, "progress": {"step": 0, "tokens_seen": 0}, "fingerprint": fp,
-             "shaping": shaping, "freeze": freeze_config(settings), "world_size": 1, "load_path": None,
-             "converted_from": str(src), "kind": "convert-mot"}  # fmt: skip
-    summary = {"format": "kforge-checkpoint", "version": FORMAT, "step": 0, "tokens_seen": 0, "reason": "convert-mot",
-               "time": _dt.datetime.now(_dt.UTC).isoformat(timespec="seconds"), "world_size": 1, "dcp_dirs": ["."],
-               "fingerprint": fp, "model": shaping, "profile": settings.profile,
-               "kforge_version": kforge_cli.__version__, "torch_version": torch.__version__}  # fmt: skip
+    state = {
+        "format": FORMAT,
+        "step": 0,
+        "progress": {"step": 0, "tokens_seen": 0},
+        "fingerprint": fp,
+        "shaping": shaping,
+        "freeze": freeze_config(settings),
+        "world_size": 1,
+        "load_path": None,
+        "converted_from": str(src),
+        "kind": "convert-mot",
+    }
+    summary = {
+        "format": "kforge-checkpoint",
+        "version": FORMAT,
+        "step": 0,
+        "tokens_seen": 0,
+        "reason": "convert-mot",
+        "time": _dt.datetime.now(_dt.UTC).isoformat(timespec="seconds"),
+        "world_size": 1,
+        "dcp_dirs": ["."],
+        "fingerprint": fp,
+        "model": shaping,
+        "profile": settings.profile,
+        "kforge_version": kforge_cli.__version__,
+        "torch_version": torch.__version__,
+    }
     return state, summary
 
 
@@ -180,13 +206,15 @@ def convert_mot(settings: JobSettings, source: str | Path, out: str | Path) -> C
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
     with quiet_single_process():
-        dcp_save({"model": get_model_state_dict(model, options=OPTIONS)}, storage_writer=FileSystemWriter(tmp),
-                 no_dist=True)  # fmt: skip
+        dcp_save(
+            {"model": get_model_state_dict(model, options=OPTIONS)}, storage_writer=FileSystemWriter(tmp), no_dist=True
+        )
     state, summary = _summary(settings, src)
     atomic_write_json(tmp / TRAIN_STATE_FILE, state)
     atomic_write_json(tmp / SUMMARY_FILE, summary)
-    atomic_write_json(tmp / COMMIT_FILE, {"step": 0, "dcp_dirs": ["."], "world_size": 1,
-                                          "fingerprint": state["fingerprint"]})  # fmt: skip
+    atomic_write_json(
+        tmp / COMMIT_FILE, {"step": 0, "dcp_dirs": ["."], "world_size": 1, "fingerprint": state["fingerprint"]}
+    )
     if dst.exists():
         dst.rmdir()
     tmp.rename(dst)

@@ -87,8 +87,9 @@ def data_phase(settings: JobSettings, step: int) -> dict[str, Any] | None:
     return current
 
 
-def check_compatible(state: dict[str, Any], path: Path, fingerprint: str, shaping: dict[str, Any],
-                     settings: JobSettings) -> None:  # fmt: skip
+def check_compatible(
+    state: dict[str, Any], path: Path, fingerprint: str, shaping: dict[str, Any], settings: JobSettings
+) -> None:
     """Refuse to resume a checkpoint of another model shape or (VLM) another freeze plan."""
     if state.get("format") != FORMAT:
         raise CheckpointError(f"{path / TRAIN_STATE_FILE} has format {state.get('format')!r}, expected {FORMAT}")

@@ -30,9 +30,15 @@ METADATA_FILE = ".metadata"
 
 _DCP_METADATA = "torch.distributed.checkpoint.metadata"
 _METADATA_CLASSES = (
-    "Metadata", "StorageMeta", "MetadataIndex", "TensorStorageMetadata", "BytesStorageMetadata",
-    "ChunkStorageMetadata", "TensorProperties", "_MEM_FORMAT_ENCODING",
-)  # fmt: skip
+    "Metadata",
+    "StorageMeta",
+    "MetadataIndex",
+    "TensorStorageMetadata",
+    "BytesStorageMetadata",
+    "ChunkStorageMetadata",
+    "TensorProperties",
+    "_MEM_FORMAT_ENCODING",
+)
 _ALLOWED: frozenset[tuple[str, str]] = frozenset(
     [(_DCP_METADATA, name) for name in _METADATA_CLASSES]
     + [

@@ -55,8 +55,11 @@ def restore_rng(json_part: dict[str, Any], tensors: dict[str, Any]) -> None:
     cuda = tensors.get("cuda")
     if cuda and torch.cuda.is_available():
         if len(cuda) != torch.cuda.device_count():
-            log.warning("checkpoint has %d CUDA generators, this node %d: CUDA RNG not restored",
-                        len(cuda), torch.cuda.device_count())  # fmt: skip
+            log.warning(
+                "checkpoint has %d CUDA generators, this node %d: CUDA RNG not restored",
+                len(cuda),
+                torch.cuda.device_count(),
+            )
         else:
             torch.cuda.set_rng_state_all(cuda)
 

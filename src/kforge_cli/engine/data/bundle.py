@@ -117,9 +117,14 @@ def _training_sources(settings: JobSettings) -> list[Source]:
         )
     tokens = builtin_tokens()
     return [
-        Source(BUILTIN_NAME, "built-in corpus", ArrayTokens(tokens["train"]), ArrayTokens(tokens["val"]),
-               ByteTokenizer().describe())
-    ]  # fmt: skip
+        Source(
+            BUILTIN_NAME,
+            "built-in corpus",
+            ArrayTokens(tokens["train"]),
+            ArrayTokens(tokens["val"]),
+            ByteTokenizer().describe(),
+        )
+    ]
 
 
 def _tokenizer_for(sources: list[Source], requested: str) -> Tokenizer:

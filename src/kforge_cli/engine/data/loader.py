@@ -168,6 +168,10 @@ class StatefulLoader:
         if (state["dp_size"], state["batch_size"]) != (o.dp_size, o.batch_size):
             log.info(
                 "data order re-partitioned: dp_size %s -> %s, batch_size %s -> %s, continuing at global sample %s",
-                state["dp_size"], o.dp_size, state["batch_size"], o.batch_size, state["sample"],
-            )  # fmt: skip
+                state["dp_size"],
+                o.dp_size,
+                state["batch_size"],
+                o.batch_size,
+                state["sample"],
+            )
         self.cursor = Cursor(batch, int(state["sample"]), tuple(int(c) for c in state["counts"]))

@@ -84,8 +84,12 @@ def parallelize(module: nn.Module, settings: JobSettings, runtime: RuntimeContex
     if distributed:
         for block in getattr(module, "vision_blocks", list)():  # a VLM's encoder blocks are FSDP units too
             policy = mixed_precision_policy(compute_dtype(settings, runtime.device))
-            fully_shard(block, mesh=runtime.fsdp_mesh(), mp_policy=policy,
-                        reshard_after_forward=resolve_reshard_after_forward(settings))  # fmt: skip
+            fully_shard(
+                block,
+                mesh=runtime.fsdp_mesh(),
+                mp_policy=policy,
+                reshard_after_forward=resolve_reshard_after_forward(settings),
+            )
         apply_fsdp(
             module,
             runtime.fsdp_mesh(),

@@ -90,9 +90,10 @@ def load_hook(spec: str, settings: Any) -> TrainHook:
     if cls is None:
         raise InvalidInputError(f"train.hooks: module {module_name!r} has no attribute {attr!r}")
     required = [
-        p for p in inspect.signature(cls).parameters.values()
+        p
+        for p in inspect.signature(cls).parameters.values()
         if p.default is inspect.Parameter.empty and p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)
-    ]  # fmt: skip
+    ]
     hook = cls(settings) if len(required) == 1 else cls()
     if not isinstance(hook, TrainHook):
         raise InvalidInputError(f"train.hooks: {spec} is not a kforge_cli.engine.train.TrainHook subclass")

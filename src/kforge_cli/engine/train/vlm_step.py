@@ -81,8 +81,12 @@ class FreezeController:
             self._frozen = list(by_clean.values())
             self.frozen_numel = sum(p.numel() for p in self._frozen)
             if self.is_main and (self._specs is not None or specs):
-                log.info("freeze from step %d: %s (%d parameters frozen)", step + 1, ", ".join(specs) or "nothing",
-                         self.frozen_numel)  # fmt: skip
+                log.info(
+                    "freeze from step %d: %s (%d parameters frozen)",
+                    step + 1,
+                    ", ".join(specs) or "nothing",
+                    self.frozen_numel,
+                )
             self._specs = specs
         return self._frozen
 

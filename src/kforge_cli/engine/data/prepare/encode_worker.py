@@ -91,8 +91,11 @@ def _text(raw: bytes, offset: int, bad: _Bad) -> bytes:
             start = raw.rfind(b"\n", 0, exc.start) + 1
             end = raw.find(b"\n", exc.start)
             end = len(raw) if end < 0 else end + 1
-            bad(offset + exc.start, f"invalid UTF-8 at byte {offset + exc.start}", "fix the encoding or pass "
-                "--skip-bad-records to drop such lines")  # fmt: skip
+            bad(
+                offset + exc.start,
+                f"invalid UTF-8 at byte {offset + exc.start}",
+                "fix the encoding or pass --skip-bad-records to drop such lines",
+            )
             pieces.append(raw[:start])
             raw, offset = raw[end:], offset + end
             continue
@@ -169,16 +172,18 @@ def _encode_records(unit: WorkUnit, dtype: np.dtype[Any], part: str) -> UnitResu
     eos = np.array([tok.eos_id], dtype=dtype)
     written = 0
     with open(part, "wb") as out:
-        for records in hf_source.read_column(ds, unit.text_field, unit.first_record, unit.num_records,
-                                             unit.segment_records):  # fmt: skip
+        for records in hf_source.read_column(
+            ds, unit.text_field, unit.first_record, unit.num_records, unit.segment_records
+        ):
             docs = tok.encode_batch(_dataset_texts(records, unit.text_field, bad), dtype)
             if not docs:
                 continue
             tokens = np.concatenate([p for d in docs for p in (d, eos)])
             out.write(tokens.tobytes())
             split = unit.splits[records.start // unit.segment_records - unit.first_segment]
-            result.segments.append(SegmentResult(split, "hf", unit.file.index, written, len(tokens), len(docs),
-                                                 len(docs)))  # fmt: skip
+            result.segments.append(
+                SegmentResult(split, "hf", unit.file.index, written, len(tokens), len(docs), len(docs))
+            )
             written += len(tokens)
     return result
 

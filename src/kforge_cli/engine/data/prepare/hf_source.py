@@ -119,8 +119,9 @@ def require_datasets(what: str) -> ModuleType:
 
 def is_dataset_dir(path: Path) -> bool:
     """A ``save_to_disk`` directory (a Dataset or a DatasetDict)."""
-    return (path / "dataset_dict.json").is_file() or ((path / "state.json").is_file() and
-                                                      (path / "dataset_info.json").is_file())  # fmt: skip
+    return (path / "dataset_dict.json").is_file() or (
+        (path / "state.json").is_file() and (path / "dataset_info.json").is_file()
+    )
 
 
 def is_hf_input(path: Path | str) -> bool:
@@ -156,8 +157,13 @@ def _arrow_file(path: Path, datasets: ModuleType) -> HFFile:
 
 
 def _data_files(directory: Path) -> list[Path]:
-    found = sorted(p for p in directory.rglob("*") if p.is_file() and p.suffix.lower() in (PARQUET, ARROW)
-                   and not any(part.startswith(".") for part in p.relative_to(directory).parts))  # fmt: skip
+    found = sorted(
+        p
+        for p in directory.rglob("*")
+        if p.is_file()
+        and p.suffix.lower() in (PARQUET, ARROW)
+        and not any(part.startswith(".") for part in p.relative_to(directory).parts)
+    )
     if not found:
         raise InvalidInputError(
             f"{directory} is neither a save_to_disk directory nor a directory of .parquet or .arrow files"
@@ -177,22 +183,26 @@ def _from_disk(path: Path, split: str | None, datasets: ModuleType) -> HFDataset
         splits = list(loaded)
         chosen = split or ("train" if "train" in loaded else splits[0] if len(splits) == 1 else None)
         if chosen not in loaded:
-            raise InvalidInputError(f"{path} is a DatasetDict with splits {', '.join(splits)}: choose one with "
-                                    "--hf-split NAME")  # fmt: skip
+            raise InvalidInputError(
+                f"{path} is a DatasetDict with splits {', '.join(splits)}: choose one with --hf-split NAME"
+            )
         loaded, name = loaded[chosen], f"{path} [split {chosen}]"
         split = chosen
     elif split is not None:
         raise _single_split(path)
     files = tuple(_arrow_file(Path(c["filename"]), datasets) for c in loaded.cache_files)
     if sum(f.rows for f in files) != loaded.num_rows:
-        raise InvalidInputError(f"{path}: its Arrow files do not hold its {loaded.num_rows} rows; save it again "
-                                "with Dataset.save_to_disk")  # fmt: skip
+        raise InvalidInputError(
+            f"{path}: its Arrow files do not hold its {loaded.num_rows} rows; save it again with Dataset.save_to_disk"
+        )
     return HFDataset(name, path, "save_to_disk", split, files)
 
 
 def _single_split(path: Path) -> InvalidInputError:
-    return InvalidInputError(f"--hf-split applies to a DatasetDict directory (one with dataset_dict.json); "
-                             f"{path} holds a single split: drop --hf-split")  # fmt: skip
+    return InvalidInputError(
+        f"--hf-split applies to a DatasetDict directory (one with dataset_dict.json); "
+        f"{path} holds a single split: drop --hf-split"
+    )
 
 
 def resolve(spec: Path | str, split: str | None = None) -> HFDataset:
@@ -328,8 +338,9 @@ def read_column(ds: HFDataset, field: str, first: int, count: int, boundary: int
         if field not in columns:
             pieces = iter([Records(first, stop, None, columns)])
         else:
-            pieces = (Records(a, b, view[a:b].column(field).to_pylist(), columns) for a, b in
-                      _spans(first, stop, boundary))  # fmt: skip
+            pieces = (
+                Records(a, b, view[a:b].column(field).to_pylist(), columns) for a, b in _spans(first, stop, boundary)
+            )
     for piece in pieces:
         for a, b in _spans(piece.start, piece.stop, boundary):
             values = None if piece.values is None else piece.values[a - piece.start : b - piece.start]

@@ -119,8 +119,9 @@ def collect_inputs(
             seen.add(hf.path)
             if hf.hf is not None and hf.hf.rows == 0:
                 if not skip_bad_records:
-                    raise InvalidInputError(f"dataset {hf.hf.name} has no records (remove it, or pass "
-                                            "--skip-bad-records to skip it)")  # fmt: skip
+                    raise InvalidInputError(
+                        f"dataset {hf.hf.name} has no records (remove it, or pass --skip-bad-records to skip it)"
+                    )
                 skipped.append(hf.hf.name)
                 continue
             out.append(hf)

@@ -151,8 +151,9 @@ def _ordered_map(units: list[WorkUnit], dtype: str, workers: int, tokenizer: str
         return
     # spawn: never fork a process that may hold threads or torch state. A worker that dies
     # (OOM killer) makes .result() raise BrokenProcessPool instead of hanging.
-    pool = ProcessPoolExecutor(workers, mp_context=mp.get_context("spawn"), initializer=init_worker,
-                               initargs=(tokenizer,))  # fmt: skip
+    pool = ProcessPoolExecutor(
+        workers, mp_context=mp.get_context("spawn"), initializer=init_worker, initargs=(tokenizer,)
+    )
     try:
         pending: deque[Future[UnitResult]] = deque(pool.submit(encode_unit, *j) for j in islice(jobs, 2 * workers))
         while pending:
@@ -220,20 +221,35 @@ def prepare_data(
     tok = load_tokenizer(tokenizer)
     dtype = token_dtype(tok.vocab_size)
     files, skipped_files = collect_inputs(list(inputs), skip_bad_records, exclude=out, hf_split=hf_split)
-    options = {"val_fraction": val_fraction, "shard_tokens": shard_tokens, "text_field": text_field,
-               "skip_bad_records": skip_bad_records}  # fmt: skip
+    options = {
+        "val_fraction": val_fraction,
+        "shard_tokens": shard_tokens,
+        "text_field": text_field,
+        "skip_bad_records": skip_bad_records,
+    }
     key = _inputs_key(files, tok.describe(), options)
     total = sum(f.size for f in files)
     workers = workers or auto_workers(total, isinstance(tok, ByteTokenizer))
-    units = plan_units(files, val_fraction=val_fraction, workers=workers, text_field=text_field,
-                       skip_bad_records=skip_bad_records)  # fmt: skip
+    units = plan_units(
+        files, val_fraction=val_fraction, workers=workers, text_field=text_field, skip_bad_records=skip_bad_records
+    )
     workers = min(workers, len(units))
     if _up_to_date(out, key):
         meta = load_prepared(out).raw
         splits = meta["splits"]
-        return PrepareResult(out, True, {s: v["tokens"] for s, v in splits.items()},
-                             {s: v["documents"] for s, v in splits.items()}, total, time.perf_counter() - start,
-                             0, meta["skipped_records"], len(meta["skipped_files"]), meta["dtype"], meta["vocab_size"])  # fmt: skip
+        return PrepareResult(
+            out,
+            True,
+            {s: v["tokens"] for s, v in splits.items()},
+            {s: v["documents"] for s, v in splits.items()},
+            total,
+            time.perf_counter() - start,
+            0,
+            meta["skipped_records"],
+            len(meta["skipped_files"]),
+            meta["dtype"],
+            meta["vocab_size"],
+        )
     _check_out(out)
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}-{secrets.token_hex(4)}")
@@ -260,8 +276,11 @@ def prepare_data(
             asm.finish()
             splits = {s: w.close() for s, w in writers.items()}
             parts.rmdir()
-            sources = [{"path": str(f.path), "kind": f.kind, "bytes": f.size, "sha256": s.result()}
-                       | (f.hf.describe() if f.hf else {}) for f, s in zip(files, sums, strict=True)]  # fmt: skip
+            sources = [
+                {"path": str(f.path), "kind": f.kind, "bytes": f.size, "sha256": s.result()}
+                | (f.hf.describe() if f.hf else {})
+                for f, s in zip(files, sums, strict=True)
+            ]
         if splits["train"]["tokens"] == 0:
             raise InvalidInputError("the inputs contain no text to tokenize")
         if isinstance(tok, HFTokenizer):
@@ -290,6 +309,15 @@ def prepare_data(
         if tmp.exists():
             shutil.rmtree(tmp, ignore_errors=True)
     return PrepareResult(
-        out, False, {s: v["tokens"] for s, v in splits.items()}, {s: v["documents"] for s, v in splits.items()},
-        total, time.perf_counter() - start, workers, skipped, len(skipped_files), dtype.name, tok.vocab_size,
-    )  # fmt: skip
+        out,
+        False,
+        {s: v["tokens"] for s, v in splits.items()},
+        {s: v["documents"] for s, v in splits.items()},
+        total,
+        time.perf_counter() - start,
+        workers,
+        skipped,
+        len(skipped_files),
+        dtype.name,
+        tok.vocab_size,
+    )

@@ -150,8 +150,9 @@ def _fitting(records: list[Record], batcher: CaptionBatcher, skip: bool) -> list
             if not skip:
                 raise
     if len(kept) < len(records):
-        log.warning("skipped %d of %d samples whose caption exceeds vlm.max_text_len", len(records) - len(kept),
-                    len(records))  # fmt: skip
+        log.warning(
+            "skipped %d of %d samples whose caption exceeds vlm.max_text_len", len(records) - len(kept), len(records)
+        )
     if not kept:
         raise InvalidInputError("no usable samples: every caption exceeds vlm.max_text_len")
     return kept
@@ -164,10 +165,17 @@ def _sources(settings: JobSettings, tok: Tokenizer) -> tuple[str, CaptionSource,
     stride = video.frame_stride if video is not None else 1
     if vlm.data_path is None:
         seed = settings.data_seed
-        train = SyntheticCaptions(SYNTHETIC_TRAIN, enc.image_size, enc.channels, seed=seed, max_frames=frames,
-                                  video=video is not None)  # fmt: skip
-        val = SyntheticCaptions(SYNTHETIC_VAL, enc.image_size, enc.channels, seed=seed + _VAL_SEED_OFFSET,
-                                max_frames=frames, video=video is not None)  # fmt: skip
+        train = SyntheticCaptions(
+            SYNTHETIC_TRAIN, enc.image_size, enc.channels, seed=seed, max_frames=frames, video=video is not None
+        )
+        val = SyntheticCaptions(
+            SYNTHETIC_VAL,
+            enc.image_size,
+            enc.channels,
+            seed=seed + _VAL_SEED_OFFSET,
+            max_frames=frames,
+            video=video is not None,
+        )
         probe = CaptionBatcher(train, tok, text_len=vlm.max_text_len, frames=frames, skip_bad=False)
         probe.encode("a purple square at the bottom right.", "the synthetic set")  # its longest caption
         return "synthetic", train, val
@@ -178,8 +186,13 @@ def _sources(settings: JobSettings, tok: Tokenizer) -> tuple[str, CaptionSource,
             out.append(None)
             continue
         records = drop_missing(records, vlm.skip_bad_samples)
-        probe = CaptionBatcher(ManifestCaptions(records, enc.image_size, enc.channels, frames, stride), tok,
-                               text_len=vlm.max_text_len, frames=frames, skip_bad=False)  # fmt: skip
+        probe = CaptionBatcher(
+            ManifestCaptions(records, enc.image_size, enc.channels, frames, stride),
+            tok,
+            text_len=vlm.max_text_len,
+            frames=frames,
+            skip_bad=False,
+        )
         records = _fitting(records, probe, vlm.skip_bad_samples)
         out.append(ManifestCaptions(records, enc.image_size, enc.channels, frames, stride))
     assert out[0] is not None
@@ -201,14 +214,30 @@ def build_vlm_data(settings: JobSettings, *, dp_rank: int, dp_size: int) -> VLMD
     name, train_src, val_src = _sources(settings, tok)
     batcher = CaptionBatcher(train_src, tok, text_len=vlm.max_text_len, frames=frames, skip_bad=vlm.skip_bad_samples)
     schedule = MixtureSchedule.build([name], [1.0], settings.data.temperature, [])
-    order = SampleOrder([name], [len(train_src)], schedule, seed=settings.data_seed, batch_size=train.batch_size,
-                        dp_rank=dp_rank, dp_size=dp_size, grad_accum_steps=train.grad_accum_steps)  # fmt: skip
-    loader = StatefulLoader(order, batcher, seq_len=vlm.max_text_len, num_workers=settings.data.num_workers,  # type: ignore[arg-type]
-                            prefetch_factor=settings.data.prefetch_factor, pin_memory=settings.data.pin_memory)  # fmt: skip
+    order = SampleOrder(
+        [name],
+        [len(train_src)],
+        schedule,
+        seed=settings.data_seed,
+        batch_size=train.batch_size,
+        dp_rank=dp_rank,
+        dp_size=dp_size,
+        grad_accum_steps=train.grad_accum_steps,
+    )
+    loader = StatefulLoader(
+        order,
+        batcher,
+        seq_len=vlm.max_text_len,
+        num_workers=settings.data.num_workers,  # type: ignore[arg-type]
+        prefetch_factor=settings.data.prefetch_factor,
+        pin_memory=settings.data.pin_memory,
+    )
     val = None
     if val_src is not None:
-        val_batcher = CaptionBatcher(val_src, tok, text_len=vlm.max_text_len, frames=frames,
-                                     skip_bad=vlm.skip_bad_samples)  # fmt: skip
+        val_batcher = CaptionBatcher(
+            val_src, tok, text_len=vlm.max_text_len, frames=frames, skip_bad=vlm.skip_bad_samples
+        )
         val = VLMValData(val_batcher, dp_rank, dp_size)
-    return VLMDataBundle(train=loader, val=val, vocab_size=tok.vocab_size, dataset_names=[name], tokenizer=tok,
-                         batcher=batcher)  # fmt: skip
+    return VLMDataBundle(
+        train=loader, val=val, vocab_size=tok.vocab_size, dataset_names=[name], tokenizer=tok, batcher=batcher
+    )

@@ -109,8 +109,9 @@ def drop_missing(records: list[Record], skip: bool) -> list[Record]:
                 "--vlm.skip_bad_samples=true to skip such samples"
             )
     if dropped:
-        log.warning("skipped %d of %d samples whose files are missing, e.g. %s", len(dropped), len(records),
-                    dropped[0].path)  # fmt: skip
+        log.warning(
+            "skipped %d of %d samples whose files are missing, e.g. %s", len(dropped), len(records), dropped[0].path
+        )
     if not kept:
         raise InvalidInputError("no usable samples: every image/clip file is missing")
     return kept

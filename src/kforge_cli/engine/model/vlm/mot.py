@@ -86,10 +86,20 @@ class MoTBlock(nn.Module):
         k = _per_route(normed, routes, self.kv_dim, experts, "attention.wk")
         v = _per_route(normed, routes, self.kv_dim, experts, "attention.wv")
         if self.qk_norm:
-            q = _per_route(q.view(-1, self.head_dim), _head_routes(routes, self.q_dim // self.head_dim), self.head_dim,
-                           experts, "attention.q_norm").view(q.shape)  # fmt: skip
-            k = _per_route(k.view(-1, self.head_dim), _head_routes(routes, self.kv_dim // self.head_dim),
-                           self.head_dim, experts, "attention.k_norm").view(k.shape)  # fmt: skip
+            q = _per_route(
+                q.view(-1, self.head_dim),
+                _head_routes(routes, self.q_dim // self.head_dim),
+                self.head_dim,
+                experts,
+                "attention.q_norm",
+            ).view(q.shape)
+            k = _per_route(
+                k.view(-1, self.head_dim),
+                _head_routes(routes, self.kv_dim // self.head_dim),
+                self.head_dim,
+                experts,
+                "attention.k_norm",
+            ).view(k.shape)
         return q, k, v
 
     def forward(

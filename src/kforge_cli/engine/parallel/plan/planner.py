@@ -119,14 +119,29 @@ def _activation_inputs(settings: JobSettings, dims: ParallelDims, compute_bytes:
     linear_weights += (3 if m.activation == "swiglu" else 2) * m.dim * m.resolved_ffn_hidden_dim
     ac = t.activation_checkpointing if t.activation_checkpointing != "selective" else f"selective_{t.ac_selective_mode}"
     return ActivationInputs(
-        micro_batch=t.batch_size, seq_len=t.seq_len, dim=m.dim, q_dim=m.n_heads * m.head_dim,
-        kv_dim=m.kv_heads * m.head_dim, n_heads=m.n_heads, ffn=m.resolved_ffn_hidden_dim,
-        gated=m.activation == "swiglu", vocab=m.vocab_size, norm=m.norm, qk_norm=m.qk_norm, tp=dims.tp,
-        sequence_parallel=d.sequence_parallel, loss_parallel=d.loss_parallel, compute_bytes=compute_bytes,
-        autocast=autocast, cuda=cuda, block_weight_copy_bytes=compute_bytes * linear_weights if autocast else 0,
-        loss_chunk=t.loss_chunk_size if dims.tp == 1 else 0, document_mask=settings.data.document_masking,
-        ac_mode=ac, ac_every_n_blocks=t.ac_every_n_blocks,
-    )  # fmt: skip
+        micro_batch=t.batch_size,
+        seq_len=t.seq_len,
+        dim=m.dim,
+        q_dim=m.n_heads * m.head_dim,
+        kv_dim=m.kv_heads * m.head_dim,
+        n_heads=m.n_heads,
+        ffn=m.resolved_ffn_hidden_dim,
+        gated=m.activation == "swiglu",
+        vocab=m.vocab_size,
+        norm=m.norm,
+        qk_norm=m.qk_norm,
+        tp=dims.tp,
+        sequence_parallel=d.sequence_parallel,
+        loss_parallel=d.loss_parallel,
+        compute_bytes=compute_bytes,
+        autocast=autocast,
+        cuda=cuda,
+        block_weight_copy_bytes=compute_bytes * linear_weights if autocast else 0,
+        loss_chunk=t.loss_chunk_size if dims.tp == 1 else 0,
+        document_mask=settings.data.document_masking,
+        ac_mode=ac,
+        ac_every_n_blocks=t.ac_every_n_blocks,
+    )
 
 
 def _warnings(settings: JobSettings, dims: ParallelDims, peak: int, capacity: int) -> list[str]:
@@ -186,23 +201,41 @@ def _memory(
     )
     fp8_gather = t.float8 and cuda and dims.dp_shard > 1 and t.float8_recipe == "tensorwise" and dims.world_size > 1
     comm = comm_buffers(
-        params, settings, dims, compute_bytes=cbytes, reshard_after_forward=resolve_reshard_after_forward(settings),
-        float8_all_gather=fp8_gather, n_stages_here=len(built.rank_stages),
-    )  # fmt: skip
+        params,
+        settings,
+        dims,
+        compute_bytes=cbytes,
+        reshard_after_forward=resolve_reshard_after_forward(settings),
+        float8_all_gather=fp8_gather,
+        n_stages_here=len(built.rank_stages),
+    )
     ac = t.activation_checkpointing + (f"/{t.ac_selective_mode}" if t.activation_checkpointing == "selective" else "")
     items = [
         MemoryItem("parameters", sum(p.local_bytes for p in params), "held", f"{t.master_dtype} shards"),
         MemoryItem("gradients", sum(p.local_bytes for p in trainable), "held", f"{t.master_dtype} shards"),
-        MemoryItem("optimizer state", optimizer_state_bytes(params, settings.optimizer.name), "held",
-                   settings.optimizer.name),
-        MemoryItem("activations", acts.peak, "backward",
-                   f"micro-batch {t.batch_size}x{t.seq_len}, AC {ac}, {in_flight:g} in flight"),
-        MemoryItem("FSDP buffers", comm.fsdp_all_gather + comm.fsdp_reduce_scatter, "backward",
-                   "all-gathered params + reduce-scatter grads"),
+        MemoryItem(
+            "optimizer state", optimizer_state_bytes(params, settings.optimizer.name), "held", settings.optimizer.name
+        ),
+        MemoryItem(
+            "activations",
+            acts.peak,
+            "backward",
+            f"micro-batch {t.batch_size}x{t.seq_len}, AC {ac}, {in_flight:g} in flight",
+        ),
+        MemoryItem(
+            "FSDP buffers",
+            comm.fsdp_all_gather + comm.fsdp_reduce_scatter,
+            "backward",
+            "all-gathered params + reduce-scatter grads",
+        ),
         MemoryItem("TP/PP buffers", comm.tensor_parallel + comm.pipeline, "backward", "activations in transit"),
-        MemoryItem("optimizer step temporaries", optimizer_step_temporaries(params, settings, cuda), "optimizer",
-                   "after the backward"),
-    ]  # fmt: skip
+        MemoryItem(
+            "optimizer step temporaries",
+            optimizer_step_temporaries(params, settings, cuda),
+            "optimizer",
+            "after the backward",
+        ),
+    ]
     if cuda:
         items.append(MemoryItem("CUDA context + NCCL", CUDA_RUNTIME_BYTES, "held", "allowance"))
     return items, acts
@@ -232,15 +265,26 @@ def build_plan(settings: JobSettings, world_size: int, rank: int = 0, *, mfu: fl
     capacity = int(settings.slurm.gpu_memory_gb * GIB)
     cname = DTYPE_NAMES[str(cdtype)]
     return ParallelPlan(
-        profile=settings.profile, world_size=world_size, rank=rank,
+        profile=settings.profile,
+        world_size=world_size,
+        rank=rank,
         mesh={"pp": dims.pp, "dp_replicate": dims.dp_replicate, "dp_shard": dims.dp_shard, "tp": dims.tp},
-        coordinates=built.coordinates, stages=built.stages, rank_stages=built.rank_stages,
+        coordinates=built.coordinates,
+        stages=built.stages,
+        rank_stages=built.rank_stages,
         total_params=sum(p.full_numel for p in built.params) if dims.pp == 1 else _full_model_params(settings),
-        local_params=sum(p.local_numel for p in built.params), param_dtype=settings.train.master_dtype,
-        compute_dtype=cname, memory=items, activations=acts, peak_bytes=peak, capacity_bytes=capacity,
-        throughput=throughput(settings, dims, cname, mfu), warnings=_warnings(settings, dims, peak, capacity),
-        notes=_notes(settings, built, dims), build_seconds=time.perf_counter() - start,
-    )  # fmt: skip
+        local_params=sum(p.local_numel for p in built.params),
+        param_dtype=settings.train.master_dtype,
+        compute_dtype=cname,
+        memory=items,
+        activations=acts,
+        peak_bytes=peak,
+        capacity_bytes=capacity,
+        throughput=throughput(settings, dims, cname, mfu),
+        warnings=_warnings(settings, dims, peak, capacity),
+        notes=_notes(settings, built, dims),
+        build_seconds=time.perf_counter() - start,
+    )
 
 
 def _full_model_params(settings: JobSettings) -> int:
