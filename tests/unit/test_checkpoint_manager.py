@@ -212,3 +212,53 @@ def test_load_path_then_own_progress(tmp_path: Path) -> None:
     b.manager.save(3)
     c = make_run(tmp_path / "b", [load])  # a requeue with the same settings continues its own progress
     assert c.manager.restore().step == 3  # type: ignore[union-attr]
+
+
+def test_async_staging_is_allocated_once_waits_are_counted_and_every_save_reports(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    import threading
+    from concurrent.futures import Future
+
+    a = make_run(tmp_path, ["--checkpoint.async_mode=async", "--checkpoint.write_threads=2"])
+    a.manager.restore()
+    records: list[dict[str, Any]] = []
+    a.manager.report = records.append
+    train(a, 1)
+    a.manager.save(1)
+    a.manager.wait()
+    stager = a.manager._stager
+    assert stager is not None
+    first = {id(k): s.data_ptr() for k, s in stager._state_dict_stager._cached_storage_mapping.items()}
+    assert a.manager.staged_nbytes == a.manager.history[0].nbytes > 0  # one copy of the state, no more
+    train(a, 1)
+    a.manager.save(2)
+    # Hold step 2's background write 0.5 s longer: the next save must wait for it, and say so.
+    pending = a.manager._pending
+    assert pending is not None
+    slow: Future[Any] = Future()
+    inner = pending.future
+    threading.Thread(target=lambda: (inner.result(), threading.Event().wait(0.5), slow.set_result(None))).start()
+    pending.future = slow
+    expected = full_state(a)
+    train(a, 1)
+    a.manager.save(3)
+    a.manager.wait()
+    again = {id(k): s.data_ptr() for k, s in stager._state_dict_stager._cached_storage_mapping.items()}
+    assert again == first and a.manager._stager is stager  # the same buffers refilled, none added
+    assert [r["step"] for r in records] == [1, 2, 3]
+    by_step = {r["step"]: r for r in records}
+    assert by_step[2]["checkpoint/waited_s"] >= 0.25 and by_step[2]["checkpoint/blocked_s"] >= 0.25
+    assert "waited" in caplog.text and "step 2" in caplog.text
+    for rec, saved in zip(records, a.manager.history, strict=True):
+        assert rec["checkpoint/bytes"] == saved.nbytes and rec["checkpoint/async"] is True
+        assert rec["checkpoint/seconds"] == saved.total_s and rec["checkpoint/seconds"] > 0
+        assert rec["checkpoint/mb_per_s"] == pytest.approx(saved.nbytes / 2**20 / rec["checkpoint/seconds"])
+        assert rec["checkpoint/blocked_s"] <= rec["checkpoint/seconds"]
+    a.manager.close()
+    assert a.manager.staged_nbytes == 0
+    # Step 2 was written from the reused buffers while training went on: it holds step 2's state exactly.
+    b = make_run(tmp_path, [f"--checkpoint.load_path={tmp_path / 'checkpoints' / 'step_2'}"])
+    b.manager.restore()
+    assert b.state.step == 2
+    assert_same(full_state(b), expected)

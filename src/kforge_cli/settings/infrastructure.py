@@ -34,6 +34,13 @@ class CheckpointSettings(Section):
     async_mode: Literal["disabled", "async", "async_with_pinned_mem"] = field(
         "disabled", "Save synchronously, or in the background while training continues."
     )
+    write_threads: int = field(
+        2, "Writer threads per rank for a save (one shard file each; more overlap serialisation with the disk).", ge=1
+    )
+    copy_ahead_mb: int = field(
+        64, "Per writer thread: MB copied device-to-host ahead of the write (GPU tensors in sync saves).", ge=1
+    )
+    load_threads: int = field(4, "Reader threads per rank for a load (shard files read in parallel).", ge=1)
     keep_last_n: int = field(3, "Keep this many complete checkpoints (0 = keep all).", ge=0)
     save_final: bool = field(True, "Save at the end of training even off the interval.")
     resume: Literal["auto", "never", "require"] = field(

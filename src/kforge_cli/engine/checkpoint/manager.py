@@ -5,7 +5,10 @@ A save writes, in order: every rank's RNG state and rank 0's ``train_state.json`
 ranks of the stage wrote their shards); then, once every rank has finished, rank 0
 writes ``kforge_commit.json``, swaps ``latest`` and applies retention. A process killed
 at any moment leaves either a complete checkpoint or a directory resume skips.
-At most one save is in flight: a new save first waits for the previous one.
+At most one save is in flight: a new save first waits for the previous one (the wait is
+logged and recorded), so the async staging buffers (allocated once, see
+``dcp_io.ReusableStager``) are never refilled while they are being written.
+Every save ends in one metrics record (``report``: bytes, seconds, MB/s, loop blocked).
 """
 
 from __future__ import annotations
@@ -13,6 +16,7 @@ from __future__ import annotations
 import datetime as _dt
 import logging
 import time
+from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -20,12 +24,13 @@ from typing import Any, Literal
 
 import torch
 from torch import nn
-from torch.distributed.checkpoint.filesystem import FileSystemWriter
 from torch.distributed.checkpoint.state_dict_saver import AsyncSaveResponse, async_save, save
 
 import kforge_cli
 from kforge_cli.engine.checkpoint.dcp_io import (
+    ReusableStager,
     quiet_single_process,
+    shard_writer,
     state_nbytes,
     training_state_dict,
 )
@@ -64,6 +69,20 @@ class SaveRecord:
     nbytes: int  # this rank's tensor bytes
     blocking_s: float  # time the training loop was held (staging for async, everything for sync)
     total_s: float | None = None  # from start until durable on this rank (rank 0: committed)
+    waited_s: float = 0.0  # part of blocking_s spent waiting for this save's background write
+
+    def metrics(self) -> dict[str, Any]:
+        """The ``metrics.jsonl`` record of this save (rank 0's bytes and times)."""
+        seconds = self.total_s or 0.0
+        return {
+            "step": self.step,
+            "checkpoint/bytes": self.nbytes,
+            "checkpoint/seconds": seconds,
+            "checkpoint/mb_per_s": self.nbytes / 2**20 / seconds if seconds > 0 else None,
+            "checkpoint/blocked_s": self.blocking_s,
+            "checkpoint/waited_s": self.waited_s,
+            "checkpoint/async": self.mode == "async",
+        }
 
 
 @dataclass
@@ -116,10 +135,10 @@ class CheckpointManager:
         self.history: list[SaveRecord] = []
         self.restored: Restored | None = None  # set by `restore`
         self._pending: _Pending | None = None
-        self._pinned = self.cfg.async_mode == "async_with_pinned_mem" and torch.cuda.is_available()
-        if self.cfg.async_mode == "async_with_pinned_mem" and not self._pinned:
+        if self.cfg.async_mode == "async_with_pinned_mem" and not torch.cuda.is_available():
             log.info("checkpoint.async_mode = async_with_pinned_mem without CUDA: staging in ordinary memory")
-        self._writer: FileSystemWriter | None = None
+        self._stager: ReusableStager | None = None  # built at the first async save, reused after
+        self.report: Callable[[dict[str, Any]], None] | None = None  # receives SaveRecord.metrics() at commit
         if self.is_main:
             self.root.mkdir(parents=True, exist_ok=True)
 
@@ -170,12 +189,13 @@ class CheckpointManager:
         record = SaveRecord(step, reason, "async" if use_async else "sync", state_nbytes(tensors), 0.0)
         no_dist = not self.groups.distributed
         if use_async:
-            writer = self._async_writer()
+            stager = self._async_stager(record.nbytes)
             with quiet_single_process():
                 result = async_save(
                     tensors,
                     checkpoint_id=target,
-                    storage_writer=writer,
+                    storage_writer=shard_writer(target, self.cfg),
+                    async_stager=stager,
                     process_group=self.groups.save,
                     no_dist=no_dist,
                 )
@@ -184,7 +204,12 @@ class CheckpointManager:
             self._pending = _Pending(record, step_dir, future, started)
         else:
             with quiet_single_process():
-                save(tensors, storage_writer=FileSystemWriter(target), process_group=self.groups.save, no_dist=no_dist)
+                save(
+                    tensors,
+                    storage_writer=shard_writer(target, self.cfg),
+                    process_group=self.groups.save,
+                    no_dist=no_dist,
+                )
             self.groups.barrier()
             record.blocking_s = time.perf_counter() - started
             self._commit(step_dir, record, started)
@@ -192,13 +217,22 @@ class CheckpointManager:
         self.history.append(record)
         return step_dir
 
-    def _async_writer(self) -> FileSystemWriter:
-        """Pinned staging reuses one writer (its cached pinned buffers); otherwise a fresh copy each save."""
-        if not self._pinned:
-            return FileSystemWriter(self.root, cache_staged_state_dict=False)
-        if self._writer is None:
-            self._writer = FileSystemWriter(self.root, cache_staged_state_dict=True)
-        return self._writer
+    def _async_stager(self, nbytes: int) -> ReusableStager:
+        """The one stager of this run; its buffers (one copy of this rank's state) are made at the first save."""
+        if self._stager is None:
+            self._stager = ReusableStager()
+            kind = "pinned host" if torch.cuda.is_available() else "host"
+            log.info(
+                "async checkpoints stage into %.1f MB of %s memory per rank, allocated once and reused",
+                nbytes / 2**20,
+                kind,
+            )
+        return self._stager
+
+    @property
+    def staged_nbytes(self) -> int:
+        """Host bytes the async staging buffers hold (0 before the first async save)."""
+        return self._stager.nbytes if self._stager is not None else 0
 
     def _prepare(self, step_dir: Path) -> None:
         if self.is_main:
@@ -283,6 +317,8 @@ class CheckpointManager:
             record.blocking_s,
             step_dir,
         )
+        if self.report is not None:
+            self.report(record.metrics())
 
     def _stages_written(self, step_dir: Path) -> bool:
         return all((step_dir / d / DCP_METADATA).is_file() for d in self._dcp_dir_names())
@@ -307,14 +343,30 @@ class CheckpointManager:
         t0 = time.perf_counter()
         p.future.result()
         self.groups.barrier()
-        p.record.blocking_s += time.perf_counter() - t0
+        waited = time.perf_counter() - t0
+        p.record.blocking_s += waited
+        p.record.waited_s += waited
+        if waited > 0.05:
+            log.warning(
+                "checkpoint: the loop waited %.2f s for the async save of step %d to finish writing "
+                "(saves come faster than the disk takes them; raise checkpoint.interval to avoid it)",
+                waited,
+                p.record.step,
+            )
         self._commit(p.step_dir, p.record, p.started)
 
     def close(self) -> None:
-        """Finish an in-flight save without collectives (also on the failure path)."""
+        """Finish an in-flight save without collectives (also on the failure path); free the staging buffers."""
         p, self._pending = self._pending, None
-        if p is None:
-            return
+        try:
+            if p is not None:
+                self._finish_on_close(p)
+        finally:
+            if self._stager is not None:
+                self._stager.close()  # drops the buffer cache; a write still running keeps its own references
+                self._stager = None
+
+    def _finish_on_close(self, p: _Pending) -> None:
         try:
             p.future.result(timeout=self.settings.distributed.timeout_s)
         except Exception as exc:  # the run is ending anyway: report, keep the previous checkpoint

@@ -98,7 +98,7 @@ def _resume(manager: CheckpointedState, decision: RestoreDecision, path: Path) -
     state = decision.train_state
     check_compatible(state, path, manager.fingerprint, manager.shaping, manager.settings)
     tensors = training_state_dict(manager.model, manager.optimizer)
-    missing = load_from_dirs(tensors, decision.dirs, manager.groups.save)
+    missing = load_from_dirs(tensors, decision.dirs, manager.groups.save, manager.settings.checkpoint.load_threads)
     if missing:
         raise CheckpointError(f"{path} lacks {len(missing)} tensors this run needs, e.g. {sorted(missing)[:5]}")
     apply_training_state_dict(manager.model, manager.optimizer, tensors)

@@ -114,6 +114,7 @@ def build_session(
         peak_flops=device_peak_flops(runtime.device, dtype_name(dtype), settings.metrics.peak_tflops),
         state=state,
     )
+    checkpointer.report = metrics.write  # one metrics.jsonl record per save (bytes, seconds, MB/s, blocked)
     bind_pipeline_loss(session)
     n_eval = eval_batches(settings, pipeline=pipeline is not None)
     if settings.eval.interval and n_eval != settings.eval.steps and runtime.is_main:
