@@ -52,8 +52,13 @@ class SigtermAt(TrainHook):
             os.kill(os.getpid(), signal.SIGTERM)
 
 
+def records(run_dir: Path) -> list[dict[str, Any]]:
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
 def last_record(run_dir: Path) -> dict[str, Any]:
-    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()][-1]
+    """The last step record (checkpoint records carry no loss)."""
+    return [r for r in records(run_dir) if "loss" in r][-1]
 
 
 def test_sigterm_at_n_then_resume_matches_uninterrupted_run_bit_for_bit(kforge, tmp_path: Path) -> None:
@@ -78,6 +83,9 @@ def test_sigterm_at_n_then_resume_matches_uninterrupted_run_bit_for_bit(kforge, 
     assert losses(run) == losses(ref) and len(losses(ref)) == 12  # same data, same RNG, same loss curve
     assert last_record(run)["tokens_seen"] == last_record(ref)["tokens_seen"] == 12 * 8 * 64
     assert read_latest(run / "checkpoints") == run / "checkpoints" / "step_12"  # the final save
+    saves = {r["step"]: r for r in records(run) if "checkpoint/bytes" in r}  # one record per save
+    assert 6 in saves and 12 in saves and all(r["checkpoint/bytes"] > 0 for r in saves.values())
+    assert all(0 <= r["checkpoint/blocked_s"] <= r["checkpoint/seconds"] for r in saves.values())
     r = kforge("resume", str(run), "--model.dim=32", "--train.max_steps=20", env=ENV)
     assert r.returncode == 2 and "model.dim: 64 -> 32" in r.stderr and "Traceback" not in r.stderr
 
