@@ -76,15 +76,15 @@ class ReusableStager(DefaultStager):
 
     torch's ``StateDictStager`` keeps one host storage per source storage (weakly keyed), so
     the second and later saves copy into the same memory instead of allocating ~one state's
-    worth again. With CUDA the buffers are pinned and the copy is non-blocking then synced;
-    on the CPU they are ordinary memory. The manager stages only after the previous save
+    worth again. `pinned` (async_with_pinned_mem, with CUDA): the buffers are pinned and the
+    copy is non-blocking then synced; otherwise they are ordinary host memory. The manager stages only after the previous save
     finished writing, so this is the one staged copy that ever exists.
     """
 
-    def __init__(self) -> None:
-        cuda = torch.cuda.is_available()
+    def __init__(self, pinned: bool) -> None:
+        pin = pinned and torch.cuda.is_available()
         options = StagingOptions(
-            use_pinned_memory=cuda, use_shared_memory=False, use_async_staging=False, use_non_blocking_copy=cuda
+            use_pinned_memory=pin, use_shared_memory=False, use_async_staging=False, use_non_blocking_copy=pin
         )
         super().__init__(options)
 

@@ -220,8 +220,9 @@ class CheckpointManager:
     def _async_stager(self, nbytes: int) -> ReusableStager:
         """The one stager of this run; its buffers (one copy of this rank's state) are made at the first save."""
         if self._stager is None:
-            self._stager = ReusableStager()
-            kind = "pinned host" if torch.cuda.is_available() else "host"
+            pinned = self.cfg.async_mode == "async_with_pinned_mem" and torch.cuda.is_available()
+            self._stager = ReusableStager(pinned)
+            kind = "pinned host" if pinned else "host"
             log.info(
                 "async checkpoints stage into %.1f MB of %s memory per rank, allocated once and reused",
                 nbytes / 2**20,
