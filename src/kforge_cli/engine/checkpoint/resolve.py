@@ -1,7 +1,8 @@
 """What a starting run loads: decided by rank 0 (shared filesystems disagree) and broadcast.
 
-Order: the run's own newest complete checkpoint (auto-resume; a newer incomplete one is
-skipped with a warning), else ``checkpoint.load_path`` (full resume from elsewhere),
+Order: the run's own newest complete checkpoint (auto-resume; a newer incomplete or damaged
+one -- a shard shorter than its metadata, an unreadable train state -- is skipped with a
+warning), else ``checkpoint.load_path`` (full resume from elsewhere),
 else ``checkpoint.init_from`` (weights only). A checkpoint the run saved after starting
 from ``load_path`` records it, so a requeued job continues from its own progress while
 a changed ``load_path`` (a rollback) is honoured.
@@ -26,6 +27,7 @@ from kforge_cli.engine.checkpoint.layout import (
     resolve_checkpoint,
 )
 from kforge_cli.engine.checkpoint.train_state import FORMAT
+from kforge_cli.engine.checkpoint.verify import damage
 from kforge_cli.engine.model.vlm.freeze import freeze_mismatch
 from kforge_cli.settings import JobSettings
 from kforge_cli.settings.infrastructure import CheckpointSettings
@@ -39,6 +41,10 @@ def _own_checkpoint(root: Path, load_path: str | None) -> tuple[Path, dict[str, 
         if not is_complete(path):
             log.warning("skipping incomplete checkpoint %s (its save never finished); using an earlier one", path)
             continue
+        problem = damage(path)
+        if problem:
+            log.warning("skipping damaged checkpoint %s (%s); using an earlier one", path, problem)
+            continue
         state = read_json(path / TRAIN_STATE_FILE)
         if state.get("load_path") == load_path:
             return path, state
@@ -51,6 +57,9 @@ def decide_restore(cfg: CheckpointSettings, root: Path) -> dict[str, Any]:
     found = _own_checkpoint(root, cfg.load_path) if cfg.resume != "never" else None
     if found is None and cfg.load_path:
         path = resolve_checkpoint(cfg.load_path)
+        problem = damage(path)
+        if problem:
+            raise CheckpointError(f"checkpoint.load_path {path} is damaged: {problem}")
         found = path, read_json(path / TRAIN_STATE_FILE)
     if found is not None:
         path, state = found
