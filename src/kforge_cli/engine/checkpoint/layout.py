@@ -20,13 +20,13 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 import re
 import shutil
 from pathlib import Path
 from typing import Any
 
 from kforge_cli.engine.checkpoint.errors import CheckpointError
+from kforge_cli.files import atomic_write
 
 log = logging.getLogger("kforge")
 
@@ -50,29 +50,9 @@ def step_of(path: Path) -> int | None:
     return int(m.group(1)) if m else None
 
 
-def fsync_dir(path: Path) -> None:
-    """Make a rename/creation inside `path` durable (a no-op where directories cannot be opened)."""
-    try:
-        fd = os.open(path, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
-
-
 def atomic_write_bytes(path: Path, data: bytes) -> None:
-    """Write `data` to `path` via a temporary file, fsync and rename: readers see all or nothing."""
-    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
-    with tmp.open("wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-    fsync_dir(path.parent)
+    """Write `data` to `path` via a temporary file, fsync and rename (never through a planted link)."""
+    atomic_write(path, data)
 
 
 def atomic_write_json(path: Path, obj: Any) -> None:

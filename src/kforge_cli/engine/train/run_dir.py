@@ -10,6 +10,7 @@ import torch.distributed as dist
 
 from kforge_cli.engine.checkpoint.run_config import conflicts_with_saved_config
 from kforge_cli.engine.runtime import RuntimeContext
+from kforge_cli.files import atomic_write, check_run_dir, real_dir
 from kforge_cli.settings import JobSettings
 from kforge_cli.settings.explain import to_toml
 
@@ -23,12 +24,14 @@ def default_run_dir(settings: JobSettings) -> Path:
 
 def resolve_run_dir(settings: JobSettings, runtime: RuntimeContext) -> Path:
     """RUN_DIR: train.run_dir, or runs/<profile>-<timestamp> decided by rank 0 for every rank."""
+    if settings.train.run_dir:
+        check_run_dir(Path(settings.train.run_dir))  # every rank: a refusal must not leave others waiting
     chosen = [str(settings.train.run_dir or default_run_dir(settings))]
     if runtime.distributed:
         dist.broadcast_object_list(chosen, src=0)
     run_dir = Path(chosen[0]).resolve()
     if runtime.is_main:
-        (run_dir / "logs").mkdir(parents=True, exist_ok=True)
+        real_dir(run_dir / "logs")
     if runtime.distributed:
         dist.barrier()
     settings.train.run_dir = str(run_dir)
@@ -47,7 +50,5 @@ def write_config(settings: JobSettings, run_dir: Path) -> Path:
     if conflicts:
         log.warning("keeping %s: these settings change the model's shape (%s)", path, "; ".join(conflicts))
         return path
-    tmp = path.with_suffix(".toml.tmp")
-    tmp.write_text(to_toml(settings))
-    tmp.replace(path)
+    atomic_write(path, to_toml(settings).encode())  # never through a planted link
     return path
