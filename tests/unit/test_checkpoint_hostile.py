@@ -32,7 +32,7 @@ KEY = "model.tok_embeddings.weight"
 
 def saved(run_dir: Path, steps: tuple[int, ...] = (1,)) -> list[Path]:
     run = make_run(run_dir)
-    run.manager.restore(progress=run.state)
+    run.manager.restore()
     out = []
     for step in steps:
         train(run, 1)
@@ -163,7 +163,7 @@ def test_commit_marker_dcp_dirs_must_stay_inside(honest: Path, tmp_path: Path) -
         with pytest.raises(CheckpointError, match=why):
             dcp_dirs(step)
         run = make_run(tmp_path / "victim" / "run")
-        assert run.manager.restore(progress=run.state) is None  # not complete: not resumed, nothing else loaded
+        assert run.manager.restore() is None  # not complete: not resumed, nothing else loaded
 
 
 def test_latest_that_is_not_text_or_not_a_step_is_ignored(tmp_path: Path) -> None:
@@ -173,7 +173,7 @@ def test_latest_that_is_not_text_or_not_a_step_is_ignored(tmp_path: Path) -> Non
         (root / "latest").write_bytes(blob)
         assert read_latest(root) is None
         run = make_run(tmp_path)
-        restored = run.manager.restore(progress=run.state)
+        restored = run.manager.restore()
         assert restored is not None and restored.step == 2
     assert {p.name for _, p in list_step_dirs(root)} == {"step_1", "step_2"}
 
@@ -209,7 +209,7 @@ def test_damaged_committed_checkpoint_falls_back_to_the_previous_one(
     _, newest = saved(tmp_path, (1, 2))
     damage(newest)
     run = make_run(tmp_path)
-    restored = run.manager.restore(progress=run.state)
+    restored = run.manager.restore()
     assert restored is not None and restored.step == 1 and run.state.step == 1
     assert "skipping damaged checkpoint" in caplog.text and "step_2" in caplog.text
     assert any(m for m in caplog.messages if "step_2" in m and re.search(why, m)), caplog.messages

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import logging
-import time
 from pathlib import Path
 
 import torch.distributed as dist
@@ -13,29 +12,29 @@ from kforge_cli.engine.runtime import RuntimeContext
 from kforge_cli.files import atomic_write, check_run_dir, real_dir
 from kforge_cli.settings import JobSettings
 from kforge_cli.settings.explain import to_toml
+from kforge_cli.settings.run_dir import default_run_dir
 
 log = logging.getLogger("kforge")
 
 
-def default_run_dir(settings: JobSettings) -> Path:
-    stamp = time.strftime("%Y%m%d-%H%M%S")
-    return Path("runs") / f"{settings.profile or 'custom'}-{stamp}"
-
-
 def resolve_run_dir(settings: JobSettings, runtime: RuntimeContext) -> Path:
-    """RUN_DIR: train.run_dir, or runs/<profile>-<timestamp> decided by rank 0 for every rank."""
+    """RUN_DIR (absolute): train.run_dir, or the default name decided by rank 0 for every rank."""
     if settings.train.run_dir:
         check_run_dir(Path(settings.train.run_dir))  # every rank: a refusal must not leave others waiting
-    chosen = [str(settings.train.run_dir or default_run_dir(settings))]
+    chosen = [str(Path(settings.train.run_dir or default_run_dir(settings)).expanduser().resolve())]
     if runtime.distributed:
         dist.broadcast_object_list(chosen, src=0)
-    run_dir = Path(chosen[0]).resolve()
+    run_dir = Path(chosen[0])
     if runtime.is_main:
         real_dir(run_dir / "logs")
     if runtime.distributed:
         dist.barrier()
-    settings.train.run_dir = str(run_dir)
     return run_dir
+
+
+def with_run_dir(settings: JobSettings, run_dir: Path) -> JobSettings:
+    """A copy of ``settings`` that names ``run_dir`` (what the run's config.toml records)."""
+    return settings.model_copy(update={"train": settings.train.model_copy(update={"run_dir": str(run_dir)})})
 
 
 def write_config(settings: JobSettings, run_dir: Path) -> Path:
@@ -50,5 +49,5 @@ def write_config(settings: JobSettings, run_dir: Path) -> Path:
     if conflicts:
         log.warning("keeping %s: these settings change the model's shape (%s)", path, "; ".join(conflicts))
         return path
-    atomic_write(path, to_toml(settings).encode())  # never through a planted link
+    atomic_write(path, to_toml(with_run_dir(settings, run_dir)).encode())  # never through a planted link
     return path
