@@ -89,3 +89,27 @@ def test_train_refuses_a_run_dir_with_a_symlinked_log_and_a_run_dir_that_is_a_fi
         assert exit_info.value.code == 2 and why in err and "Traceback" not in err, err
     shutdown_logging()
     assert target.read_text() == SECRET
+
+
+class NotAHook:
+    """Would end the process if kforge instantiated it before checking its type."""
+
+    def __init__(self) -> None:
+        raise SystemExit("NotAHook was instantiated")
+
+
+def test_hooks_are_type_checked_before_instantiation_and_resume_names_them(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from kforge_cli.cli.resume import resolve_resume
+    from kforge_cli.engine.train.hooks import load_hook
+    from kforge_cli.settings.explain import to_toml
+
+    settings = load_settings(use_env=False).settings
+    for spec in ("sys:exit", f"{__name__}:NotAHook"):
+        with pytest.raises(KforgeError, match="not a kforge_cli.engine.train.TrainHook subclass"):
+            load_hook(spec, settings)
+    saved = load_settings(overrides=['--train.hooks=["evil.module:Payload"]'], use_env=False).settings
+    (tmp_path / "config.toml").write_text(to_toml(saved))
+    resolve_resume(tmp_path, [])
+    assert "train.hooks, which will be imported and run: evil.module:Payload" in capsys.readouterr().err
