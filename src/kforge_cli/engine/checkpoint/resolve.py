@@ -5,7 +5,8 @@ one -- a shard shorter than its metadata, an unreadable train state -- is skippe
 warning), else ``checkpoint.load_path`` (full resume from elsewhere),
 else ``checkpoint.init_from`` (weights only). A checkpoint the run saved after starting
 from ``load_path`` records it, so a requeued job continues from its own progress while
-a changed ``load_path`` (a rollback) is honoured.
+a changed ``load_path`` (a rollback) is honoured. ``resume = "never"`` in a checkpoint root
+that already holds complete checkpoints is refused (exit 2).
 """
 
 from __future__ import annotations
@@ -79,8 +80,25 @@ def _own_checkpoint(root: Path, load_path: str | None) -> tuple[Path, dict[str, 
     return None
 
 
+def _refuse_older_checkpoints(root: Path) -> None:
+    """``resume = "never"`` starts from scratch, so the checkpoint root must hold no earlier run's checkpoints.
+
+    Mixing them would leave the new run unresumable: resume and retention pick by step
+    number, and the saved config would describe the new model. Refused rather than guessed.
+    """
+    older = [p for _, p in list_step_dirs(root) if is_complete(p)]
+    if older:
+        raise CheckpointError(
+            f"checkpoint.resume = 'never', but {root} already holds checkpoints of an earlier run "
+            f"({', '.join(p.name for p in older[-3:])}); a fresh run there could not be resumed cleanly. "
+            "Use a new --run-dir (or checkpoint.dir), remove those checkpoints, or resume with --checkpoint.resume=auto"
+        )
+
+
 def decide_restore(cfg: CheckpointSettings, root: Path) -> RestoreDecision:
     """What this run loads (rank 0 only): its own newest checkpoint, load_path, init_from, or nothing."""
+    if cfg.resume == "never":
+        _refuse_older_checkpoints(root)
     found = _own_checkpoint(root, cfg.load_path) if cfg.resume != "never" else None
     if found is None and cfg.load_path:
         path = resolve_checkpoint(cfg.load_path)
