@@ -97,3 +97,16 @@ def test_out_replaces_only_prepare_datas_own_directories(tmp_path: Path, prepare
     prepare_data([src], prepared, val_fraction=0.5, workers=1)  # its own output: replaced
     assert _meta(prepared)["options"]["val_fraction"] == 0.5
     assert not [p for p in tmp_path.iterdir() if p.name.startswith(".data.tmp")]
+
+
+def test_lone_surrogates_and_deep_nesting_are_bad_records(tmp_path: Path) -> None:
+    src = tmp_path / "in.jsonl"
+    good = json.dumps({"text": "fine"})
+    src.write_text("\n".join([good, '{"text": "\\ud800"}', "[" * 200_000 + "]" * 200_000, good]) + "\n")
+    with pytest.raises(InvalidInputError, match=r"in\.jsonl line 2: field 'text' holds a lone surrogate"):
+        prepare_data([src], tmp_path / "a", workers=1)
+    res = prepare_data([src], tmp_path / "b", workers=1, val_fraction=0.0, skip_bad_records=True)
+    assert res.skipped_records == 2
+    meta = _meta(tmp_path / "b")
+    assert any("line 3: JSON nested too deeply" in e for e in meta["skipped_examples"])
+    assert meta["splits"]["train"]["documents"] == 2
