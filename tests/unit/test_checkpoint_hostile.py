@@ -225,3 +225,21 @@ def test_symlinked_step_dir_is_never_followed(tmp_path: Path) -> None:
     prune(root, keep_last_n=1, protect=set())
     assert {p.name for p in root.iterdir()} >= {"step_0", "step_3"} and not (root / "step_1").exists()
     assert (target / "kforge_commit.json").is_file() and verify_checkpoint(target).ok
+
+
+def test_export_hf_overwrite_refuses_a_run_or_checkpoint_directory(
+    honest: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    other_run = saved(tmp_path / "other")[0].parent.parent
+    code, err = cli(capsys, "export-hf", str(honest), str(other_run), "--overwrite")
+    assert code == 2 and "refusing to overwrite" in err and (other_run / "checkpoints").is_dir()
+    code, err = cli(capsys, "export-hf", str(honest), str(honest.parent.parent), "--overwrite")
+    assert code == 2 and "holds the checkpoint being exported" in err and honest.is_dir()
+    a_file = tmp_path / "out.bin"
+    a_file.write_bytes(b"x")
+    code, err = cli(capsys, "export-hf", str(honest), str(a_file))
+    assert code == 2 and "is a file" in err
+    code, _ = cli(capsys, "export-hf", str(honest), str(tmp_path / "hf"))
+    assert code == 0
+    code, _ = cli(capsys, "export-hf", str(honest), str(tmp_path / "hf"), "--overwrite")  # an earlier export
+    assert code == 0 and (tmp_path / "hf" / "config.json").is_file()

@@ -185,6 +185,25 @@ def resolve_checkpoint(path: str | Path) -> Path:
     raise CheckpointError(f"no complete checkpoint under {p}: expected step_N directories holding {COMMIT_FILE}")
 
 
+def kforge_contents(path: Path) -> str | None:
+    """What in `path` makes it a kforge run or checkpoint (never to be wiped by an export), else None."""
+    markers = (
+        COMMIT_FILE,
+        TRAIN_STATE_FILE,
+        DCP_METADATA,
+        "checkpoints",
+        "metrics.jsonl",
+        ".kforge-lock",
+        "job.sbatch",
+    )
+    for name in markers:
+        if (path / name).exists():
+            return name
+    if path.is_dir() and any(step_of(p) is not None for p in path.iterdir()):
+        return "step_N checkpoint directories"
+    return None
+
+
 def remove_checkpoint(step_dir: Path) -> None:
     """Delete a step dir so that no reader ever sees it half-deleted but complete."""
     if step_dir.is_symlink():  # never delete through a link: drop the link only
