@@ -243,3 +243,31 @@ def test_export_hf_overwrite_refuses_a_run_or_checkpoint_directory(
     assert code == 0
     code, _ = cli(capsys, "export-hf", str(honest), str(tmp_path / "hf"), "--overwrite")  # an earlier export
     assert code == 0 and (tmp_path / "hf" / "config.json").is_file()
+
+
+def test_a_full_disk_during_save_says_so_and_keeps_the_previous_checkpoint(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import errno
+
+    import torch.distributed.checkpoint.filesystem as dcp_fs
+
+    from kforge_cli.engine.checkpoint.disk_full import DiskFullError
+
+    run = make_run(tmp_path)
+    run.manager.restore()
+    train(run, 1)
+    first = run.manager.save(1)
+
+    def full(*args: Any, **kwargs: Any) -> Any:
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(dcp_fs, "_write_item", full)
+    train(run, 1)
+    with pytest.raises(DiskFullError, match=r"disk full \(ENOSPC\) while saving checkpoint .*step_2.*step_1 is intact"):
+        run.manager.save(2)
+    monkeypatch.undo()
+    assert read_latest(tmp_path / "checkpoints") == first and verify_checkpoint(first).ok
+    resumed = make_run(tmp_path)
+    restored = resumed.manager.restore()
+    assert restored is not None and restored.step == 1
