@@ -84,3 +84,17 @@ def test_resume_never_in_a_dir_with_older_checkpoints_is_refused(tmp_path: Path)
         fresh.manager.restore()
     assert err.value.exit_code == 2
     assert make_run(tmp_path / "new", ["--checkpoint.resume=never"]).manager.restore() is None
+
+
+def test_a_requeued_slurm_job_waits_for_the_old_lock_to_go(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import threading
+
+    run = tmp_path / "run"
+    run.mkdir()
+    monkeypatch.setenv("SLURM_JOB_ID", "4242")
+    old = acquire_run_lock(run)  # the job's previous incarnation, still releasing its lock
+    monkeypatch.setenv("SLURM_RESTART_COUNT", "1")
+    threading.Timer(0.5, old.release).start()
+    with acquire_run_lock(run) as new:  # requeued: waits (up to REQUEUE_WAIT_S) instead of failing
+        assert json.loads((run / LOCK_FILE).read_text())["slurm_job_id"] == "4242"
+    assert new is not None
