@@ -63,15 +63,20 @@ def _edit(step: Path, edit: Any) -> None:
     (step / ".metadata").write_bytes(pickle.dumps(md))
 
 
-def _storage(md: Any, **changes: Any) -> None:
+def _storage(md: Any, fqn: str = KEY, **changes: Any) -> None:
     for index, info in list(md.storage_data.items()):
-        if index.fqn == KEY:
+        if index.fqn == fqn:
             md.storage_data[index] = dataclasses.replace(info, **changes)
 
 
 def _dev_zero(md: Any, step: Path) -> None:
+    """A tensor and a non-tensor item (read whole into memory by DCP) both read 1.5 GB of /dev/zero."""
+    from torch.distributed.checkpoint.metadata import BytesStorageMetadata
+
     os.symlink("/dev/zero", step / "zero")
-    _storage(md, relative_path="zero", offset=0, length=1_500_000_000)
+    item = next(k for k, v in md.state_dict_metadata.items() if isinstance(v, BytesStorageMetadata))
+    for fqn in (KEY, item):
+        _storage(md, fqn, relative_path="zero", offset=0, length=1_500_000_000)
 
 
 def _shape(n: int) -> Any:
@@ -104,7 +109,7 @@ def main() -> dict[str, Any]:
         env["PYTHONPATH"] = str(opts.src.resolve())
     work = Path(tempfile.mkdtemp(prefix="kforge-rss-"))
     try:
-        honest = work / "honest"
+        honest = work / "trained"
         subprocess.run(
             [*kforge(), "train", "--run-dir", str(honest), *ARGS, "--train.max_steps=4"], check=True, env=env
         )
@@ -118,13 +123,13 @@ def main() -> dict[str, Any]:
             "path_to_other_run": _other_file(other / "checkpoints" / "step_4"),
         }
         rows: dict[str, dict[str, Any]] = {}
-        for name, edit in variants.items():
-            run = work / name
+        runs: dict[str, Path] = {}
+        for name, edit in variants.items():  # every copy made before anything resumes (a resume adds step_5)
+            runs[name] = work / name
+            shutil.copytree(honest, runs[name])
             if edit is not None:
-                shutil.copytree(honest, run)
-                _edit(run / "checkpoints" / "step_4", edit)
-            else:
-                run = honest
+                _edit(runs[name] / "checkpoints" / "step_4", edit)
+        for name, run in runs.items():
             step = str(run / "checkpoints" / "step_4")
             cmds = {
                 "verify": [*kforge(), "inspect-ckpt", step, "--verify"],
