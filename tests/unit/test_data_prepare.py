@@ -160,7 +160,7 @@ def test_bad_tokenizer_options_and_foreign_out_dir(tmp_path: Path) -> None:
     with pytest.raises(InvalidInputError, match="--val-fraction"):
         prepare_data([f], tmp_path / "out", val_fraction=1.5, workers=1)
     _write(tmp_path / "mine" / "notes.txt", "keep me")
-    with pytest.raises(InvalidInputError, match="is not a prepared data directory"):
+    with pytest.raises(InvalidInputError, match="was not written by `kforge prepare-data`"):
         prepare_data([f], tmp_path / "mine", workers=1)
     assert (tmp_path / "mine" / "notes.txt").read_text() == "keep me"
 

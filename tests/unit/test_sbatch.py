@@ -298,3 +298,20 @@ def test_a_rank_stopping_on_a_signal_survives_the_follow_up_sigterm_of_srun_kill
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
+
+
+def test_a_newline_in_any_value_of_the_script_is_refused_and_nothing_is_written(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    evil = tmp_path / "sb\ntouch PWNED #"
+    code, _, err = run_cli(["train", "--run-dir", str(evil), "--sbatch"], capsys)
+    assert code == 2 and "train.run_dir" in err and "control character" in err
+    for arg in ("--slurm.job_name=a\nb", '--slurm.env.X="a\\nb"', '--slurm.extra_sbatch=["--exclusive\\n#x"]'):
+        with pytest.raises(ConfigError, match="control character"):
+            load_settings(overrides=[arg], use_env=False)
+    settings = load_settings(overrides=[f"--train.run_dir={tmp_path / 'run'}"], use_env=False).settings
+    with pytest.raises(ConfigError, match=r"working directory: .*control character"):
+        write_job(settings, python=PY, workdir=evil)
+    with pytest.raises(ConfigError, match=r"python executable: .*control character"):
+        write_job(settings, python="/opt/py\nthon", workdir=tmp_path)
+    assert not evil.exists() and not (tmp_path / "run" / "job.sbatch").exists()

@@ -10,7 +10,7 @@ import torch
 
 from kforge_cli.engine.train.scheduler import build_scheduler, lr_multiplier, phase_lr_scale
 from kforge_cli.errors import ConfigError
-from kforge_cli.settings import JobSettings
+from kforge_cli.settings import JobSettings, load_settings
 from kforge_cli.settings.data import DataPhase
 from kforge_cli.settings.training import SchedulerSettings
 
@@ -146,7 +146,9 @@ def test_state_dict_is_json_and_resumes_at_the_same_lr() -> None:
 
 
 def test_negative_decay_steps_is_a_config_error() -> None:
+    with pytest.raises(ConfigError, match="scheduler.decay_steps"):
+        load_settings(overrides=["--scheduler.decay_steps=-1"], use_env=False)
     settings = JobSettings()
-    settings.scheduler.decay_steps = -1
+    settings.scheduler = SchedulerSettings.model_construct(decay_steps=-1)  # built in code, unvalidated
     with pytest.raises(ConfigError, match="scheduler.decay_steps"):
         build_scheduler(torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=1.0), settings)

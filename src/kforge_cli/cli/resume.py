@@ -68,4 +68,11 @@ def resolve_resume(run_dir: Path, overrides: list[str]) -> ResolvedSettings:
             header=f"cannot resume {run_dir}: overrides change the model's shape; drop them, or start a new run "
             f"from its weights with --checkpoint.init_from={run_dir}",
         )
+    hooks = resolved.settings.train.hooks
+    if hooks:  # code named by a file on disk: say so before anything of it is imported
+        typer.echo(
+            f"kforge resume: {run_dir / CONFIG_FILE} names train.hooks, which will be imported and run: "
+            + ", ".join(hooks),
+            err=True,
+        )
     return resolved

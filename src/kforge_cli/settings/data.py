@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+from typing import Annotated
+
+from pydantic import Field
+
 from kforge_cli.settings.section import Section, field
 
 # `kforge prepare-data` defaults (the CLI's options and the engine's function share them).
@@ -23,7 +27,9 @@ class DataPhase(Section):
     """A data phase (e.g. an annealing phase) starting at a given step."""
 
     start_step: int = field(..., "First optimizer step of this phase.", ge=0)
-    dataset_weights: dict[str, float] = field(dict, "Mixture weights by dataset name for this phase.")
+    dataset_weights: dict[str, Annotated[float, Field(ge=0)]] = field(
+        dict, "Mixture weights by dataset name for this phase (>= 0; 0 turns a dataset off)."
+    )
     lr_scale: float = field(1.0, "Multiplier on the scheduled learning rate during this phase.", gt=0)
 
 

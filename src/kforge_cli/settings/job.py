@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+from typing import Any
+
+from pydantic import field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from kforge_cli.settings.data import DataSettings, EvalSettings
@@ -13,7 +16,7 @@ from kforge_cli.settings.infrastructure import (
     ResilienceSettings,
     SlurmSettings,
 )
-from kforge_cli.settings.section import field
+from kforge_cli.settings.section import field, reject_control_characters
 from kforge_cli.settings.training import ModelSettings, OptimizerSettings, SchedulerSettings, TrainSettings
 from kforge_cli.settings.vlm import AdapterSettings, VideoSettings, VisionEncoderSettings, VLMSettings
 
@@ -33,6 +36,7 @@ class JobSettings(BaseSettings):
         extra="forbid",
         validate_assignment=True,
         case_sensitive=False,
+        allow_inf_nan=False,
     )
 
     profile: str | None = field(None, "Name of the profile this configuration was built from.")
@@ -52,6 +56,11 @@ class JobSettings(BaseSettings):
     adapter: AdapterSettings | None = field(None, "Vision-to-text adapter (VLM jobs only).")
     vlm: VLMSettings | None = field(None, "Vision-language architecture (VLM jobs only).")
     video: VideoSettings | None = field(None, "Video clips (video VLM jobs only).")
+
+    @field_validator("profile", mode="after")
+    @classmethod
+    def _printable(cls, value: Any) -> Any:
+        return reject_control_characters(value)
 
     @property
     def data_seed(self) -> int:

@@ -59,8 +59,6 @@ def config_issues(s: JobSettings) -> list[ConfigIssue]:
                     f"unknown dataset(s) {', '.join(unknown)}; data.datasets has: {', '.join(names) or 'none'}",
                 )
             )
-    if s.scheduler.decay_steps is not None and s.scheduler.decay_steps < 0:
-        out.append(ConfigIssue("scheduler.decay_steps", "must be >= 0"))
     if s.scheduler.warmup_steps > t.max_steps:
         out.append(
             ConfigIssue("scheduler.warmup_steps", f"{s.scheduler.warmup_steps} exceeds train.max_steps ({t.max_steps})")

@@ -3,19 +3,59 @@
 Every section forbids unknown keys (so typos are errors, not silently ignored
 settings) and every field carries a one-line description: the descriptions are the
 documentation printed by ``kforge validate-config --explain KEY``.
+
+Values are checked as untrusted input: no float may be NaN or infinite (``allow_inf_nan``
+is off everywhere; ``--optimizer.lr=inf`` would otherwise train to NaN and exit 0), and no
+string may hold a control character (a newline in a name or path lands verbatim in log
+lines and generated job scripts).
 """
 
 from __future__ import annotations
 
+import unicodedata
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+SETTINGS_CONFIG = ConfigDict(extra="forbid", validate_assignment=True, frozen=False, allow_inf_nan=False)
+
+
+def control_character(value: Any, where: str = "") -> tuple[str, str] | None:
+    """(the first control character in `value`, where: "" or " in item 0" / " in key 'k'"), else None.
+
+    Looks into strings inside lists, tuples and dicts (keys and values); sections validate their own.
+    """
+    if isinstance(value, str):
+        found = next((c for c in value if unicodedata.category(c) == "Cc"), None)
+        return (found, where) if found is not None else None
+    items: list[tuple[Any, str]] = []
+    if isinstance(value, list | tuple):
+        items = [(v, f"{where} in item {i}") for i, v in enumerate(value)]
+    elif isinstance(value, dict):
+        items = [(k, f"{where} in key {k!r}") for k in value] + [(v, f"{where} in {k!r}") for k, v in value.items()]
+    return next((hit for v, w in items if (hit := control_character(v, w)) is not None), None)
+
+
+def reject_control_characters(value: Any) -> Any:
+    hit = control_character(value)
+    if hit is not None:
+        char, where = hit
+        raise ValueError(
+            f"contains the control character {char!r}{where}; names, paths, tags and other strings must be "
+            "printable text"
+        )
+    return value
 
 
 class Section(BaseModel):
-    """A settings section: strict about unknown keys, validated on assignment."""
+    """A settings section: strict about unknown keys, finite numbers, printable strings."""
 
-    model_config = ConfigDict(extra="forbid", validate_assignment=True, frozen=False)
+    model_config = SETTINGS_CONFIG
+
+    @field_validator("*", mode="after")
+    @classmethod
+    def _printable(cls, value: Any) -> Any:
+        return reject_control_characters(value)
 
 
 def field(default: Any, description: str, **kwargs: Any) -> Any:

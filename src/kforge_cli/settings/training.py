@@ -2,9 +2,14 @@
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Annotated, Literal
+
+from pydantic import Field
 
 from kforge_cli.settings.section import Section, field
+
+MAX_SEED = 2**63 - 1  # torch.manual_seed's range; seed + step must stay inside it
+Beta = Annotated[float, Field(ge=0, lt=1)]
 
 
 class ModelSettings(Section):
@@ -78,8 +83,8 @@ class TrainSettings(Section):
     max_steps: int = field(1000, "Number of optimizer steps to train for.", gt=0)
     grad_accum_steps: int = field(1, "Micro-batches per optimizer step (also the pipeline micro-batch count).", gt=0)
     grad_clip_norm: float = field(1.0, "Clip the global gradient norm to this (0 = no clipping).", ge=0)
-    seed: int = field(42, "Seed for model initialisation and every RNG.")
-    data_seed: int | None = field(None, "Seed of the data order (None = train.seed).")
+    seed: int = field(42, "Seed for model initialisation and every RNG.", ge=0, le=MAX_SEED)
+    data_seed: int | None = field(None, "Seed of the data order (None = train.seed).", ge=0, le=MAX_SEED)
     device: Literal["auto", "cpu", "cuda"] = field("auto", "Device to train on (auto = cuda if available).")
     mixed_precision: Literal["auto", "fp32", "bf16", "fp16"] = field(
         "auto", "Compute dtype (auto = bf16 on CUDA, fp32 on CPU); parameters stay in master_dtype."
@@ -115,7 +120,7 @@ class OptimizerSettings(Section):
     name: Literal["adamw", "lion", "muon"] = field("adamw", "Optimizer: adamw, lion or muon.")
     lr: float = field(3e-4, "Peak learning rate.", gt=0)
     weight_decay: float = field(0.1, "Decoupled weight decay.", ge=0)
-    betas: tuple[float, float] = field((0.9, 0.95), "Adam/Lion betas (beta1, beta2).")
+    betas: tuple[Beta, Beta] = field((0.9, 0.95), "Adam/Lion betas (beta1, beta2), each in [0, 1).")
     eps: float = field(1e-8, "Adam epsilon.", gt=0)
     fused: bool | None = field(None, "Use the fused AdamW kernel (None = when available).")
     decay_norms_and_biases: bool = field(False, "Apply weight decay to norm weights and biases too.")
@@ -134,7 +139,7 @@ class SchedulerSettings(Section):
     )
     warmup_steps: int = field(100, "Linear warmup steps from 0 to the peak LR.", ge=0)
     decay_steps: int | None = field(
-        None, "Steps of decay (None = all steps after warmup; for wsd: the cooldown length)."
+        None, "Steps of decay (None = all steps after warmup; for wsd: the cooldown length).", ge=0
     )
     min_lr_ratio: float = field(0.1, "Final LR as a fraction of the peak.", ge=0, le=1)
     wsd_cooldown: Literal["cosine", "linear", "sqrt"] = field("linear", "Shape of the WSD cooldown.")

@@ -15,6 +15,7 @@ from pathlib import Path
 import typer
 
 from kforge_cli.errors import EXIT_OK, InvalidInputError
+from kforge_cli.files import atomic_write, check_run_dir, real_dir
 from kforge_cli.settings import JobSettings
 from kforge_cli.settings.explain import to_toml
 from kforge_cli.settings.run_dir import default_run_dir
@@ -30,10 +31,7 @@ class JobFiles:
 
 
 def _atomic_write(path: Path, text: str, mode: int = 0o644) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(text)
-    tmp.chmod(mode)
-    tmp.replace(path)
+    atomic_write(path, text.encode(), mode)  # never through a planted link
 
 
 def _refuse_shape_change(settings: JobSettings, run_dir: Path) -> None:
@@ -64,7 +62,7 @@ def write_job(settings: JobSettings, *, python: str | None = None, workdir: Path
     settings.train.run_dir = str(run_dir)
     script = render_sbatch(settings, run_dir, python=python or sys.executable, workdir=workdir)
     _refuse_shape_change(settings, run_dir)
-    (run_dir / "logs").mkdir(parents=True, exist_ok=True)
+    real_dir(check_run_dir(run_dir) / "logs")
     files = JobFiles(run_dir, run_dir / CONFIG_FILE, run_dir / SCRIPT_FILE)
     _atomic_write(files.config, to_toml(settings))
     _atomic_write(files.script, script, 0o755)

@@ -17,6 +17,7 @@ from kforge_cli import __version__
 from kforge_cli.errors import ConfigError, ConfigIssue
 from kforge_cli.settings import JobSettings
 from kforge_cli.settings.infrastructure import SlurmSettings
+from kforge_cli.settings.section import control_character
 from kforge_cli.slurm.template import fill, find_template
 
 CONFIG_FILE = "config.toml"
@@ -102,6 +103,8 @@ def _directive(option: str, value: object | None = None) -> str:
     if value is None:
         return f"#SBATCH --{option}"
     text = str(value)
+    if control_character(text) is not None:  # slurm_issues/_unsafe_paths refuse these first: never a 2nd line
+        raise ConfigError([ConfigIssue(f"slurm ({option})", f"{text!r} holds a control character")])
     if re.search(r"[\s\"']", text):
         text = '"' + text.replace('"', '\\"') + '"'
     return f"#SBATCH --{option}={text}"
@@ -157,9 +160,23 @@ def train_command(run_dir: Path, python: str) -> list[str]:
     return [python, "-m", "kforge_cli", "train", "--profile", str(run_dir / CONFIG_FILE), "--run-dir", str(run_dir)]
 
 
+def _unsafe_paths(run_dir: Path, python: str, workdir: Path) -> list[ConfigIssue]:
+    """Paths that enter the script unquoted (a comment, #SBATCH values) must be one line of printable text.
+
+    Settings already refuse control characters; these paths can also come from the working
+    directory or the Python executable, so they are checked here too.
+    """
+    named = {"train.run_dir": str(run_dir), "working directory": str(workdir), "python executable": python}
+    return [
+        ConfigIssue(name, f"{value!r} holds the control character {hit[0]!r}; it cannot go into a job script")
+        for name, value in named.items()
+        if (hit := control_character(value)) is not None
+    ]
+
+
 def render_sbatch(settings: JobSettings, run_dir: Path, *, python: str, workdir: Path) -> str:
     """The job script for `settings` in `run_dir` (absolute); raises ConfigError when the settings cannot work."""
-    issues = slurm_issues(settings)
+    issues = _unsafe_paths(run_dir, python, workdir) + slurm_issues(settings)
     if issues:
         raise ConfigError(issues, header="cannot write an sbatch script")
     template = find_template()

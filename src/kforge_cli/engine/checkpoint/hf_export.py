@@ -26,6 +26,7 @@ from kforge_cli.engine.checkpoint.hf_format import (
     hf_config,
     to_hf_name,
 )
+from kforge_cli.engine.checkpoint.layout import kforge_contents
 from kforge_cli.engine.checkpoint.reader import (
     MODEL_PREFIX,
     CheckpointView,
@@ -82,9 +83,20 @@ def _check_exportable(view: CheckpointView) -> dict[str, Any]:
     return fields
 
 
-def _prepare_out(out_dir: Path, overwrite: bool) -> Path:
-    if out_dir.exists() and any(out_dir.iterdir()) and not overwrite:
-        raise CheckpointError(f"{out_dir} exists and is not empty; choose another directory or pass --overwrite")
+def _prepare_out(out_dir: Path, overwrite: bool, source: Path) -> Path:
+    if out_dir.exists() and not out_dir.is_dir():
+        raise CheckpointError(f"{out_dir} is a file, not a directory: choose another output directory")
+    if source.is_relative_to(out_dir):
+        raise CheckpointError(f"{out_dir} holds the checkpoint being exported ({source}): choose another directory")
+    if out_dir.exists() and any(out_dir.iterdir()):
+        if not overwrite:
+            raise CheckpointError(f"{out_dir} exists and is not empty; choose another directory or pass --overwrite")
+        owned = kforge_contents(out_dir)
+        if owned:
+            raise CheckpointError(
+                f"refusing to overwrite {out_dir}: it holds a kforge run or checkpoint ({owned}); --overwrite only "
+                "replaces an earlier export. Choose another directory"
+            )
     tmp = out_dir.with_name(f".{out_dir.name}.partial-{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
@@ -115,7 +127,7 @@ def export_hf(
         raise CheckpointError(f"--dtype {dtype!r} is not one of {', '.join(DTYPES)}")
     target = DTYPES[dtype] if dtype else _stored_dtype(entries)
     out = Path(out_dir).expanduser().resolve()
-    tmp = _prepare_out(out, overwrite)
+    tmp = _prepare_out(out, overwrite, view.path)
     try:
         shards = _plan(entries, target.itemsize, max_shard_bytes)
         files = (

@@ -20,13 +20,13 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 import re
 import shutil
 from pathlib import Path
 from typing import Any
 
 from kforge_cli.engine.checkpoint.errors import CheckpointError
+from kforge_cli.files import atomic_write
 
 log = logging.getLogger("kforge")
 
@@ -37,6 +37,7 @@ SUMMARY_FILE = "metadata.json"
 RANK_STATE_DIR = "train_state"
 DCP_METADATA = ".metadata"
 _STEP_RE = re.compile(r"^step_(\d+)$")
+_DCP_DIR_RE = re.compile(r"^pp_\d+$")
 _TRASH_PREFIX = ".deleting-"
 
 
@@ -49,29 +50,9 @@ def step_of(path: Path) -> int | None:
     return int(m.group(1)) if m else None
 
 
-def fsync_dir(path: Path) -> None:
-    """Make a rename/creation inside `path` durable (a no-op where directories cannot be opened)."""
-    try:
-        fd = os.open(path, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
-
-
 def atomic_write_bytes(path: Path, data: bytes) -> None:
-    """Write `data` to `path` via a temporary file, fsync and rename: readers see all or nothing."""
-    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
-    with tmp.open("wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-    fsync_dir(path.parent)
+    """Write `data` to `path` via a temporary file, fsync and rename (never through a planted link)."""
+    atomic_write(path, data)
 
 
 def atomic_write_json(path: Path, obj: Any) -> None:
@@ -91,25 +72,54 @@ def read_json(path: Path) -> dict[str, Any]:
 
 
 def list_step_dirs(root: Path) -> list[tuple[int, Path]]:
-    """(step, path) of every step_N directory under `root`, oldest first."""
+    """(step, path) of every step_N directory under `root`, oldest first.
+
+    Only real directories count: a symlinked ``step_N`` is neither resumed from nor deleted
+    by retention (deleting through it would remove files in the link's target).
+    """
     if not root.is_dir():
         return []
-    found = [(step_of(p), p) for p in root.iterdir() if p.is_dir()]
+    found = []
+    for p in root.iterdir():
+        if p.is_symlink():
+            if step_of(p) is not None:
+                log.warning("ignoring %s: it is a symbolic link; checkpoint directories must be real directories", p)
+            continue
+        if p.is_dir():
+            found.append((step_of(p), p))
     return sorted((s, p) for s, p in found if s is not None)
+
+
+def commit_problem(step_dir: Path) -> tuple[dict[str, Any] | None, str | None]:
+    """(the commit marker's content, None) when `step_dir` is complete, else (None, why not)."""
+    marker = step_dir / COMMIT_FILE
+    if step_dir.is_symlink():
+        return None, f"{step_dir} is a symbolic link, not a checkpoint directory"
+    try:
+        record = json.loads(marker.read_bytes())
+    except FileNotFoundError:
+        return None, f"{marker} is missing (the save never finished)"
+    except (OSError, ValueError) as exc:
+        return None, f"{marker} is not valid JSON ({exc})"
+    if not isinstance(record, dict):
+        return None, f"{marker} does not hold a JSON object"
+    dirs = record.get("dcp_dirs", ["."])
+    if not isinstance(dirs, list) or not dirs or not all(isinstance(d, str) for d in dirs):
+        return None, f"{marker}: dcp_dirs is {dirs!r}, not a non-empty list of directory names"
+    for d in dirs:
+        if d != "." and not _DCP_DIR_RE.match(d):
+            return None, f"{marker}: dcp_dirs names {d!r}; only '.' or pp_S directories inside the checkpoint count"
+        sub = step_dir / d
+        if d != "." and (sub.is_symlink() or not sub.is_dir()):
+            return None, f"{sub} is not a directory inside the checkpoint"
+        if not (sub / DCP_METADATA).is_file():
+            return None, f"{sub / DCP_METADATA} is missing"
+    return record, None
 
 
 def commit_record(step_dir: Path) -> dict[str, Any] | None:
     """The commit marker's content when `step_dir` is complete, else None."""
-    try:
-        record = json.loads((step_dir / COMMIT_FILE).read_text())
-    except (OSError, ValueError):
-        return None
-    if not isinstance(record, dict):
-        return None
-    dirs = record.get("dcp_dirs") or ["."]
-    if not all((step_dir / d / DCP_METADATA).is_file() for d in dirs):
-        return None
-    return record
+    return commit_problem(step_dir)[0]
 
 
 def is_complete(step_dir: Path) -> bool:
@@ -118,19 +128,27 @@ def is_complete(step_dir: Path) -> bool:
 
 def dcp_dirs(step_dir: Path) -> list[Path]:
     """The DCP directories of a complete checkpoint (the step dir itself, or one per pipeline stage)."""
-    record = commit_record(step_dir)
+    record, problem = commit_problem(step_dir)
     if record is None:
-        raise CheckpointError(f"{step_dir} is not a complete checkpoint (no {COMMIT_FILE}, or a DCP .metadata missing)")
-    return [(step_dir / d).resolve() if d != "." else step_dir for d in record.get("dcp_dirs") or ["."]]
+        raise CheckpointError(f"{step_dir} is not a complete checkpoint: {problem}")
+    return [step_dir / d if d != "." else step_dir for d in record.get("dcp_dirs", ["."])]
 
 
 def read_latest(root: Path) -> Path | None:
-    """The step dir `latest` names, if the file exists."""
+    """The step dir `latest` names, if the file exists and names a step dir (anything else is ignored)."""
     try:
-        name = (root / LATEST_FILE).read_text().strip()
+        name = (root / LATEST_FILE).read_bytes().decode("utf-8").strip()
     except OSError:
         return None
-    return root / name if name else None
+    except UnicodeDecodeError:
+        log.warning("ignoring %s: it is not text (a damaged pointer)", root / LATEST_FILE)
+        return None
+    if not name:
+        return None
+    if step_of(Path(name)) is None or name != Path(name).name:
+        log.warning("ignoring %s: it names %r, not a step_N directory of %s", root / LATEST_FILE, name[:80], root)
+        return None
+    return root / name
 
 
 def write_latest(root: Path, step_dir: Path) -> None:
@@ -167,8 +185,30 @@ def resolve_checkpoint(path: str | Path) -> Path:
     raise CheckpointError(f"no complete checkpoint under {p}: expected step_N directories holding {COMMIT_FILE}")
 
 
+def kforge_contents(path: Path) -> str | None:
+    """What in `path` makes it a kforge run or checkpoint (never to be wiped by an export), else None."""
+    markers = (
+        COMMIT_FILE,
+        TRAIN_STATE_FILE,
+        DCP_METADATA,
+        "checkpoints",
+        "metrics.jsonl",
+        ".kforge-lock",
+        "job.sbatch",
+    )
+    for name in markers:
+        if (path / name).exists():
+            return name
+    if path.is_dir() and any(step_of(p) is not None for p in path.iterdir()):
+        return "step_N checkpoint directories"
+    return None
+
+
 def remove_checkpoint(step_dir: Path) -> None:
     """Delete a step dir so that no reader ever sees it half-deleted but complete."""
+    if step_dir.is_symlink():  # never delete through a link: drop the link only
+        step_dir.unlink(missing_ok=True)
+        return
     try:
         (step_dir / COMMIT_FILE).unlink(missing_ok=True)
         trash = step_dir.with_name(_TRASH_PREFIX + step_dir.name)

@@ -34,6 +34,7 @@ from kforge_cli.engine.checkpoint.dcp_io import (
     state_nbytes,
     training_state_dict,
 )
+from kforge_cli.engine.checkpoint.disk_full import disk_full_explained
 from kforge_cli.engine.checkpoint.fingerprint import fingerprint, shaping_config
 from kforge_cli.engine.checkpoint.groups import CheckpointGroups
 from kforge_cli.engine.checkpoint.layout import (
@@ -203,7 +204,7 @@ class CheckpointManager:
             record.blocking_s = time.perf_counter() - started
             self._pending = _Pending(record, step_dir, future, started)
         else:
-            with quiet_single_process():
+            with quiet_single_process(), disk_full_explained(step_dir, self.root):
                 save(
                     tensors,
                     storage_writer=shard_writer(target, self.cfg),
@@ -329,7 +330,8 @@ class CheckpointManager:
         p = self._pending
         if p is None or not p.future.done():
             return
-        p.future.result()  # re-raise a failed background save
+        with disk_full_explained(p.step_dir, self.root):
+            p.future.result()  # re-raise a failed background save
         if self.is_main and not self._stages_written(p.step_dir):
             return  # another pipeline stage is still writing; try again next step
         self._pending = None
@@ -342,7 +344,8 @@ class CheckpointManager:
             return
         self._pending = None
         t0 = time.perf_counter()
-        p.future.result()
+        with disk_full_explained(p.step_dir, self.root):
+            p.future.result()
         self.groups.barrier()
         waited = time.perf_counter() - t0
         p.record.blocking_s += waited

@@ -1,10 +1,12 @@
 """What a starting run loads: decided by rank 0 (shared filesystems disagree) and broadcast.
 
-Order: the run's own newest complete checkpoint (auto-resume; a newer incomplete one is
-skipped with a warning), else ``checkpoint.load_path`` (full resume from elsewhere),
+Order: the run's own newest complete checkpoint (auto-resume; a newer incomplete or damaged
+one -- a shard shorter than its metadata, an unreadable train state -- is skipped with a
+warning), else ``checkpoint.load_path`` (full resume from elsewhere),
 else ``checkpoint.init_from`` (weights only). A checkpoint the run saved after starting
 from ``load_path`` records it, so a requeued job continues from its own progress while
-a changed ``load_path`` (a rollback) is honoured.
+a changed ``load_path`` (a rollback) is honoured. ``resume = "never"`` in a checkpoint root
+that already holds complete checkpoints is refused (exit 2).
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ from kforge_cli.engine.checkpoint.layout import (
     resolve_checkpoint,
 )
 from kforge_cli.engine.checkpoint.train_state import FORMAT
+from kforge_cli.engine.checkpoint.verify import damage
 from kforge_cli.engine.model.vlm.freeze import freeze_mismatch
 from kforge_cli.settings import JobSettings
 from kforge_cli.settings.infrastructure import CheckpointSettings
@@ -66,6 +69,10 @@ def _own_checkpoint(root: Path, load_path: str | None) -> tuple[Path, dict[str, 
         if not is_complete(path):
             log.warning("skipping incomplete checkpoint %s (its save never finished); using an earlier one", path)
             continue
+        problem = damage(path)
+        if problem:
+            log.warning("skipping damaged checkpoint %s (%s); using an earlier one", path, problem)
+            continue
         state = read_json(path / TRAIN_STATE_FILE)
         if state.get("load_path") == load_path:
             return path, state
@@ -73,11 +80,31 @@ def _own_checkpoint(root: Path, load_path: str | None) -> tuple[Path, dict[str, 
     return None
 
 
+def _refuse_older_checkpoints(root: Path) -> None:
+    """``resume = "never"`` starts from scratch, so the checkpoint root must hold no earlier run's checkpoints.
+
+    Mixing them would leave the new run unresumable: resume and retention pick by step
+    number, and the saved config would describe the new model. Refused rather than guessed.
+    """
+    older = [p for _, p in list_step_dirs(root) if is_complete(p)]
+    if older:
+        raise CheckpointError(
+            f"checkpoint.resume = 'never', but {root} already holds checkpoints of an earlier run "
+            f"({', '.join(p.name for p in older[-3:])}); a fresh run there could not be resumed cleanly. "
+            "Use a new --run-dir (or checkpoint.dir), remove those checkpoints, or resume with --checkpoint.resume=auto"
+        )
+
+
 def decide_restore(cfg: CheckpointSettings, root: Path) -> RestoreDecision:
     """What this run loads (rank 0 only): its own newest checkpoint, load_path, init_from, or nothing."""
+    if cfg.resume == "never":
+        _refuse_older_checkpoints(root)
     found = _own_checkpoint(root, cfg.load_path) if cfg.resume != "never" else None
     if found is None and cfg.load_path:
         path = resolve_checkpoint(cfg.load_path)
+        problem = damage(path)
+        if problem:
+            raise CheckpointError(f"checkpoint.load_path {path} is damaged: {problem}")
         found = path, read_json(path / TRAIN_STATE_FILE)
     if found is not None:
         path, state = found

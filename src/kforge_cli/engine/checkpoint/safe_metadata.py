@@ -6,7 +6,9 @@ torch's ``FileSystemReader.read_metadata`` opens ``.metadata`` with plain
 arbitrary code the moment it is opened. Here ``.metadata`` goes through an unpickler
 that resolves only DCP's own metadata classes and the few torch/pathlib objects they
 hold, and byte items go through ``torch.load(weights_only=True)``. Anything else is an
-:class:`UnsafeCheckpointError` naming the file; the payload is never called.
+:class:`UnsafeCheckpointError` naming the file; the payload is never called. What unpickles
+is then checked as data (:mod:`.metadata_checks`): shapes backed by stored bytes, storage
+paths plain names inside the directory, offsets and lengths within the files.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 from torch.distributed.checkpoint.planner import ReadItem
 
 from kforge_cli.engine.checkpoint.errors import CheckpointError, UnsafeCheckpointError
+from kforge_cli.engine.checkpoint.metadata_checks import check_storage_files, check_structure
 
 METADATA_FILE = ".metadata"
 
@@ -97,7 +100,7 @@ def load_metadata_file(path: Path) -> Metadata:
         raise CheckpointError(f"{path} is not readable DCP metadata ({type(exc).__name__}: {exc})") from None
     if not isinstance(md, Metadata):
         raise UnsafeCheckpointError(f"refusing {path}: it holds a {type(md).__name__}, not DCP Metadata")
-    return md
+    return check_structure(md, path)
 
 
 def read_dcp_metadata(checkpoint_dir: str | Path) -> Metadata:
@@ -106,12 +109,21 @@ def read_dcp_metadata(checkpoint_dir: str | Path) -> Metadata:
 
 
 class SafeFileSystemReader(FileSystemReader):
-    """``FileSystemReader`` whose ``.metadata`` is read by the restricted unpickler."""
+    """``FileSystemReader`` whose ``.metadata`` is read by the restricted unpickler and checked as data.
+
+    The metadata is read and checked (structure, then every shard file it names) when the
+    reader is made, outside DCP: DCP swallows a failing ``read_metadata`` into an
+    ``AssertionError``, and nothing may be read from a shard before these checks pass.
+    """
+
+    def __init__(self, path: str | Path, *args: Any, **kwargs: Any) -> None:
+        super().__init__(path, *args, **kwargs)
+        self._checked = load_metadata_file(Path(path) / METADATA_FILE)
+        check_storage_files(self._checked, Path(path))
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
         rank = kwargs.get("rank")
-        name = METADATA_FILE if rank is None else f"__{rank}{METADATA_FILE}"
-        md = load_metadata_file(Path(self.path) / name)
+        md = self._checked if rank is None else load_metadata_file(Path(self.path) / f"__{rank}{METADATA_FILE}")
         if getattr(md, "storage_meta", None) is None:
             md.storage_meta = StorageMeta()
         assert md.storage_meta is not None

@@ -18,13 +18,24 @@ from typing import Any
 import numpy as np
 import torch
 
-from kforge_cli.engine.checkpoint.errors import UnsafeCheckpointError
+from kforge_cli.engine.checkpoint.errors import CheckpointError, UnsafeCheckpointError
 from kforge_cli.engine.checkpoint.layout import RANK_STATE_DIR, atomic_write_bytes, atomic_write_json, read_json
 from kforge_cli.engine.checkpoint.safe_metadata import weights_only_reason
+from kforge_cli.errors import KforgeError
 
 log = logging.getLogger("kforge")
 
 FORMAT = 1
+# What a resume reads from train_state.json without a default; checked before a checkpoint is chosen.
+TRAIN_STATE_SCHEMA: dict[str, type] = {
+    "format": int,
+    "step": int,
+    "progress": dict,
+    "scheduler": dict,
+    "fingerprint": str,
+    "world_size": int,
+}
+_RNG_TENSORS = ("torch_cpu", "numpy_keys")
 
 
 def capture_rng() -> tuple[dict[str, Any], dict[str, Any]]:
@@ -89,6 +100,28 @@ def load_tensor_file(path: Path) -> Any:
             f"refusing to load {path}: it holds more than tensors ({weights_only_reason(exc)}), so it could run "
             "code. Use only checkpoints you trust; kforge writes tensors only there."
         ) from None
+    except Exception as exc:  # truncated or garbage: whatever torch.load raises on it
+        raise CheckpointError(f"{path} is not readable ({type(exc).__name__}: {exc})") from None
+
+
+def train_state_problems(state: dict[str, Any], path: Path) -> list[str]:
+    """What `train_state.json` lacks for a resume (a missing or mistyped key), empty when usable."""
+    problems = []
+    for key, kind in TRAIN_STATE_SCHEMA.items():
+        value = state.get(key)
+        if not isinstance(value, kind) or isinstance(value, bool):
+            shown = "missing" if key not in state else f"a {type(value).__name__}"
+            problems.append(f"{path}: {key!r} is {shown}, expected a {kind.__name__}")
+    return problems
+
+
+def _rng_problem(record: dict[str, Any], tensors: Any, json_path: Path, pt_path: Path) -> str | None:
+    rng = record.get("rng")
+    if not isinstance(rng, dict) or not isinstance(rng.get("python"), dict) or not isinstance(rng.get("numpy"), dict):
+        return f"{json_path} does not hold kforge RNG state (no rng.python / rng.numpy)"
+    if not isinstance(tensors, dict) or not all(isinstance(tensors.get(k), torch.Tensor) for k in _RNG_TENSORS):
+        return f"{pt_path} does not hold kforge RNG state ({' and '.join(_RNG_TENSORS)} tensors)"
+    return None
 
 
 def read_rank_state(step_dir: Path, rank: int) -> tuple[dict[str, Any], dict[str, Any]] | None:
@@ -98,6 +131,29 @@ def read_rank_state(step_dir: Path, rank: int) -> tuple[dict[str, Any], dict[str
         return None
     record = read_json(json_path)
     tensors = load_tensor_file(pt_path)
-    if not isinstance(tensors, dict) or not isinstance(tensors.get("torch_cpu"), torch.Tensor):
-        raise UnsafeCheckpointError(f"{pt_path} does not hold kforge RNG state")
+    problem = _rng_problem(record, tensors, json_path, pt_path)
+    if problem:
+        raise CheckpointError(problem)
     return record["rng"], tensors
+
+
+def rank_state_problems(step_dir: Path, world_size: int, *, strict: bool = False) -> list[str]:
+    """Missing or unreadable per-rank RNG files of a checkpoint saved by `world_size` ranks.
+
+    `strict`: a file that could carry code raises instead of being listed (resume refuses it).
+    """
+    problems = []
+    for rank in range(world_size):
+        json_path, pt_path = rank_state_paths(step_dir, rank)
+        if not json_path.is_file() or not pt_path.is_file():
+            problems.append(f"RNG state of rank {rank} is missing ({json_path.name} / {pt_path.name})")
+            continue
+        try:
+            read_rank_state(step_dir, rank)
+        except UnsafeCheckpointError as exc:
+            if strict:
+                raise
+            problems.append(str(exc))
+        except KforgeError as exc:
+            problems.append(str(exc))
+    return problems

@@ -3,8 +3,8 @@
 Checks, cheapest first, and reports every problem rather than stopping at the first:
 the commit marker and each DCP ``.metadata``; kforge's JSON and per-rank RNG files;
 that every shard file the metadata names exists and is long enough for the byte ranges
-it must hold (a truncated copy fails here, naming the file); that the shards of each
-tensor cover it; then it reads every tensor and non-tensor item back. Tensors holding
+it must hold (a truncated copy fails here, naming the file), and opening the metadata
+already checked that the shards of each tensor cover it; then it reads every tensor and non-tensor item back. Tensors holding
 NaN or inf are reported as warnings: readable, but probably not what you want.
 """
 
@@ -17,9 +17,12 @@ from typing import Any
 
 import torch
 
-from kforge_cli.engine.checkpoint.layout import COMMIT_FILE, DCP_METADATA, SUMMARY_FILE, TRAIN_STATE_FILE, read_json
+from kforge_cli.engine.checkpoint.errors import UnsafeCheckpointError
+from kforge_cli.engine.checkpoint.layout import SUMMARY_FILE, TRAIN_STATE_FILE, commit_problem, dcp_dirs, read_json
+from kforge_cli.engine.checkpoint.metadata_checks import storage_file_problems
 from kforge_cli.engine.checkpoint.reader import CheckpointView, batches, open_checkpoint, read_byte_items, read_tensors
-from kforge_cli.engine.checkpoint.train_state import load_tensor_file, rank_state_paths
+from kforge_cli.engine.checkpoint.safe_metadata import read_dcp_metadata
+from kforge_cli.engine.checkpoint.train_state import rank_state_problems, train_state_problems
 from kforge_cli.errors import KforgeError
 
 log = logging.getLogger("kforge")
@@ -45,59 +48,60 @@ class VerifyReport:
         return {**asdict(self), "ok": self.ok}
 
 
-def _check_kforge_files(view: CheckpointView, report: VerifyReport) -> None:
-    p = view.path
-    if not (p / COMMIT_FILE).is_file():
-        report.problems.append(f"{p / COMMIT_FILE} is missing: the save never finished (or was interrupted)")
-    for d in view.dcp_dirs:
-        if not (d / DCP_METADATA).is_file():
-            report.problems.append(f"{d / DCP_METADATA} is missing")
+def kforge_file_problems(step_dir: Path, *, strict: bool = False) -> list[str]:
+    """The commit marker, train_state.json's schema, metadata.json and every rank's RNG files.
+
+    `strict`: a file that could carry code raises :class:`UnsafeCheckpointError` instead.
+    """
+    _, problem = commit_problem(step_dir)
+    problems = [problem] if problem else []
     state: dict[str, Any] = {}
     for name in (TRAIN_STATE_FILE, SUMMARY_FILE):
         try:
-            data = read_json(p / name)
+            data = read_json(step_dir / name)
         except KforgeError as exc:
-            report.problems.append(str(exc))
+            problems.append(str(exc))
             continue
         if name == TRAIN_STATE_FILE:
             state = data
+            problems += train_state_problems(data, step_dir / name)
     world = state.get("world_size")
-    for rank in range(int(world) if isinstance(world, int) else 0):
-        json_path, pt_path = rank_state_paths(p, rank)
-        if not json_path.is_file() or not pt_path.is_file():
-            report.problems.append(f"RNG state of rank {rank} is missing ({json_path.name} / {pt_path.name})")
-            continue
-        try:
-            read_json(json_path)
-            load_tensor_file(pt_path)
-        except KforgeError as exc:
-            report.problems.append(str(exc))
-        except Exception as exc:  # a damaged .pt: torch.load's own error
-            report.problems.append(f"{pt_path} is not readable ({type(exc).__name__}: {exc})")
+    if isinstance(world, int) and not isinstance(world, bool) and world > 0:
+        problems += rank_state_problems(step_dir, world, strict=strict)
+    return problems
+
+
+def damage(step_dir: Path) -> str | None:
+    """Why a committed checkpoint cannot be resumed as it is (no tensor is read), or None.
+
+    Resume runs this on the checkpoint it is about to choose, so that a damaged one is
+    skipped for the previous complete one instead of failing mid-restore. A file that could
+    carry code is not damage: :class:`UnsafeCheckpointError` propagates and resume refuses.
+    """
+    problems = kforge_file_problems(step_dir, strict=True)
+    if not problems:
+        for d in dcp_dirs(step_dir):
+            try:
+                problems += storage_file_problems(read_dcp_metadata(d), d)
+            except UnsafeCheckpointError:
+                raise
+            except KforgeError as exc:
+                problems.append(str(exc))
+    if not problems:
+        return None
+    return "; ".join(problems[:3]) + (f" (and {len(problems) - 3} more)" if len(problems) > 3 else "")
 
 
 def _check_shard_files(view: CheckpointView, report: VerifyReport) -> set[Path]:
     """Problems with shard files; returns the DCP dirs whose files are all present and long enough."""
     good = set(view.dcp_dirs)
     for d, md in view.metadata.items():
-        needed: dict[str, int] = {}
-        for info in (md.storage_data or {}).values():
-            needed[info.relative_path] = max(needed.get(info.relative_path, 0), info.offset + info.length)
-        report.files += len(needed)
-        for rel, end in sorted(needed.items()):
-            path = d / rel
-            if not path.is_file():
-                report.problems.append(f"shard file {path} is missing")
-                good.discard(d)
-            elif (size := path.stat().st_size) < end:
-                report.problems.append(f"shard file {path} is truncated: {size} bytes, its metadata needs {end}")
-                good.discard(d)
-    for e in view.tensors.values():
-        chunks = view.metadata[e.source].state_dict_metadata[e.key].chunks  # type: ignore[union-attr]
-        covered = sum(int(torch.Size(c.sizes).numel()) for c in chunks)
-        if covered != e.numel:
-            report.problems.append(f"{e.key}: its {len(chunks)} shard(s) hold {covered} of {e.numel} elements")
-    return good
+        report.files += len({str(info.relative_path) for info in (md.storage_data or {}).values()})
+        problems = storage_file_problems(md, d)
+        report.problems += problems
+        if problems:
+            good.discard(d)
+    return good  # chunk coverage and shape-vs-bytes were checked when the metadata was opened
 
 
 def _read_back(view: CheckpointView, dirs: set[Path], report: VerifyReport) -> None:
@@ -139,7 +143,7 @@ def verify_checkpoint(path: str | Path) -> VerifyReport:
         return report
     report.path = str(view.path)
     if view.kforge:
-        _check_kforge_files(view, report)
+        report.problems += kforge_file_problems(view.path)
     good = _check_shard_files(view, report)
     _read_back(view, good, report)
     return report

@@ -65,6 +65,7 @@ class Source:
     val: TokenStream | None
     tokenizer: dict[str, Any]
     root: Path | None = None
+    top_shard: tuple[int, str] = (-1, "")  # (largest token id, the shard holding it): checked against the model
 
 
 class ValData:
@@ -115,6 +116,7 @@ class DataBundle:
 def _prepared_source(name: str, path: str) -> Source:
     meta = load_prepared(path)
     val = meta.splits.get("val")
+    top = max(((s.max_id, s.path.name) for shards in meta.splits.values() for s in shards), default=(-1, ""))
     return Source(
         name=name,
         origin=str(meta.root),
@@ -122,6 +124,7 @@ def _prepared_source(name: str, path: str) -> Source:
         val=ShardedTokens(val) if val and meta.split_tokens("val") else None,
         tokenizer=meta.tokenizer,
         root=meta.root,
+        top_shard=top,
     )
 
 
@@ -229,6 +232,13 @@ def build_data(settings: JobSettings, *, dp_rank: int, dp_size: int) -> DataBund
             f"the data's tokenizer ({tok.name}) has {tok.vocab_size} ids but model.vocab_size is "
             f"{settings.model.vocab_size}: set --model.vocab_size={tok.vocab_size} or more (a multiple of 64 is fastest)"
         )
+    for s in sources:
+        top, shard = s.top_shard
+        if top >= settings.model.vocab_size:
+            raise InvalidInputError(
+                f"{s.origin}: shard {shard} holds token id {top} but model.vocab_size is {settings.model.vocab_size}; "
+                "the data was made with another tokenizer, or the shard is damaged"
+            )
     windows = [_windows(s, s.train, "train", train.seq_len) for s in sources]
     names = [s.name for s in sources]
     weights = [d.weight for d in data.datasets] if data.datasets else [1.0]

@@ -122,7 +122,9 @@ class SplitWriter:
     def _finish_shard(self) -> None:
         assert self._cur is not None
         self._cur.close()
-        self.shards.append({"file": self._cur.path.name, "tokens": self._cur.length})
+        written = np.load(self._cur.path, mmap_mode="r", allow_pickle=False)  # hot in the page cache
+        top = shard_max_id(written) if written.shape[0] else -1
+        self.shards.append({"file": self._cur.path.name, "tokens": self._cur.length, "max_id": top})
         self._cur = None
 
     def close(self) -> dict[str, Any]:
@@ -135,6 +137,7 @@ class SplitWriter:
 class ShardInfo:
     path: Path
     tokens: int
+    max_id: int = -1  # largest token id in the shard (checked against the vocabulary when opened)
 
 
 @dataclass(frozen=True)
@@ -175,8 +178,48 @@ def read_metadata(root: Path) -> dict[str, Any]:
     return meta
 
 
+def _shard_path(root: Path, entry: Any) -> tuple[Path, int, int | None]:
+    """(path, tokens, cached max id) of one ``shards`` entry; its file must be a plain name inside `root`."""
+    if not isinstance(entry, dict):
+        raise _bad(root, f"a shard entry in {METADATA} is {entry!r}, not an object")
+    name, tokens, max_id = entry.get("file"), entry.get("tokens"), entry.get("max_id")
+    if not isinstance(name, str) or name in ("", ".", "..") or "/" in name or "\\" in name or "\x00" in name:
+        raise _bad(root, f"{METADATA} names the shard {name!r}; shards must be plain file names inside the directory")
+    if isinstance(tokens, bool) or not isinstance(tokens, int) or tokens < 0:
+        raise _bad(root, f"shard {name}: token count {tokens!r} is not an integer >= 0")
+    if max_id is not None and (isinstance(max_id, bool) or not isinstance(max_id, int)):
+        raise _bad(root, f"shard {name}: max_id {max_id!r} is not an integer")
+    path = root / name
+    if path.is_symlink() and not path.resolve().is_relative_to(root):
+        raise _bad(root, f"shard {name} is a link to {path.resolve()}, outside the directory")
+    return path, tokens, max_id
+
+
+def shard_max_id(arr: np.ndarray, chunk: int = 1 << 24) -> int:
+    """The largest token id of a shard (vectorised, in chunks so a memory-mapped shard is not copied whole)."""
+    top = -1
+    for start in range(0, arr.shape[0], chunk):
+        top = max(top, int(arr[start : start + chunk].max()))
+    return top
+
+
+def _check_shard(root: Path, path: Path, tokens: int, max_id: int | None, dtype: np.dtype[Any], vocab: int) -> int:
+    if not path.is_file():
+        raise _bad(root, f"shard {path.name} listed in {METADATA} is missing")
+    try:
+        arr = np.load(path, mmap_mode="r", allow_pickle=False)
+    except (OSError, ValueError) as exc:
+        raise _bad(root, f"shard {path.name} is unreadable ({exc})") from exc
+    if arr.dtype != dtype or arr.shape != (tokens,):
+        raise _bad(root, f"shard {path.name} holds {arr.dtype}{list(arr.shape)} but {METADATA} says {dtype}[{tokens}]")
+    top = shard_max_id(arr) if max_id is None else max_id  # prepare-data caches it; older directories are scanned
+    if top >= vocab:
+        raise _bad(root, f"shard {path.name} holds token id {top}, outside the vocabulary of {vocab} ids")
+    return top
+
+
 def load_prepared(root: str | Path) -> PreparedMeta:
-    """Read metadata.json and check every shard exists with the recorded dtype and length."""
+    """Read metadata.json and check every shard: a plain name inside DIR, its dtype, length and token range."""
     root = Path(root).expanduser().resolve()
     meta = read_metadata(root)
     try:
@@ -186,28 +229,22 @@ def load_prepared(root: str | Path) -> PreparedMeta:
         tokenizer: dict[str, Any] = meta["tokenizer"]
     except (KeyError, TypeError, ValueError) as exc:
         raise _bad(root, f"{METADATA} lacks or has a bad field: {exc}") from exc
-    if dtype.kind != "u" or vocab - 1 > np.iinfo(dtype).max:
+    if not isinstance(split_meta, dict) or not isinstance(tokenizer, dict):
+        raise _bad(root, f"{METADATA}: 'splits' and 'tokenizer' must be objects")
+    if vocab <= 0 or dtype.kind != "u" or vocab - 1 > np.iinfo(dtype).max:
         raise _bad(root, f"dtype {dtype} cannot hold a vocabulary of {vocab}")
     splits: dict[str, list[ShardInfo]] = {}
     for split, info in split_meta.items():
+        if not isinstance(info, dict) or not isinstance(info.get("shards", []), list):
+            raise _bad(root, f"{METADATA}: split {split!r} is {info!r}, not an object with a list of shards")
         shards = []
         for entry in info.get("shards", []):
-            path = root / entry["file"]
-            if not path.is_file():
-                raise _bad(root, f"shard {entry['file']} listed in {METADATA} is missing")
-            try:
-                arr = np.load(path, mmap_mode="r", allow_pickle=False)
-            except (OSError, ValueError) as exc:
-                raise _bad(root, f"shard {entry['file']} is unreadable ({exc})") from exc
-            if arr.dtype != dtype or arr.shape != (int(entry["tokens"]),):
-                raise _bad(
-                    root,
-                    f"shard {entry['file']} holds {arr.dtype}{list(arr.shape)} but {METADATA} says "
-                    f"{dtype}[{entry['tokens']}]",
-                )
-            shards.append(ShardInfo(path, int(entry["tokens"])))
-        if sum(s.tokens for s in shards) != int(info.get("tokens", -1)):
-            raise _bad(root, f"split {split!r}: shard lengths do not add up to its token count {info.get('tokens')}")
+            path, tokens, max_id = _shard_path(root, entry)
+            top = _check_shard(root, path, tokens, max_id, dtype, vocab)
+            shards.append(ShardInfo(path, tokens, top))
+        total = info.get("tokens", -1)
+        if isinstance(total, bool) or not isinstance(total, int) or sum(s.tokens for s in shards) != total:
+            raise _bad(root, f"split {split!r}: shard lengths do not add up to its token count {total!r}")
         splits[split] = shards
     if not splits.get("train"):
         raise _bad(root, "it has no train split")

@@ -12,9 +12,10 @@ from __future__ import annotations
 import logging
 import sys
 from pathlib import Path
-from typing import TextIO
+from typing import Any, TextIO
 
 from kforge_cli.errors import InvalidInputError
+from kforge_cli.files import open_append, real_dir
 
 LOGGER_NAME = "kforge"
 DATE_FORMAT = "%Y-%m-%d %H:%M:%S"
@@ -59,6 +60,13 @@ def _parse_level(level: str) -> int:
     return logging.getLevelNamesMapping()[name]
 
 
+class _NoFollowFileHandler(logging.FileHandler):
+    """A FileHandler that refuses a log file that is a symbolic link (it would append to the link's target)."""
+
+    def _open(self) -> Any:
+        return open_append(Path(self.baseFilename), encoding=self.encoding or "utf-8")
+
+
 def setup_logging(rank: int, world_size: int, log_dir: Path | None, level: str = "INFO") -> logging.Logger:
     """Configure the ``kforge`` logger for this rank and return it.
 
@@ -82,8 +90,8 @@ def setup_logging(rank: int, world_size: int, log_dir: Path | None, level: str =
     logger.addHandler(console)
 
     if log_dir is not None:
-        log_dir.mkdir(parents=True, exist_ok=True)
-        file_handler = logging.FileHandler(log_dir / f"rank_{rank}.log", mode="a", encoding="utf-8")
+        real_dir(log_dir)
+        file_handler = _NoFollowFileHandler(log_dir / f"rank_{rank}.log", mode="a", encoding="utf-8")
         file_handler.setLevel(numeric_level)
         file_handler.setFormatter(formatter)
         setattr(file_handler, _HANDLER_MARK, True)

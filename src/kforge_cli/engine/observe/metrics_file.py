@@ -17,6 +17,8 @@ from pathlib import Path
 from types import TracebackType
 from typing import IO, Any
 
+from kforge_cli.files import open_append, real_dir
+
 
 def _to_json_value(value: Any) -> Any:
     """A JSON-safe copy of ``value``: non-finite floats become ``None``.
@@ -43,9 +45,9 @@ class MetricsFile:
 
     def __init__(self, path: Path) -> None:
         self.path = Path(path)
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        needs_newline = self.path.exists() and self.path.stat().st_size > 0 and not _ends_with_newline(self.path)
-        self._file: IO[str] | None = self.path.open("a", encoding="utf-8")
+        real_dir(self.path.parent)
+        self._file: IO[str] | None = open_append(self.path)  # refuses a symlinked metrics.jsonl
+        needs_newline = self.path.stat().st_size > 0 and not _ends_with_newline(self.path)
         if needs_newline:
             # A previous process died mid-line: end that torn line so ours stays parseable.
             self._file.write("\n")

@@ -45,6 +45,8 @@ def load_hook(spec: str, settings: JobSettings) -> TrainHook:
 
 def build_hooks(settings: JobSettings, extra: list[TrainHook] | None) -> HookList:
     """Hooks from settings (by import path) followed by those passed from Python."""
+    if settings.train.hooks:
+        log.info("importing train.hooks: %s", ", ".join(settings.train.hooks))
     hooks = [load_hook(spec, settings) for spec in settings.train.hooks]
     return HookList(hooks + list(extra or []))
 

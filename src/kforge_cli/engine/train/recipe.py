@@ -43,7 +43,7 @@ from kforge_cli.engine.train.loop import TrainOutcome, run_training_loop
 from kforge_cli.engine.train.loss import LossFn, build_loss_fn
 from kforge_cli.engine.train.optimizer import build_optimizer
 from kforge_cli.engine.train.pipeline_step import bind_pipeline_loss
-from kforge_cli.engine.train.run_dir import resolve_run_dir, write_config
+from kforge_cli.engine.train.run_dir import release_run_dir, resolve_run_dir, write_config
 from kforge_cli.engine.train.scheduler import build_scheduler
 from kforge_cli.engine.train.session import TrainHook, TrainingSession
 from kforge_cli.engine.train.step import StepFn
@@ -132,11 +132,12 @@ def run_training(
 ) -> TrainOutcome:
     """Train per `settings`. The process group is torn down only after a successful run."""
     runtime = init_runtime(settings)
-    run_dir = resolve_run_dir(settings, runtime)
-    setup_logging(runtime.rank, runtime.world_size, run_dir / "logs")
-    if runtime.is_main:
-        write_config(settings, run_dir)
+    run_dir = resolve_run_dir(settings, runtime)  # rank 0 holds its lock until the run ends, however it ends
     with ExitStack() as stack:
+        stack.callback(release_run_dir, run_dir)
+        setup_logging(runtime.rank, runtime.world_size, run_dir / "logs")
+        if runtime.is_main:
+            write_config(settings, run_dir)
         shutdown = ShutdownHandler(settings.resilience.shutdown_signals).install()
         stack.callback(shutdown.close)
         nan_guard = NanGuard.from_settings(settings.resilience)

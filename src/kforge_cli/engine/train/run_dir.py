@@ -9,24 +9,56 @@ import torch.distributed as dist
 
 from kforge_cli.engine.checkpoint.run_config import conflicts_with_saved_config
 from kforge_cli.engine.runtime import RuntimeContext
+from kforge_cli.engine.train.run_lock import RunLock, acquire_run_lock, refuse_foreign_dir
+from kforge_cli.errors import InvalidInputError
+from kforge_cli.files import atomic_write, check_run_dir, real_dir
 from kforge_cli.settings import JobSettings
 from kforge_cli.settings.explain import to_toml
-from kforge_cli.settings.run_dir import default_run_dir
+from kforge_cli.settings.run_dir import claim_default_run_dir
 
 log = logging.getLogger("kforge")
 
 
+_LOCKS: dict[Path, RunLock] = {}
+
+
+def _claim(settings: JobSettings) -> Path:
+    """Rank 0: the run directory, created and locked (see `run_lock`)."""
+    if settings.train.run_dir:
+        run_dir = check_run_dir(Path(settings.train.run_dir)).resolve()
+        refuse_foreign_dir(run_dir)
+    else:
+        run_dir = claim_default_run_dir(settings).resolve()
+    real_dir(run_dir / "logs")
+    _LOCKS[run_dir] = acquire_run_lock(run_dir)
+    return run_dir
+
+
 def resolve_run_dir(settings: JobSettings, runtime: RuntimeContext) -> Path:
-    """RUN_DIR (absolute): train.run_dir, or the default name decided by rank 0 for every rank."""
-    chosen = [str(Path(settings.train.run_dir or default_run_dir(settings)).expanduser().resolve())]
+    """RUN_DIR (absolute): train.run_dir, or a fresh default one; rank 0 decides, creates and locks it.
+
+    A refusal on rank 0 (a file, a foreign directory, a run in progress) is broadcast so
+    every rank raises it instead of waiting. Release the lock with :func:`release_run_dir`.
+    """
+    chosen: list[str | None] = [None, None]  # (run dir, error)
+    if runtime.is_main:
+        try:
+            chosen[0] = str(_claim(settings))
+        except InvalidInputError as exc:
+            chosen[1] = str(exc)
     if runtime.distributed:
         dist.broadcast_object_list(chosen, src=0)
-    run_dir = Path(chosen[0])
-    if runtime.is_main:
-        (run_dir / "logs").mkdir(parents=True, exist_ok=True)
-    if runtime.distributed:
-        dist.barrier()
-    return run_dir
+    if chosen[1] is not None:
+        raise InvalidInputError(chosen[1])
+    assert chosen[0] is not None
+    return Path(chosen[0])
+
+
+def release_run_dir(run_dir: Path) -> None:
+    """Free the run directory's lock (this process's; a no-op on other ranks)."""
+    lock = _LOCKS.pop(Path(run_dir), None)
+    if lock is not None:
+        lock.release()
 
 
 def with_run_dir(settings: JobSettings, run_dir: Path) -> JobSettings:
@@ -46,7 +78,5 @@ def write_config(settings: JobSettings, run_dir: Path) -> Path:
     if conflicts:
         log.warning("keeping %s: these settings change the model's shape (%s)", path, "; ".join(conflicts))
         return path
-    tmp = path.with_suffix(".toml.tmp")
-    tmp.write_text(to_toml(with_run_dir(settings, run_dir)))
-    tmp.replace(path)
+    atomic_write(path, to_toml(with_run_dir(settings, run_dir)).encode())  # never through a planted link
     return path

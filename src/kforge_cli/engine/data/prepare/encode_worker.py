@@ -119,6 +119,9 @@ def _records(raw: bytes, offset: int, text_field: str, bad: _Bad) -> list[str]:
         except ValueError as exc:
             bad(at, f"invalid JSON ({exc})", "fix the record or pass --skip-bad-records")
             continue
+        except RecursionError:  # e.g. 200k nested arrays: not a document
+            bad(at, "JSON nested too deeply to parse", "fix the record or pass --skip-bad-records")
+            continue
         if not isinstance(record, dict) or text_field not in record:
             keys = ", ".join(map(str, record)) if isinstance(record, dict) else type(record).__name__
             bad(at, f"record has no field {text_field!r} (has: {keys})", "use --text-field or --skip-bad-records")
@@ -127,9 +130,25 @@ def _records(raw: bytes, offset: int, text_field: str, bad: _Bad) -> list[str]:
         if not isinstance(text, str):
             bad(at, f"field {text_field!r} is {type(text).__name__}, not a string", "pass --skip-bad-records")
             continue
+        if not _encodable(text):
+            bad(
+                at,
+                f"field {text_field!r} holds a lone surrogate (e.g. \\ud800), not valid Unicode",
+                "pass --skip-bad-records",
+            )
+            continue
         if text:
             texts.append(text)
     return texts
+
+
+def _encodable(text: str) -> bool:
+    """False when `text` holds a lone surrogate (JSON allows "\\ud800"; UTF-8 and tokenizers do not)."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
 
 
 def _segment_tokens(unit: WorkUnit, raw: bytes, offset: int, bad: _Bad, dtype: np.dtype[Any]) -> tuple[np.ndarray, int]:

@@ -22,6 +22,8 @@ import multiprocessing as mp
 import os
 import secrets
 import shutil
+import signal
+import threading
 import time
 from collections import deque
 from collections.abc import Callable, Iterator
@@ -39,6 +41,7 @@ from kforge_cli.engine.data.prepare.inputs import InputFile, WorkUnit, collect_i
 from kforge_cli.engine.data.shards import FORMAT, FORMAT_VERSION, METADATA, SplitWriter, load_prepared
 from kforge_cli.engine.data.tokenizer import ByteTokenizer, HFTokenizer, load_tokenizer, token_dtype
 from kforge_cli.errors import InvalidInputError
+from kforge_cli.files import fsync_dir
 from kforge_cli.settings.data import (
     PREPARE_SHARD_TOKENS,
     PREPARE_TEXT_FIELD,
@@ -194,10 +197,50 @@ def _replace_dir(tmp: Path, out: Path) -> None:
 
 
 def _check_out(out: Path) -> None:
-    if out.exists() and (not out.is_dir() or (any(out.iterdir()) and not (out / METADATA).is_file())):
+    """`out` may be missing, empty, or a directory prepare-data wrote (its format marker); nothing else is replaced."""
+    if out.is_symlink():
+        raise InvalidInputError(f"--out {out} is a symbolic link: pass the real directory (or a new path)")
+    if out.exists() and not out.is_dir():
+        raise InvalidInputError(f"--out {out} is a file, not a directory: choose another path")
+    if not out.exists() or not any(out.iterdir()):
+        return
+    try:
+        marker = json.loads((out / METADATA).read_text(encoding="utf-8")).get("format")
+    except (OSError, ValueError, AttributeError):
+        marker = None
+    if marker != FORMAT:
         raise InvalidInputError(
-            f"--out {out} exists and is not a prepared data directory: choose another path or remove it"
+            f"--out {out} exists and was not written by `kforge prepare-data` (no {METADATA} with format "
+            f"{FORMAT!r}): refusing to replace it. Choose another path, or remove it yourself"
         )
+
+
+def _fsync_tree(root: Path) -> None:
+    """Every file and directory under `root` durable before the final rename publishes it."""
+    for dirpath, _, names in os.walk(root):
+        for name in names:
+            fd = os.open(os.path.join(dirpath, name), os.O_RDONLY)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+        fsync_dir(Path(dirpath))
+
+
+def _sigterm_cleans_up() -> Callable[[], None]:
+    """Turn SIGTERM into SystemExit (exit 143) so `finally` removes the temporary directory; returns the undo."""
+    if threading.current_thread() is not threading.main_thread():
+        return lambda: None
+
+    def stop(signum: int, frame: Any) -> None:
+        raise SystemExit(128 + signum)
+
+    previous = signal.signal(signal.SIGTERM, stop)
+
+    def undo() -> None:
+        signal.signal(signal.SIGTERM, previous)
+
+    return undo
 
 
 def prepare_data(
@@ -260,6 +303,7 @@ def prepare_data(
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}-{secrets.token_hex(4)}")
     tmp.mkdir()
+    restore_sigterm = _sigterm_cleans_up()
     try:
         with ThreadPoolExecutor(1) as hasher:
             sums: list[Future[str]] = [hasher.submit(_source_sha256, f) for f in files]
@@ -310,10 +354,13 @@ def prepare_data(
             "inputs_key": key,
         }
         (tmp / METADATA).write_text(json.dumps(meta, indent=2) + "\n", encoding="utf-8")
+        _fsync_tree(tmp)
         _replace_dir(tmp, out)
+        fsync_dir(out.parent)
     finally:
         if tmp.exists():
             shutil.rmtree(tmp, ignore_errors=True)
+        restore_sigterm()
     return PrepareResult(
         out,
         False,

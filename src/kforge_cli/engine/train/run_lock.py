@@ -1,0 +1,161 @@
+"""One run per run directory: an exclusive lock for the life of a run, and no foreign directories.
+
+Two `kforge train` on one directory would interleave ``metrics.jsonl`` and delete each
+other's checkpoints in flight. Rank 0 holds ``fcntl.flock`` on ``RUN_DIR/.kforge-lock``
+while the run lives; the kernel releases it on any exit, including ``kill -9``, so a lock
+left by a dead process is simply taken over (its record is logged). A SLURM job that was
+requeued may start before the filesystem noticed the old node's process died (NFS lock
+leases): then it waits a while for the lock instead of failing at once. Where the
+filesystem has no ``flock`` (some Lustre mounts), the record alone decides: a live process
+on this host blocks, anything else is taken over with a warning.
+
+A directory that exists, is not empty and holds nothing kforge wrote is refused rather
+than written into (its ``config.toml`` would be replaced).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime as _dt
+import errno
+import fcntl
+import json
+import logging
+import os
+import socket
+import time
+import tomllib
+from pathlib import Path
+from typing import IO, Any
+
+from kforge_cli.errors import InvalidInputError
+from kforge_cli.files import open_append
+
+log = logging.getLogger("kforge")
+
+LOCK_FILE = ".kforge-lock"
+REQUEUE_WAIT_S = 120.0  # how long a requeued SLURM job waits for the old holder's lock to expire
+_KFORGE_ENTRIES = ("checkpoints", "metrics.jsonl", "logs", "job.sbatch", LOCK_FILE)
+_NO_FLOCK = {errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOSYS, errno.EINVAL}
+
+
+class RunDirInUseError(InvalidInputError):
+    """Another live kforge process holds the run directory (exit 2)."""
+
+
+def is_kforge_run(run_dir: Path) -> bool:
+    """True when `run_dir` holds something kforge writes (a config with model/train tables, logs, checkpoints)."""
+    if any((run_dir / name).exists() for name in _KFORGE_ENTRIES):
+        return True
+    try:
+        config = tomllib.loads((run_dir / "config.toml").read_text())
+    except (OSError, ValueError):
+        return False
+    return isinstance(config.get("model"), dict) and isinstance(config.get("train"), dict)
+
+
+def refuse_foreign_dir(run_dir: Path) -> None:
+    """Refuse an existing, non-empty directory that is not a kforge run (it would be written into)."""
+    if run_dir.is_dir() and any(run_dir.iterdir()) and not is_kforge_run(run_dir):
+        raise InvalidInputError(
+            f"{run_dir} exists, is not empty and is not a kforge run directory (no config.toml, logs/ or "
+            "checkpoints/ written by kforge): refusing to write into it. Pass a new or empty --run-dir"
+        )
+
+
+def _record() -> dict[str, Any]:
+    return {
+        "pid": os.getpid(),
+        "host": socket.gethostname(),
+        "slurm_job_id": os.environ.get("SLURM_JOB_ID"),
+        "since": _dt.datetime.now(_dt.UTC).isoformat(timespec="seconds"),
+    }
+
+
+def _read_record(path: Path) -> dict[str, Any]:
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return {}
+    return data if isinstance(data, dict) else {}
+
+
+def _alive_here(record: dict[str, Any]) -> bool:
+    """The record's process runs on this host (a record from another host cannot be checked)."""
+    pid = record.get("pid")
+    if record.get("host") != socket.gethostname() or not isinstance(pid, int) or pid <= 0:
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def _describe(record: dict[str, Any]) -> str:
+    job = f", SLURM job {record['slurm_job_id']}" if record.get("slurm_job_id") else ""
+    return f"pid {record.get('pid', '?')} on {record.get('host', '?')}{job}, since {record.get('since', '?')}"
+
+
+class RunLock:
+    """The held lock of one run directory (rank 0 only); `release` (or process exit) frees it."""
+
+    def __init__(self, run_dir: Path, handle: IO[str]) -> None:
+        self.run_dir, self._handle = run_dir, handle
+
+    def release(self) -> None:
+        if self._handle.closed:
+            return
+        with contextlib.suppress(OSError):
+            fcntl.flock(self._handle.fileno(), fcntl.LOCK_UN)
+        self._handle.close()
+
+    def __enter__(self) -> RunLock:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.release()
+
+
+def _requeued(previous: dict[str, Any]) -> bool:
+    job = os.environ.get("SLURM_JOB_ID")
+    restarted = int(os.environ.get("SLURM_RESTART_COUNT", "0") or 0) > 0
+    return bool(job) and (restarted or previous.get("slurm_job_id") == job)
+
+
+def acquire_run_lock(run_dir: Path, *, wait_s: float | None = None) -> RunLock:
+    """Take the exclusive lock of `run_dir` or raise :class:`RunDirInUseError` naming the holder."""
+    path = run_dir / LOCK_FILE
+    previous = _read_record(path)
+    handle = open_append(path)  # never through a planted link
+    deadline = time.monotonic() + (wait_s if wait_s is not None else REQUEUE_WAIT_S if _requeued(previous) else 0)
+    while True:
+        try:
+            fcntl.flock(handle.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+            break
+        except BlockingIOError:
+            if time.monotonic() < deadline:
+                time.sleep(1.0)
+                continue
+            handle.close()
+            raise RunDirInUseError(
+                f"{run_dir} is in use by another kforge run ({_describe(_read_record(path))}); wait for it to end, "
+                "or use another --run-dir. Two runs in one directory would mix their metrics and checkpoints"
+            ) from None
+        except OSError as exc:
+            if exc.errno not in _NO_FLOCK:
+                raise
+            if _alive_here(previous):
+                handle.close()
+                raise RunDirInUseError(f"{run_dir} is in use by {_describe(previous)} (no flock here)") from None
+            log.warning("%s: the filesystem has no flock; relying on the lock file's record alone", run_dir)
+            break
+    if previous.get("pid") is not None and previous.get("pid") != os.getpid():
+        log.info("run dir lock: taking over from %s, which is no longer running", _describe(previous))
+    handle.seek(0)
+    handle.truncate()
+    handle.write(json.dumps(_record()) + "\n")
+    handle.flush()
+    return RunLock(run_dir, handle)
