@@ -10,7 +10,7 @@ import typer
 from kforge_cli.cli.options import OVERRIDES, SbatchOpt, SubmitOpt
 
 if TYPE_CHECKING:
-    from kforge_cli.settings import ResolvedSettings
+    from kforge_cli.settings import JobSettings, ResolvedSettings
 
 
 def register(app: typer.Typer) -> None:
@@ -29,6 +29,10 @@ def resume(
     (e.g. --train.max_steps=20000); ones that do are refused (exit 2).
     """
     resolved = resolve_resume(run_dir, list(ctx.args))
+    done = _already_done(resolved.settings)
+    if done is not None:
+        typer.echo(done, err=True)
+        raise typer.Exit(0)
     if sbatch or submit:  # a job that continues RUN_DIR (its config.toml takes the overrides)
         from kforge_cli.slurm import sbatch_from_cli
 
@@ -36,6 +40,24 @@ def resume(
     from kforge_cli.engine.train.entry import train_from_cli
 
     raise typer.Exit(train_from_cli(resolved))
+
+
+def _already_done(settings: JobSettings) -> str | None:
+    """Why there is nothing to resume: the newest checkpoint is already at or past train.max_steps."""
+    from kforge_cli.engine.checkpoint.layout import newest_complete, step_of
+
+    run_dir = Path(settings.train.run_dir or ".")
+    root = Path(settings.checkpoint.dir).expanduser() if settings.checkpoint.dir else run_dir / "checkpoints"
+    newest, _ = newest_complete(root)
+    step = None if newest is None else step_of(newest)
+    max_steps = settings.train.max_steps
+    if step is None or step < max_steps:
+        return None
+    where = "already past" if step > max_steps else "already at"
+    return (
+        f"{run_dir} is {where} train.max_steps={max_steps} (its newest checkpoint is step {step}): nothing to do. "
+        f"To train further, raise it: kforge resume {run_dir} --train.max_steps={step + max(1, max_steps)}"
+    )
 
 
 def resolve_resume(run_dir: Path, overrides: list[str]) -> ResolvedSettings:

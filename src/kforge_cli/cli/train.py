@@ -21,7 +21,9 @@ def train(
     run_dir: RunDirOpt = None,
     nproc_per_node: Annotated[
         int | None,
-        typer.Option("--nproc-per-node", help="Start N local processes with torch's elastic launcher."),
+        typer.Option(
+            "--nproc-per-node", help="Start N local processes (like torchrun); signals are forwarded to them."
+        ),
     ] = None,
     sbatch: SbatchOpt = False,
     submit: SubmitOpt = False,

@@ -94,7 +94,9 @@ class ResilienceSettings(Section):
     )
     nan_max_consecutive: int = field(5, "abort policy: stop after this many consecutive bad steps.", gt=0)
     shutdown_signals: list[str] = field(
-        lambda: ["SIGTERM", "SIGUSR1"], "Signals that stop training at the next step boundary."
+        lambda: ["SIGTERM", "SIGUSR1", "SIGINT"],
+        "Signals that stop training at the next step boundary after saving a checkpoint "
+        "(a second SIGINT stops at once).",
     )
 
 

@@ -3,12 +3,21 @@
 from __future__ import annotations
 
 import logging
+import os
 
 from kforge_cli.engine.train.recipe import run_training
 from kforge_cli.errors import EXIT_FAILURE, EXIT_OK, EXIT_REQUEUE
 from kforge_cli.settings import ResolvedSettings
 
 log = logging.getLogger("kforge")
+
+
+def resume_hint(run_dir: object) -> str:
+    """How to continue a stopped run: requeue inside a SLURM job, `kforge resume RUN_DIR` elsewhere."""
+    command = f"kforge resume {run_dir}"
+    if os.environ.get("SLURM_JOB_ID"):
+        return f"the job exits 75 so SLURM can requeue it (or continue with: {command})"
+    return f"continue with: {command}"
 
 
 def train_from_cli(resolved: ResolvedSettings) -> int:
@@ -25,7 +34,10 @@ def train_from_cli(resolved: ResolvedSettings) -> int:
         return EXIT_OK
     if outcome.checkpoint_saved:
         log.warning(
-            "stopped by %s at step %d after saving a checkpoint: requeue to continue", outcome.signal, outcome.step
+            "stopped by %s at step %d after saving a checkpoint: %s",
+            outcome.signal,
+            outcome.step,
+            resume_hint(resolved.settings.train.run_dir),
         )
         return EXIT_REQUEUE
     log.error(

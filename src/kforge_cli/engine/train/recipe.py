@@ -55,6 +55,8 @@ def run_training(
     runtime = init_runtime(settings)
     run_dir = resolve_run_dir(settings, runtime)
     setup_logging(runtime.rank, runtime.world_size, run_dir / "logs")
+    if runtime.threads is not None:
+        log.info(runtime.threads.describe())
     if runtime.is_main:
         write_config(settings, run_dir)
     with ExitStack() as stack:
