@@ -7,7 +7,7 @@ from typing import TYPE_CHECKING, Annotated
 
 import typer
 
-from kforge_cli.cli.options import OVERRIDES, SbatchOpt, SubmitOpt
+from kforge_cli.cli.options import OVERRIDES, SbatchOpt, SubmitOpt, print_warnings
 
 if TYPE_CHECKING:
     from kforge_cli.settings import JobSettings, ResolvedSettings
@@ -78,7 +78,8 @@ def resolve_resume(run_dir: Path, overrides: list[str]) -> ResolvedSettings:
     extra = [f"--train.run_dir={run_dir}"]
     if not any(a.startswith("--checkpoint.resume") for a in overrides):
         extra.append("--checkpoint.resume=require")
-    resolved = load_settings(base=saved, overrides=[*overrides, *extra], base_source=source)
+    resolved = load_settings(base=saved, overrides=[*overrides, *extra], base_source=source, for_run=True)
+    print_warnings(resolved)
     diff = shaping_diff(shaping_config(original), shaping_config(resolved.settings))
     if diff:
         issues = [

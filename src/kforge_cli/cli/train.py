@@ -37,7 +37,7 @@ def train(
     overrides = list(ctx.args)
     if run_dir is not None:
         overrides.append(f"--train.run_dir={run_dir}")
-    resolved = resolve(profile, config, overrides)
+    resolved = resolve(profile, config, overrides, for_run=True)
     if sbatch or submit:  # --submit implies --sbatch
         from kforge_cli.slurm import sbatch_from_cli
 
