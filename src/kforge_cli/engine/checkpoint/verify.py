@@ -17,6 +17,7 @@ from typing import Any
 
 import torch
 
+from kforge_cli.engine.checkpoint.inspection import shard_size_problems
 from kforge_cli.engine.checkpoint.layout import COMMIT_FILE, DCP_METADATA, SUMMARY_FILE, TRAIN_STATE_FILE, read_json
 from kforge_cli.engine.checkpoint.reader import CheckpointView, batches, open_checkpoint, read_byte_items, read_tensors
 from kforge_cli.engine.checkpoint.train_state import load_tensor_file, rank_state_paths
@@ -62,6 +63,8 @@ def _check_kforge_files(view: CheckpointView, report: VerifyReport) -> None:
         if name == TRAIN_STATE_FILE:
             state = data
     world = state.get("world_size")
+    if state.get("weights_only") or state.get("kind") == "convert-mot":
+        world = 0  # weights only (convert-mot's output): complete without optimizer or RNG state
     for rank in range(int(world) if isinstance(world, int) else 0):
         json_path, pt_path = rank_state_paths(p, rank)
         if not json_path.is_file() or not pt_path.is_file():
@@ -79,19 +82,11 @@ def _check_kforge_files(view: CheckpointView, report: VerifyReport) -> None:
 def _check_shard_files(view: CheckpointView, report: VerifyReport) -> set[Path]:
     """Problems with shard files; returns the DCP dirs whose files are all present and long enough."""
     good = set(view.dcp_dirs)
-    for d, md in view.metadata.items():
-        needed: dict[str, int] = {}
-        for info in (md.storage_data or {}).values():
-            needed[info.relative_path] = max(needed.get(info.relative_path, 0), info.offset + info.length)
-        report.files += len(needed)
-        for rel, end in sorted(needed.items()):
-            path = d / rel
-            if not path.is_file():
-                report.problems.append(f"shard file {path} is missing")
-                good.discard(d)
-            elif (size := path.stat().st_size) < end:
-                report.problems.append(f"shard file {path} is truncated: {size} bytes, its metadata needs {end}")
-                good.discard(d)
+    files, problems = shard_size_problems(view)
+    report.files += files
+    for d, message in problems:
+        report.problems.append(message)
+        good.discard(d)
     for e in view.tensors.values():
         chunks = view.metadata[e.source].state_dict_metadata[e.key].chunks  # type: ignore[union-attr]
         covered = sum(int(torch.Size(c.sizes).numel()) for c in chunks)
