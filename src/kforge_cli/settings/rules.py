@@ -86,6 +86,16 @@ def config_warnings(s: JobSettings) -> list[ConfigIssue]:
                 "never reaches its peak (fine for a smoke test)",
             )
         )
+    if s.slurm.nodes > 1:
+        for name in ("partition", "account"):
+            if getattr(s.slurm, name) is None:
+                out.append(
+                    ConfigIssue(
+                        f"slurm.{name}",
+                        f"not set for a {s.slurm.nodes}-node job: most clusters need one "
+                        f"(--slurm.{name}=NAME), else the cluster's default is used",
+                    )
+                )
     return out
 
 
