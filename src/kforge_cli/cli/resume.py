@@ -37,18 +37,18 @@ def resume(
         from kforge_cli.slurm import sbatch_from_cli
 
         raise typer.Exit(sbatch_from_cli(resolved.settings, submit=submit))
-    from kforge_cli.engine.train.entry import train_from_cli
+    from kforge_cli.cli.outcome import train_and_exit
 
-    raise typer.Exit(train_from_cli(resolved))
+    raise typer.Exit(train_and_exit(resolved.settings))
 
 
 def _already_done(settings: JobSettings) -> str | None:
     """Why there is nothing to resume: the newest checkpoint is already at or past train.max_steps."""
     from kforge_cli.engine.checkpoint.layout import newest_complete, step_of
+    from kforge_cli.settings.run_dir import checkpoint_root
 
     run_dir = Path(settings.train.run_dir or ".")
-    root = Path(settings.checkpoint.dir).expanduser() if settings.checkpoint.dir else run_dir / "checkpoints"
-    newest, _ = newest_complete(root)
+    newest, _ = newest_complete(checkpoint_root(settings, run_dir))
     step = None if newest is None else step_of(newest)
     max_steps = settings.train.max_steps
     if step is None or step < max_steps:

@@ -72,23 +72,6 @@ def explain_key(resolved: ResolvedSettings, key: str) -> str:
     raise InvalidInputError(f"unknown key {key!r}")
 
 
-def _text_block(s: JobSettings) -> int:
-    m = s.model
-    d, hd, kv, hidden = m.dim, m.head_dim, m.kv_heads, m.resolved_ffn_hidden_dim
-    attn = d * m.n_heads * hd + 2 * d * kv * hd + m.n_heads * hd * d
-    if m.qk_norm:
-        attn += 2 * hd
-    mlp = (3 if m.activation == "swiglu" else 2) * d * hidden
-    return attn + mlp + 2 * d
-
-
-def param_count(s: JobSettings) -> int:
-    """Parameters of the text Transformer, computed from the config (matches the built model)."""
-    m = s.model
-    head = 0 if m.tie_embeddings else m.vocab_size * m.dim
-    return m.vocab_size * m.dim + m.n_layers * _text_block(s) + m.dim + head
-
-
 def _linear(i: int, o: int) -> int:
     return i * o + o  # with bias
 
@@ -121,7 +104,7 @@ def vision_param_counts(s: JobSettings) -> dict[str, int | None]:
         parts["adapter"] = _linear(c, d)
     m = s.model
     if vlm.arch == "mot":
-        parts["decoder"] = (len(vlm.modalities) - 1) * m.n_layers * _text_block(s)
+        parts["decoder"] = (len(vlm.modalities) - 1) * m.n_layers * m.block_params()
     elif vlm.arch == "cross_attention":
         inner = m.n_heads * m.head_dim
         crossed = len(range(0, m.n_layers, vlm.cross_attention_every))

@@ -38,9 +38,8 @@ from kforge_cli.engine.checkpoint.reader import (
     read_tensors,
     shaping_of,
 )
+from kforge_cli.engine.runtime.dtypes import DTYPES, torch_dtype_name
 
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
-_HF_DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
 DEFAULT_SHARD_BYTES = 5 * 2**30
 
 
@@ -70,7 +69,7 @@ def _normal_permissions(directory: Path) -> None:
 
 def _stored_dtype(entries: list[TensorEntry]) -> torch.dtype:
     kinds = {e.dtype for e in entries}
-    return kinds.pop() if len(kinds) == 1 and next(iter(kinds)) in _HF_DTYPE_NAMES else torch.float32
+    return kinds.pop() if len(kinds) == 1 and next(iter(kinds)) in DTYPES.values() else torch.float32
 
 
 def _plan(entries: list[TensorEntry], itemsize: int, max_bytes: int) -> list[list[TensorEntry]]:
@@ -153,7 +152,7 @@ def export_hf(
             total = sum(e.numel for e in entries) * target.itemsize
             index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
             (tmp / INDEX_FILE).write_text(json.dumps(index, indent=2) + "\n")
-        config = hf_config(fields, ffn_hidden_dim=cfg.resolved_ffn_hidden_dim, torch_dtype=_HF_DTYPE_NAMES[target])
+        config = hf_config(fields, ffn_hidden_dim=cfg.resolved_ffn_hidden_dim, torch_dtype=torch_dtype_name(target))
         spec = run_tokenizer(view.path) if tokenizer is None else tokenizer
         exported = None if spec in (None, "none") else write_tokenizer(spec, tmp, cfg.max_seq_len)
         if exported is not None:
@@ -171,5 +170,5 @@ def export_hf(
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return ExportResult(
-        out, files, len(entries), sum(e.numel for e in entries), _HF_DTYPE_NAMES[target], view.step, config, exported
+        out, files, len(entries), sum(e.numel for e in entries), torch_dtype_name(target), view.step, config, exported
     )
