@@ -34,6 +34,22 @@ def kforge():
     return run_kforge
 
 
+@pytest.fixture(scope="session")
+def data_stub(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A prepared-data directory holding only a byte-tokenizer metadata.json.
+
+    Enough for the data checks of `validate-config` (which read only metadata.json), e.g.
+    to validate a GPU profile, which refuses to run on the built-in demo corpus.
+    """
+    import json
+
+    root = tmp_path_factory.mktemp("data_stub")
+    meta = {"format": "kforge-tokens", "format_version": 1, "vocab_size": 257, "eos_id": 256}
+    meta["tokenizer"] = {"kind": "byte", "vocab_size": 257, "eos_id": 256}
+    (root / "metadata.json").write_text(json.dumps(meta))
+    return root
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     try:
         import torch

@@ -38,8 +38,8 @@ def test_cheap_commands_do_not_import_torch(argv: list[str]) -> None:
     assert "HEAVY=\n" in out, out
 
 
-def test_validate_h100x64_reports_world_size_64(kforge) -> None:
-    r = kforge("validate-config", "--profile", "h100x64")
+def test_validate_h100x64_reports_world_size_64(kforge, data_stub: Path) -> None:
+    r = kforge("validate-config", "--profile", "h100x64", f"--data.path={data_stub}")
     assert r.returncode == 0, r.stderr
     assert "world size 64" in r.stdout and "tp=2" in r.stdout
 
@@ -51,8 +51,9 @@ def test_two_mistakes_exit_2_and_name_both_fields(kforge) -> None:
     assert "Traceback" not in r.stderr
 
 
-def test_world_size_mismatch_exit_2(kforge) -> None:
-    r = kforge("validate-config", "-p", "h100x64", "--world-size", "48", "--distributed.dp_shard=8")
+def test_world_size_mismatch_exit_2(kforge, data_stub: Path) -> None:
+    data = f"--data.path={data_stub}"
+    r = kforge("validate-config", "-p", "h100x64", "--world-size", "48", "--distributed.dp_shard=8", data)
     assert r.returncode == 2 and "world size is 48" in r.stderr and "Traceback" not in r.stderr
 
 
@@ -68,12 +69,12 @@ def test_user_mistakes_have_no_traceback(kforge, tmp_path: Path) -> None:
         assert r.stderr.startswith("error: ") and "Traceback" not in r.stderr, argv
 
 
-def test_format_and_explain(kforge, tmp_path: Path) -> None:
-    r = kforge("validate-config", "-p", "h200x32", "--format", "json")
+def test_format_and_explain(kforge, tmp_path: Path, data_stub: Path) -> None:
+    r = kforge("validate-config", "-p", "h200x32", "--format", "json", f"--data.path={data_stub}")
     assert r.returncode == 0
     data = json.loads(r.stdout)
     assert data["slurm"]["gpu_type"] == "h200" and data["model"]["dim"] == 5120
-    t = kforge("validate-config", "-p", "h200x32", "--format", "toml")
+    t = kforge("validate-config", "-p", "h200x32", "--format", "toml", f"--data.path={data_stub}")
     (tmp_path / "c.toml").write_text(t.stdout)
     again = kforge("validate-config", "-c", str(tmp_path / "c.toml"), "--format", "json")
     assert json.loads(again.stdout) == data

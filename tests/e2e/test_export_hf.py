@@ -6,6 +6,7 @@ Needs the `transformers` test extra (skipped without it).
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import pytest
@@ -64,6 +65,17 @@ def test_trained_checkpoint_exports_to_transformers_with_the_same_logits(tmp_pat
     rel = max_rel_diff(ours, theirs)
     print(f"kforge -> export-hf -> transformers: max rel logit diff {rel:.3e}")
     assert rel <= REL_TOL
+    # The byte tokenizer (built-in corpus) is exported as one transformers loads: id = byte, EOS = 256.
+    assert config["bos_token_id"] == config["eos_token_id"] == 256
+    assert json.loads((out / "generation_config.json").read_text())["eos_token_id"] == 256
+    tok = transformers.AutoTokenizer.from_pretrained(str(out))
+    text = "Hi é\n"
+    assert tok(text)["input_ids"] == list(text.encode("utf-8")) and tok.eos_token_id == 256
+    assert tok.decode([*text.encode("utf-8"), 256], skip_special_tokens=True) == text
+    umask = os.umask(0)
+    os.umask(umask)
+    for f in out.iterdir():
+        assert f.stat().st_mode & 0o777 == 0o666 & ~umask, (f.name, oct(f.stat().st_mode))
     again = run_kforge("export-hf", str(run), str(out))
     assert again.returncode == 2 and "--overwrite" in again.stderr and "Traceback" not in again.stderr
     missing = run_kforge("export-hf", str(tmp_path / "nope"), str(tmp_path / "x"))
@@ -129,3 +141,71 @@ def test_init_from_an_hf_model_of_another_shape_is_refused_with_the_fitting_over
     assert "is a differently shaped model" in r.stderr and "dim: run has 128, hf has 32" in r.stderr
     assert "--model.dim=32" in r.stderr and "--model.ffn_hidden_dim=96" in r.stderr
     assert "Traceback" not in r.stderr
+
+
+def _bpe_tokenizer(path: Path, texts: list[str]) -> None:
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)  # pyright: ignore[reportAttributeAccessIssue]
+    tok.decoder = decoders.ByteLevel()  # pyright: ignore[reportAttributeAccessIssue]
+    trainer = trainers.BpeTrainer(
+        vocab_size=300, special_tokens=["<|endoftext|>"], initial_alphabet=pre_tokenizers.ByteLevel.alphabet()
+    )
+    tok.train_from_iterator(texts, trainer)
+    tok.save(str(path))
+
+
+def test_bpe_prepare_train_export_then_transformers_generates_until_eos(tmp_path: Path) -> None:
+    """prepare-data with a tokenizer.json -> train -> export-hf -> AutoTokenizer + generate stop at EOS."""
+    doc = "the cat sat on the mat."
+    _bpe_tokenizer(tmp_path / "tok.json", [doc] * 50)
+    (tmp_path / "docs.jsonl").write_text("".join(json.dumps({"text": doc}) + "\n" for _ in range(400)))
+    r = run_kforge(
+        "prepare-data",
+        "docs.jsonl",
+        "--tokenizer",
+        "tok.json",
+        "--out",
+        "bpe",
+        "--quiet",
+        "--workers",
+        "1",
+        cwd=tmp_path,
+    )
+    assert r.returncode == 0, r.stderr[-2000:]
+    r = run_kforge(
+        "train",
+        "--run-dir",
+        "run",
+        "--data.path=bpe",  # relative: config.toml stores it absolute
+        "--model.dim=32",
+        "--model.n_layers=2",
+        "--model.n_heads=2",
+        "--model.n_kv_heads=1",
+        *TRAIN,
+        "--train.batch_size=8",
+        "--train.max_steps=60",
+        "--checkpoint.interval=60",
+        cwd=tmp_path,
+    )
+    assert r.returncode == 0, r.stderr[-3000:]
+    import tomllib
+
+    saved = tomllib.loads((tmp_path / "run" / "config.toml").read_text())["data"]
+    assert saved["path"] == str((tmp_path / "bpe").resolve())
+    assert saved["tokenizer"] == str((tmp_path / "bpe" / "tokenizer.json").resolve())
+    out = tmp_path / "hf"
+    r = run_kforge("export-hf", str(tmp_path / "run"), str(out))
+    assert r.returncode == 0, r.stderr[-3000:]
+    tok = transformers.AutoTokenizer.from_pretrained(str(out))
+    model = transformers.AutoModelForCausalLM.from_pretrained(str(out), dtype=torch.float32).eval()
+    eos = tok.convert_tokens_to_ids("<|endoftext|>")
+    assert tok.eos_token_id == model.config.eos_token_id == model.generation_config.eos_token_id == eos
+    prompt = tok("the cat", return_tensors="pt")
+    with torch.no_grad():
+        ids = model.generate(**prompt, max_new_tokens=30, do_sample=False, pad_token_id=eos)
+    new = ids[0, prompt["input_ids"].shape[1] :].tolist()
+    assert eos in new and new.index(eos) == len(new) - 1, new  # stopped at the first EOS
+    text = tok.decode(new, skip_special_tokens=True)
+    assert text == " sat on the mat.", (text, r.stdout)

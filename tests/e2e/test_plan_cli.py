@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 
@@ -11,8 +12,8 @@ pytestmark = pytest.mark.e2e
 GIB = 1024**3
 
 
-def test_plan_table_for_70b_on_h100x64(kforge) -> None:
-    r = kforge("validate-config", "--profile", "llama70b-h100x64", "--plan", "--rank", "9")
+def test_plan_table_for_70b_on_h100x64(kforge, data_stub: Path) -> None:
+    r = kforge("validate-config", "--profile", "llama70b-h100x64", "--plan", "--rank", "9", f"--data.path={data_stub}")
     assert r.returncode == 0, r.stderr
     out = r.stdout
     assert "config is valid: profile llama70b-h100x64, world size 64" in out
@@ -24,9 +25,18 @@ def test_plan_table_for_70b_on_h100x64(kforge) -> None:
     assert "at 40% MFU of 989.4 TFLOP/s per GPU" in out
 
 
-def test_plan_json_for_8b_fsdp64(kforge) -> None:
+def test_plan_json_for_8b_fsdp64(kforge, data_stub: Path) -> None:
     r = kforge(
-        "validate-config", "--profile", "h100x64", "--distributed.tp=1", "--plan", "--format", "json", "--mfu", "0.5"
+        "validate-config",
+        "--profile",
+        "h100x64",
+        "--distributed.tp=1",
+        "--plan",
+        "--format",
+        "json",
+        "--mfu",
+        "0.5",
+        f"--data.path={data_stub}",
     )
     assert r.returncode == 0, r.stderr
     plan = json.loads(r.stdout)  # nothing but the plan on stdout
@@ -38,7 +48,8 @@ def test_plan_json_for_8b_fsdp64(kforge) -> None:
     assert plan["verdict"] in ("FITS", "DOES NOT FIT") and plan["fits"] == (plan["verdict"] == "FITS")
 
 
-def test_plan_that_does_not_fit_exits_1(kforge) -> None:
+def test_plan_that_does_not_fit_exits_1(kforge, data_stub: Path) -> None:
+    data = f"--data.path={data_stub}"
     r = kforge(
         "validate-config",
         "--profile",
@@ -48,13 +59,20 @@ def test_plan_that_does_not_fit_exits_1(kforge) -> None:
         "--plan",
         "--format",
         "json",
+        data,
     )
     assert r.returncode == 1, r.stderr
     plan = json.loads(r.stdout)
     assert plan["verdict"] == "DOES NOT FIT" and plan["biggest"] == "optimizer state"
     assert plan["peak_bytes"] > plan["capacity_bytes"] == 80 * GIB
     table = kforge(
-        "validate-config", "--profile", "llama70b-h100x64", "--slurm.nodes=1", "--distributed.dp_shard=1", "--plan"
+        "validate-config",
+        "--profile",
+        "llama70b-h100x64",
+        "--slurm.nodes=1",
+        "--distributed.dp_shard=1",
+        "--plan",
+        data,
     )
     assert table.returncode == 1
     assert "DOES NOT FIT (biggest item: optimizer state" in table.stdout

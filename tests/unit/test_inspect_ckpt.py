@@ -154,6 +154,10 @@ def test_verify_names_a_truncated_shard(run: Saved, tmp_path: Path) -> None:
     report = verify_checkpoint(ckpt)
     assert not report.ok
     assert any(f"{shard} is truncated: {size // 2} bytes" in p for p in report.problems), report.problems
+    from kforge_cli.cli.inspect_ckpt import _summary_text
+
+    listing = _summary_text(summarize(open_checkpoint(ckpt)))  # the plain listing notices it too (sizes only)
+    assert f"DAMAGED: shard file {shard} is truncated" in listing.splitlines()[0], listing.splitlines()[0]
 
 
 def test_verify_reports_missing_pieces(run: Saved, tmp_path: Path) -> None:

@@ -19,7 +19,7 @@ from kforge_cli.engine.parallel.pipeline import (
 )
 from kforge_cli.engine.runtime import detect_launch, mesh_shape, resolve_backend
 from kforge_cli.engine.runtime.launcher import first_host, port_from_job_id
-from kforge_cli.engine.runtime.local_launch import threads_per_process
+from kforge_cli.engine.runtime.local_launch import exit_code_of
 from kforge_cli.errors import ConfigError, InvalidInputError
 from kforge_cli.settings import ParallelDims, load_settings, resolve_dims
 
@@ -69,12 +69,6 @@ def test_sbatch_script_itself_is_not_a_rank() -> None:
 )
 def test_first_host_of_a_nodelist(nodelist: str, host: str) -> None:
     assert first_host(nodelist) == host
-
-
-def test_threads_per_local_process_share_the_cores() -> None:
-    assert threads_per_process(4, 16) == 4
-    assert threads_per_process(4, 2) == 1
-    assert threads_per_process(2, None) == 1
 
 
 # --- backend and mesh ---------------------------------------------------------------
@@ -213,3 +207,24 @@ def test_rules_accept_the_supported_combinations() -> None:
     ):
         s = load_settings(overrides=extra).settings
         assert resolve_dims(s, 4).world_size == 4
+
+
+def test_local_launcher_exit_code_is_the_ranks_code() -> None:
+    assert exit_code_of([0, 0]) == 0
+    assert exit_code_of([75, 75]) == 75
+    assert exit_code_of([0, 2]) == 2
+    assert exit_code_of([-9, 0]) == 128 + 9
+
+
+def test_thread_choice_prefers_settings_then_env_then_a_fair_share_of_free_cores() -> None:
+    from kforge_cli.engine.runtime.threads import choose_threads
+
+    assert choose_threads(3, {"OMP_NUM_THREADS": "5"}).threads == 3
+    env_choice = choose_threads(None, {"OMP_NUM_THREADS": "5"})
+    assert (env_choice.threads, env_choice.source) == (5, "OMP_NUM_THREADS")
+    # Another job keeps one of two cores busy: one thread, not two fighting over one core.
+    assert choose_threads(None, {}, allowed=2, busy=1).threads == 1
+    assert choose_threads(None, {}, allowed=16, busy=0).threads == 16
+    shared = choose_threads(None, {"LOCAL_WORLD_SIZE": "4"}, allowed=16, busy=2)
+    assert shared.threads == 3 and "4 local process(es)" in shared.describe()
+    assert choose_threads(None, {}, allowed=2, busy=5).threads == 1  # never zero

@@ -164,6 +164,48 @@ def test_settings_that_cannot_work_are_all_reported_and_nothing_is_written(tmp_p
         write_job(bad_time, python=PY, workdir=tmp_path)
 
 
+def test_setup_lines_run_before_srun_and_the_jobs_own_python_runs_the_tasks(tmp_path: Path) -> None:
+    setup = ["module load cuda/12", "source /scratch/me/venv/bin/activate"]
+    settings = load_settings(
+        overrides=[
+            f"--train.run_dir={tmp_path / 'run'}",
+            f"--slurm.setup={json.dumps(setup)}",
+            "--slurm.env.DATA=$HOME/data ${USER}-x $(echo pwned) `echo no`",
+            "--slurm.expand_env=true",
+        ]
+    ).settings
+    script = write_job(settings, workdir=tmp_path).script.read_text()
+    block = "set +u\nmodule load cuda/12\nsource /scratch/me/venv/bin/activate\nset -u\n"
+    assert block in script and script.index(block) < script.index("srun ")
+    command = next(line for line in script.splitlines() if "-m kforge_cli train" in line)
+    assert command.strip().startswith("python -m kforge_cli train") and sys.executable not in script
+    export = next(line for line in script.splitlines() if line.startswith("export DATA="))
+    shell = subprocess.run(
+        ["bash", "-c", f'{export}; printf %s "$DATA"'],
+        env={"HOME": "/home/me", "USER": "me", "PATH": "/usr/bin:/bin"},
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    assert shell.stdout == "/home/me/data me-x $(echo pwned) `echo no`"  # variables expand, commands do not run
+    plain = load_settings(overrides=[f"--train.run_dir={tmp_path / 'r2'}", "--slurm.env.DATA=$HOME/x"]).settings
+    text = write_job(plain, workdir=tmp_path).script.read_text()
+    assert "export DATA='$HOME/x'" in text and f"{sys.executable} -m kforge_cli train" in text  # no setup: as before
+
+
+def test_multi_node_profiles_without_partition_or_account_warn(
+    capsys: pytest.CaptureFixture[str], data_stub: Path
+) -> None:
+    code, _, err = run_cli(["validate-config", "-p", "h100x64", f"--data.path={data_stub}"], capsys)
+    assert code == 0, err
+    assert "warning: slurm.partition: not set for a 8-node job" in err and "warning: slurm.account" in err
+    code, _, err = run_cli(
+        ["validate-config", "-p", "h100x64", f"--data.path={data_stub}", "--slurm.partition=p", "--slurm.account=a"],
+        capsys,
+    )
+    assert code == 0 and "warning: slurm." not in err
+
+
 def test_the_shipped_template_uses_every_value_and_a_site_template_with_a_typo_is_refused(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -174,6 +216,7 @@ def test_the_shipped_template_uses_every_value_and_a_site_template_with_a_typo_i
         "run_dir_q",
         "sbatch_directives",
         "env_exports",
+        "setup",
         "cpus_per_task",
         "command",
     }

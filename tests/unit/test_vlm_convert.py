@@ -55,6 +55,14 @@ def test_converted_mot_gives_the_dense_logits_on_text(tmp_path: Path) -> None:
     result = convert_mot(s, ckpt, tmp_path / "mot")
     view = open_checkpoint(result.path)  # a normal kforge checkpoint: inspect-ckpt reads it
     assert view.complete and view.step == 0
+    from kforge_cli.cli.inspect_ckpt import _summary_text
+    from kforge_cli.engine.checkpoint.inspection import summarize
+    from kforge_cli.engine.checkpoint.verify import verify_checkpoint
+
+    report = verify_checkpoint(result.path)  # weights only: complete without RNG or optimizer state
+    assert report.ok, report.problems
+    listing = _summary_text(summarize(view))
+    assert "complete, weights only" in listing and "rank(s) ()" not in listing and "written by 1 rank(s);" in listing
     mot = build_vlm(s)
     load_model_weights(mot, dcp_dirs(result.path), [])
     ids, pixels = inputs(batch=3)

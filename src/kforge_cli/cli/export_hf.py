@@ -14,12 +14,19 @@ def register(app: typer.Typer) -> None:
 
 def export_hf(
     ckpt: Annotated[Path, typer.Argument(help="A kforge checkpoint (RUN_DIR/checkpoints/step_N) or a run dir.")],
-    out: Annotated[Path, typer.Argument(help="Output directory for model.safetensors + config.json.")],
+    out: Annotated[Path, typer.Argument(help="Output directory (weights, config.json, tokenizer).")],
     dtype: Annotated[
         str | None, typer.Option("--dtype", help="fp32, bf16 or fp16 (default: the checkpoint's dtype).")
     ] = None,
     max_shard_gb: Annotated[float, typer.Option("--max-shard-gb", help="Split weights into files of this size.")] = 5.0,
     overwrite: Annotated[bool, typer.Option("--overwrite", help="Replace OUT if it exists.")] = False,
+    tokenizer: Annotated[
+        str | None,
+        typer.Option(
+            "--tokenizer",
+            help="byte, a tokenizer.json path, or none (default: the tokenizer the run trained with).",
+        ),
+    ] = None,
 ) -> None:
     """Write the checkpoint's model in the Hugging Face Llama layout (LlamaForCausalLM), on CPU.
 
@@ -32,9 +39,19 @@ def export_hf(
 
     if max_shard_gb <= 0:
         raise InvalidInputError("--max-shard-gb must be positive")
-    result = run_export(ckpt, out, dtype=dtype, max_shard_bytes=int(max_shard_gb * 2**30), overwrite=overwrite)
+    result = run_export(
+        ckpt, out, dtype=dtype, max_shard_bytes=int(max_shard_gb * 2**30), overwrite=overwrite, tokenizer=tokenizer
+    )
     step = f" (step {result.step})" if result.step is not None else ""
+    tok = result.tokenizer
+    extra = " + config.json"
+    if tok is not None:
+        extra += f" + generation_config.json + tokenizer ({tok.source}, EOS {tok.eos_token!r} = id {tok.eos_id})"
     typer.echo(
         f"exported {result.tensors} tensors, {result.params:,} parameters{step} as {result.dtype} "
-        f"to {result.out_dir}: {', '.join(result.files)} + config.json"
+        f"to {result.out_dir}: {', '.join(result.files)}{extra}"
     )
+    if tok is None:
+        typer.echo(
+            "no tokenizer written (the checkpoint has no run config.toml): pass --tokenizer byte or PATH", err=True
+        )

@@ -110,13 +110,18 @@ def _group(name: str) -> str:
 
 def _summary_text(s: dict[str, Any]) -> str:
     status = "complete" if s["complete"] else "INCOMPLETE (its save never finished)"
+    if s["complete"] and s.get("file_problems"):
+        status = f"DAMAGED: {s['file_problems'][0]}; run --verify for every problem"
+    elif s["complete"] and s.get("weights_only"):
+        status = "complete, weights only"
     lines = [f"{s['path']}  [{s['format']}, {status}]"]
     if s["step"] is not None:
         tokens = f", {s['tokens_seen']:,} tokens seen" if isinstance(s.get("tokens_seen"), int) else ""
         lines.append(f"step {s['step']}{tokens}" + (f" (saved: {s['reason']}, {s['time']})" if s.get("reason") else ""))
     if s.get("world_size"):
         mesh = ", ".join(f"{k}={v}" for k, v in (s.get("mesh") or {}).items())
-        lines.append(f"written by {s['world_size']} rank(s) ({mesh}); DCP dirs: {', '.join(s['dcp_dirs'])}")
+        mesh = f" ({mesh})" if mesh else ""
+        lines.append(f"written by {s['world_size']} rank(s){mesh}; DCP dirs: {', '.join(s['dcp_dirs'])}")
     if s.get("model"):
         lines.append("model: " + ", ".join(f"{k}={v}" for k, v in s["model"].items() if v is not None))
     if s.get("vlm"):

@@ -29,7 +29,18 @@ SubmitOpt = Annotated[bool, typer.Option("--submit", help="With --sbatch: submit
 
 
 def resolve(profile: str | None, config: Path | None, overrides: list[str], **kwargs: Any) -> Any:
-    """Load and validate the settings (imports pydantic only when a command runs)."""
+    """Load and validate the settings (imports pydantic only when a command runs); print its warnings."""
     from kforge_cli.settings import load_settings
 
-    return load_settings(profile=profile, config=config, overrides=overrides, **kwargs)
+    resolved = load_settings(profile=profile, config=config, overrides=overrides, **kwargs)
+    print_warnings(resolved)
+    return resolved
+
+
+def print_warnings(resolved: Any) -> None:
+    for issue in resolved.warnings:
+        echo_err(f"warning: {issue}")
+
+
+def echo_err(message: str) -> None:
+    typer.echo(message, err=True)

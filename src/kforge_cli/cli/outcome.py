@@ -19,6 +19,16 @@ if TYPE_CHECKING:
 log = logging.getLogger("kforge")
 
 
+def resume_hint(run_dir: object) -> str:
+    """How to continue a stopped run: requeue inside a SLURM job, `kforge resume RUN_DIR` elsewhere."""
+    import os
+
+    command = f"kforge resume {run_dir}"
+    if os.environ.get("SLURM_JOB_ID"):
+        return f"the job exits 75 so SLURM can requeue it (or continue with: {command})"
+    return f"continue with: {command}"
+
+
 def exit_code(outcome: TrainOutcome) -> int:
     """Log how the run ended and return its exit code."""
     if outcome.status == "completed":
@@ -27,7 +37,10 @@ def exit_code(outcome: TrainOutcome) -> int:
         return EXIT_OK
     if outcome.checkpoint_saved:
         log.warning(
-            "stopped by %s at step %d after saving a checkpoint: requeue to continue", outcome.signal, outcome.step
+            "stopped by %s at step %d after saving a checkpoint: %s",
+            outcome.signal,
+            outcome.step,
+            resume_hint(outcome.run_dir),
         )
         return EXIT_REQUEUE
     log.error(

@@ -7,10 +7,10 @@ from typing import TYPE_CHECKING, Annotated
 
 import typer
 
-from kforge_cli.cli.options import OVERRIDES, SbatchOpt, SubmitOpt
+from kforge_cli.cli.options import OVERRIDES, SbatchOpt, SubmitOpt, print_warnings
 
 if TYPE_CHECKING:
-    from kforge_cli.settings import ResolvedSettings
+    from kforge_cli.settings import JobSettings, ResolvedSettings
 
 
 def register(app: typer.Typer) -> None:
@@ -29,6 +29,10 @@ def resume(
     (e.g. --train.max_steps=20000); ones that do are refused (exit 2).
     """
     resolved = resolve_resume(run_dir, list(ctx.args))
+    done = _already_done(resolved.settings)
+    if done is not None:
+        typer.echo(done, err=True)
+        raise typer.Exit(0)
     if sbatch or submit:  # a job that continues RUN_DIR (its config.toml takes the overrides)
         from kforge_cli.slurm import sbatch_from_cli
 
@@ -36,6 +40,24 @@ def resume(
     from kforge_cli.cli.outcome import train_and_exit
 
     raise typer.Exit(train_and_exit(resolved.settings))
+
+
+def _already_done(settings: JobSettings) -> str | None:
+    """Why there is nothing to resume: the newest checkpoint is already at or past train.max_steps."""
+    from kforge_cli.engine.checkpoint.layout import newest_complete, step_of
+    from kforge_cli.settings.run_dir import checkpoint_root
+
+    run_dir = Path(settings.train.run_dir or ".")
+    newest, _ = newest_complete(checkpoint_root(settings, run_dir))
+    step = None if newest is None else step_of(newest)
+    max_steps = settings.train.max_steps
+    if step is None or step < max_steps:
+        return None
+    where = "already past" if step > max_steps else "already at"
+    return (
+        f"{run_dir} is {where} train.max_steps={max_steps} (its newest checkpoint is step {step}): nothing to do. "
+        f"To train further, raise it: kforge resume {run_dir} --train.max_steps={step + max(1, max_steps)}"
+    )
 
 
 def resolve_resume(run_dir: Path, overrides: list[str]) -> ResolvedSettings:
@@ -56,7 +78,8 @@ def resolve_resume(run_dir: Path, overrides: list[str]) -> ResolvedSettings:
     extra = [f"--train.run_dir={run_dir}"]
     if not any(a.startswith("--checkpoint.resume") for a in overrides):
         extra.append("--checkpoint.resume=require")
-    resolved = load_settings(base=saved, overrides=[*overrides, *extra], base_source=source)
+    resolved = load_settings(base=saved, overrides=[*overrides, *extra], base_source=source, for_run=True)
+    print_warnings(resolved)
     diff = shaping_diff(shaping_config(original), shaping_config(resolved.settings))
     if diff:
         issues = [

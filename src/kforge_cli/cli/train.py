@@ -21,7 +21,9 @@ def train(
     run_dir: RunDirOpt = None,
     nproc_per_node: Annotated[
         int | None,
-        typer.Option("--nproc-per-node", help="Start N local processes with torch's elastic launcher."),
+        typer.Option(
+            "--nproc-per-node", help="Start N local processes (like torchrun); signals are forwarded to them."
+        ),
     ] = None,
     sbatch: SbatchOpt = False,
     submit: SubmitOpt = False,
@@ -35,7 +37,7 @@ def train(
     overrides = list(ctx.args)
     if run_dir is not None:
         overrides.append(f"--train.run_dir={run_dir}")
-    resolved = resolve(profile, config, overrides)
+    resolved = resolve(profile, config, overrides, for_run=True)
     if sbatch or submit:  # --submit implies --sbatch
         from kforge_cli.slurm import sbatch_from_cli
 

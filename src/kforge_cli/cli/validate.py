@@ -42,9 +42,9 @@ def validate_config(
     """
     from kforge_cli.errors import InvalidInputError
     from kforge_cli.settings import resolve_dims
-    from kforge_cli.settings.explain import explain_key, to_toml
+    from kforge_cli.settings.explain import explain_key, to_toml, vision_param_counts
 
-    resolved = resolve(profile, config, list(ctx.args))
+    resolved = resolve(profile, config, list(ctx.args), for_run=explain is None)  # data checks too
     s = resolved.settings
     if explain:
         typer.echo(explain_key(resolved, explain))
@@ -69,10 +69,21 @@ def validate_config(
         tokens = s.train.tokens_per_step(dims.dp)
         typer.echo(f"config is valid: profile {s.profile or '-'}, world size {n}")
         typer.echo(f"  mesh: pp={dims.pp} dp_replicate={dims.dp_replicate} dp_shard={dims.dp_shard} tp={dims.tp}")
+        text = s.model.param_count()
+        vision = vision_param_counts(s)
+        known = [v for v in vision.values() if v is not None]
+        total = text + sum(known)
         typer.echo(
-            f"  model: {s.model.param_count() / 1e6:,.1f}M parameters, dim {m.dim}, {m.n_layers} layers, "
+            f"  model: {total / 1e6:,.1f}M parameters, dim {m.dim}, {m.n_layers} layers, "
             f"{m.n_heads} heads ({m.kv_heads} kv), vocab {m.vocab_size}"
         )
+        if vision:
+            names = {"vision_encoder": "vision encoder", "adapter": "adapter", "decoder": f"{s.vlm.arch} layers"}
+            shown = ", ".join(
+                f"{names[k]} {'(from its checkpoint, not counted)' if v is None else f'{v / 1e6:,.2f}M'}"
+                for k, v in vision.items()
+            )
+            typer.echo(f"    text decoder {text / 1e6:,.2f}M; the vision parts add: {shown}")
         typer.echo(f"  tokens per step: {tokens:,} (global batch {tokens // s.train.seq_len} x {s.train.seq_len})")
     if plan:
         _plan(s, n, rank, fmt, mfu)

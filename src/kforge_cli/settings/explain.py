@@ -10,7 +10,7 @@ from pydantic import BaseModel
 
 from kforge_cli.errors import InvalidInputError
 from kforge_cli.settings.job import JobSettings
-from kforge_cli.settings.loader import ResolvedSettings, _section_class, all_keys
+from kforge_cli.settings.loader import ResolvedSettings, _section_class, suggest_key
 
 
 def to_toml(settings: JobSettings) -> str:
@@ -39,10 +39,8 @@ def explain_key(resolved: ResolvedSettings, key: str) -> str:
     for i, part in enumerate(parts):
         info = model.model_fields.get(part)
         if info is None:
-            import difflib
-
-            close = difflib.get_close_matches(key, all_keys(), n=1, cutoff=0.5)
-            hint = f"; did you mean {close[0]}?" if close else ""
+            close = suggest_key(parts[: i + 1])
+            hint = f"; did you mean {close}?" if close else ""
             raise InvalidInputError(f"unknown key {key!r}{hint}")
         value = getattr(value, part) if value is not None else None
         section = _section_class(info.annotation)
@@ -72,3 +70,45 @@ def explain_key(resolved: ResolvedSettings, key: str) -> str:
             )
         model = section
     raise InvalidInputError(f"unknown key {key!r}")
+
+
+def _linear(i: int, o: int) -> int:
+    return i * o + o  # with bias
+
+
+def vision_param_counts(s: JobSettings) -> dict[str, int | None]:
+    """What a VLM adds to the text decoder, by part (empty for a text model).
+
+    ``vision_encoder`` is None for ``type = 'hf'`` (its size is in the checkpoint, not the
+    config). ``decoder`` is what the VLM architecture adds to the text layers: the extra
+    per-modality experts of MoT, or the cross-attention sub-blocks.
+    """
+    enc, vlm = s.vision_encoder, s.vlm
+    if vlm is None or enc is None:
+        return {}
+    parts: dict[str, int | None] = {}
+    c = enc.dim
+    if enc.type == "vit":
+        block = 4 * c + _linear(c, 3 * c) + _linear(c, c) + _linear(c, 4 * c) + _linear(4 * c, c)
+        parts["vision_encoder"] = (
+            _linear(enc.channels * enc.patch_size**2, c) + enc.tokens_per_frame * c + enc.n_layers * block + 2 * c
+        )
+    else:
+        parts["vision_encoder"] = None
+    adapter = s.adapter
+    d = s.model.dim
+    if adapter is None or adapter.type == "mlp_2layer":
+        hidden = (adapter.hidden_dim if adapter is not None else None) or d
+        parts["adapter"] = _linear(c, hidden) + _linear(hidden, d)
+    else:
+        parts["adapter"] = _linear(c, d)
+    m = s.model
+    if vlm.arch == "mot":
+        parts["decoder"] = (len(vlm.modalities) - 1) * m.n_layers * m.block_params()
+    elif vlm.arch == "cross_attention":
+        inner = m.n_heads * m.head_dim
+        crossed = len(range(0, m.n_layers, vlm.cross_attention_every))
+        parts["decoder"] = crossed * (d + 4 * d * inner)
+    else:
+        parts["decoder"] = 0
+    return parts

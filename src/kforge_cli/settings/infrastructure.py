@@ -98,7 +98,9 @@ class ResilienceSettings(Section):
     )
     nan_max_consecutive: int = field(5, "abort policy: stop after this many consecutive bad steps.", gt=0)
     shutdown_signals: list[str] = field(
-        lambda: ["SIGTERM", "SIGUSR1"], "Signals that stop training at the next step boundary."
+        lambda: ["SIGTERM", "SIGUSR1", "SIGINT"],
+        "Signals that stop training at the next step boundary after saving a checkpoint "
+        "(a second SIGINT stops at once).",
     )
 
 
@@ -121,6 +123,17 @@ class SlurmSettings(Section):
     network_interface: str | None = field(None, "NCCL/gloo socket interface (e.g. ib0).")
     extra_sbatch: list[str] = field(list, "Extra '#SBATCH' lines, e.g. '--exclusive'.")
     env: dict[str, str] = field(dict, "Extra environment variables exported in the job script.")
+    expand_env: bool = field(
+        False, "Let the job's shell expand $NAME / ${NAME} in slurm.env values (e.g. '$SCRATCH/data'); else literal."
+    )
+    setup: list[str] = field(
+        list, "Shell lines run before srun: 'module load cuda', 'source ~/venv/bin/activate', 'conda activate x'."
+    )
+    python: str | None = field(
+        None,
+        "Interpreter the tasks run (None: this one by absolute path, or `python` from the job's environment "
+        "when slurm.setup is given).",
+    )
 
     @property
     def world_size(self) -> int:

@@ -6,6 +6,7 @@ environment ``KFORGE_SECTION__KEY`` < command line ``--section.key=value``.
 
 from __future__ import annotations
 
+import copy
 import datetime
 import difflib
 import tomllib
@@ -29,6 +30,7 @@ class ResolvedSettings:
 
     settings: JobSettings
     sources: dict[str, str] = field(default_factory=dict)
+    warnings: list[ConfigIssue] = field(default_factory=list)  # allowed but probably unintended
 
     def source_of(self, dotted: str) -> str:
         """Where the value at `dotted` came from (the key itself or an enclosing one)."""
@@ -106,11 +108,14 @@ def load_settings(
     use_env: bool = True,
     base: dict[str, Any] | None = None,
     base_source: str = "saved config",
+    for_run: bool = False,
 ) -> ResolvedSettings:
     """Resolve and validate settings from every source; raise ConfigError listing all problems.
 
     `base`, when given, replaces the profile layer (used by `kforge resume` with a run's
-    saved config.toml).
+    saved config.toml). `for_run` (train, resume, validate-config, --sbatch) also resolves
+    relative paths to absolute ones, records the prepared data's tokenizer, and checks the
+    data on disk against the model (settings.data_check), in the same pass as the rules.
     """
     layers: list[tuple[str, dict[str, Any]]] = []
     if base is not None:
@@ -138,16 +143,54 @@ def load_settings(
                 del sources[existing]
             sources[path] = source
 
+    from kforge_cli.settings.rules import config_warnings
+
     try:
         settings = JobSettings.model_validate(merged)
     except ValidationError as exc:
-        raise ConfigError([_issue_from_pydantic(err, sources) for err in exc.errors()]) from None
+        errors = exc.errors()
+        problems = [_issue_from_pydantic(err, sources) for err in errors]
+        rest = _validate_without(merged, [err["loc"] for err in errors])  # the rules, in the same report
+        if rest is not None:
+            reported = {p.path for p in problems}
+            problems += [p for p in _rule_issues(rest, for_run) if p.path not in reported]
+        raise ConfigError(problems) from None
+    problems = _rule_issues(settings, for_run)
+    if problems:
+        raise ConfigError(problems)
+    return ResolvedSettings(settings=settings, sources=sources, warnings=config_warnings(settings))
+
+
+def _rule_issues(settings: JobSettings, for_run: bool) -> list[ConfigIssue]:
     from kforge_cli.settings.rules import config_issues
 
     problems = config_issues(settings)
-    if problems:
-        raise ConfigError(problems)
-    return ResolvedSettings(settings=settings, sources=sources)
+    if for_run:
+        from kforge_cli.settings.data_check import data_issues, make_paths_absolute, record_data_tokenizer
+
+        make_paths_absolute(settings)
+        record_data_tokenizer(settings)
+        problems += data_issues(settings)
+    return problems
+
+
+def _validate_without(merged: dict[str, Any], locs: list[tuple[Any, ...]]) -> JobSettings | None:
+    """The settings with every invalid value dropped (back to its default), if that validates."""
+    data = copy.deepcopy(merged)
+    for loc in locs:
+        node: Any = data
+        for part in loc[:-1]:
+            try:
+                node = node[part]
+            except (KeyError, IndexError, TypeError):
+                node = None
+                break
+        if isinstance(node, dict) and loc and loc[-1] in node:
+            del node[loc[-1]]
+    try:
+        return JobSettings.model_validate(data)
+    except ValidationError:
+        return None
 
 
 def _get(data: dict[str, Any], dotted: str) -> Any:
@@ -211,17 +254,93 @@ def all_keys() -> list[str]:
     return keys
 
 
+# Names other trainers (and papers) use for kforge's keys: the leaf name, lower case.
+ALIASES = {
+    "learning_rate": "optimizer.lr",
+    "lr": "optimizer.lr",
+    "max_lr": "optimizer.lr",
+    "warmup": "scheduler.warmup_steps",
+    "warmup_iters": "scheduler.warmup_steps",
+    "num_warmup_steps": "scheduler.warmup_steps",
+    "lr_scheduler": "scheduler.name",
+    "lr_scheduler_type": "scheduler.name",
+    "min_lr": "scheduler.min_lr_ratio",
+    "max_iters": "train.max_steps",
+    "total_steps": "train.max_steps",
+    "num_steps": "train.max_steps",
+    "steps": "train.max_steps",
+    "micro_batch_size": "train.batch_size",
+    "per_device_train_batch_size": "train.batch_size",
+    "batch": "train.batch_size",
+    "gradient_accumulation_steps": "train.grad_accum_steps",
+    "grad_accum": "train.grad_accum_steps",
+    "max_grad_norm": "train.grad_clip_norm",
+    "grad_clip": "train.grad_clip_norm",
+    "clip_grad_norm": "train.grad_clip_norm",
+    "block_size": "train.seq_len",
+    "context_length": "train.seq_len",
+    "seq_length": "train.seq_len",
+    "max_seq_length": "train.seq_len",
+    "sequence_length": "train.seq_len",
+    "precision": "train.mixed_precision",
+    "dtype": "train.mixed_precision",
+    "output_dir": "train.run_dir",
+    "out_dir": "train.run_dir",
+    "hidden_size": "model.dim",
+    "d_model": "model.dim",
+    "n_embd": "model.dim",
+    "num_layers": "model.n_layers",
+    "n_layer": "model.n_layers",
+    "num_hidden_layers": "model.n_layers",
+    "num_heads": "model.n_heads",
+    "n_head": "model.n_heads",
+    "num_attention_heads": "model.n_heads",
+    "num_key_value_heads": "model.n_kv_heads",
+    "num_kv_heads": "model.n_kv_heads",
+    "intermediate_size": "model.ffn_hidden_dim",
+    "vocab": "model.vocab_size",
+    "dataset": "data.path",
+    "data_dir": "data.path",
+    "data_path": "data.path",
+    "train_data": "data.path",
+    "tokenizer_path": "data.tokenizer",
+    "save_interval": "checkpoint.interval",
+    "save_steps": "checkpoint.interval",
+    "ckpt_interval": "checkpoint.interval",
+    "eval_interval": "eval.interval",
+    "eval_steps": "eval.interval",
+    "log_interval": "metrics.log_interval",
+    "logging_steps": "metrics.log_interval",
+}
+
+
 def suggest_key(loc: list[str]) -> str | None:
-    """The closest valid key to an unknown one: a near spelling, or the same name in another section."""
-    parent = _model_at(loc[:-1])
+    """The likeliest valid key for an unknown one, searching every section.
+
+    In order: the same name in another section (`[optimizer] warmup_steps` ->
+    scheduler.warmup_steps), a common alias (`learning_rate` -> optimizer.lr), a near
+    spelling in the same section, a near spelling of any key's name, of any dotted key.
+    """
+    keys = all_keys()
     name = loc[-1]
+    full = ".".join(loc)
+    elsewhere = [k for k in keys if k.rsplit(".", 1)[-1] == name and k != full]
+    if elsewhere:
+        return elsewhere[0]
+    alias = ALIASES.get(name.lower())
+    if alias is not None and alias != full:
+        return alias
+    parent = _model_at(loc[:-1])
     prefix = ".".join(loc[:-1])
     if parent is not None:
         close = difflib.get_close_matches(name, list(parent.model_fields), n=1, cutoff=0.6)
         if close:
             return f"{prefix}.{close[0]}" if prefix else close[0]
-    elsewhere = [k for k in all_keys() if k.rsplit(".", 1)[-1] == name]
-    if elsewhere:
-        return elsewhere[0]
-    close = difflib.get_close_matches(".".join(loc), all_keys(), n=1, cutoff=0.6)
+    leaves: dict[str, str] = {}
+    for key in keys:
+        leaves.setdefault(key.rsplit(".", 1)[-1], key)
+    close = difflib.get_close_matches(name, list(leaves), n=1, cutoff=0.75)
+    if close:
+        return leaves[close[0]]
+    close = difflib.get_close_matches(full, keys, n=1, cutoff=0.6)
     return close[0] if close else None

@@ -59,10 +59,6 @@ def config_issues(s: JobSettings) -> list[ConfigIssue]:
                     f"unknown dataset(s) {', '.join(unknown)}; data.datasets has: {', '.join(names) or 'none'}",
                 )
             )
-    if s.scheduler.warmup_steps > t.max_steps:
-        out.append(
-            ConfigIssue("scheduler.warmup_steps", f"{s.scheduler.warmup_steps} exceeds train.max_steps ({t.max_steps})")
-        )
     if s.profiling.enabled and s.profiling.end_step < s.profiling.start_step:
         out.append(ConfigIssue("profiling.end_step", "must not be before profiling.start_step"))
     if (
@@ -72,6 +68,30 @@ def config_issues(s: JobSettings) -> list[ConfigIssue]:
     ):
         out.append(ConfigIssue("train.ac_every_n_blocks", f"exceeds model.n_layers ({m.n_layers})"))
     out += _vlm_issues(s)
+    return out
+
+
+def config_warnings(s: JobSettings) -> list[ConfigIssue]:
+    """Settings that are allowed but probably not meant (printed as warnings, never refused)."""
+    out: list[ConfigIssue] = []
+    if s.scheduler.warmup_steps > s.train.max_steps:
+        out.append(
+            ConfigIssue(
+                "scheduler.warmup_steps",
+                f"{s.scheduler.warmup_steps} exceeds train.max_steps ({s.train.max_steps}): the learning rate "
+                "never reaches its peak (fine for a smoke test)",
+            )
+        )
+    if s.slurm.nodes > 1:
+        for name in ("partition", "account"):
+            if getattr(s.slurm, name) is None:
+                out.append(
+                    ConfigIssue(
+                        f"slurm.{name}",
+                        f"not set for a {s.slurm.nodes}-node job: most clusters need one "
+                        f"(--slurm.{name}=NAME), else the cluster's default is used",
+                    )
+                )
     return out
 
 

@@ -19,7 +19,7 @@ from kforge_cli.files import atomic_write, check_run_dir, real_dir
 from kforge_cli.settings import JobSettings
 from kforge_cli.settings.explain import to_toml
 from kforge_cli.settings.run_dir import default_run_dir
-from kforge_cli.slurm.sbatch import CONFIG_FILE, SCRIPT_FILE, render_sbatch
+from kforge_cli.slurm.sbatch import CONFIG_FILE, SCRIPT_FILE, render_sbatch, task_python
 from kforge_cli.slurm.submit import submit_script
 
 
@@ -51,8 +51,9 @@ def _refuse_shape_change(settings: JobSettings, run_dir: Path) -> None:
 def write_job(settings: JobSettings, *, python: str | None = None, workdir: Path | None = None) -> JobFiles:
     """Write RUN_DIR/config.toml (the resolved settings) and RUN_DIR/job.sbatch; create RUN_DIR/logs.
 
-    `python` is the interpreter the tasks run (default: this one, by absolute path: compute
-    nodes share the filesystem); `workdir` is the job's working directory (default: the
+    `python` is the interpreter the tasks run (default: slurm.python, else `python` from the
+    environment slurm.setup activates, else this one by absolute path: compute nodes share
+    the filesystem); `workdir` is the job's working directory (default: the
     current one), where relative paths in the settings are resolved.
     """
     workdir = (workdir or Path.cwd()).resolve()
@@ -60,7 +61,8 @@ def write_job(settings: JobSettings, *, python: str | None = None, workdir: Path
     run_dir = (run_dir if run_dir.is_absolute() else workdir / run_dir).resolve()
     settings = settings.model_copy(deep=True)
     settings.train.run_dir = str(run_dir)
-    script = render_sbatch(settings, run_dir, python=python or sys.executable, workdir=workdir)
+    interpreter = python or task_python(settings.slurm, sys.executable)
+    script = render_sbatch(settings, run_dir, python=interpreter, workdir=workdir)
     _refuse_shape_change(settings, run_dir)
     real_dir(check_run_dir(run_dir) / "logs")
     files = JobFiles(run_dir, run_dir / CONFIG_FILE, run_dir / SCRIPT_FILE)

@@ -14,11 +14,11 @@ import shlex
 from pathlib import Path
 
 from kforge_cli import __version__
-from kforge_cli.errors import ConfigError, ConfigIssue
+from kforge_cli.errors import ConfigError, ConfigIssue, InvalidInputError
 from kforge_cli.settings import JobSettings
 from kforge_cli.settings.infrastructure import SlurmSettings
 from kforge_cli.settings.section import control_character
-from kforge_cli.slurm.template import fill, find_template
+from kforge_cli.slurm.template import fill, find_template, placeholders
 
 CONFIG_FILE = "config.toml"
 SCRIPT_FILE = "job.sbatch"
@@ -96,6 +96,9 @@ def slurm_issues(settings: JobSettings) -> list[ConfigIssue]:
     for key in s.env:
         if not _ENV_NAME.match(key):
             issues.append(ConfigIssue(f"slurm.env.{key}", "is not a valid environment variable name"))
+    for i, line in enumerate(s.setup):
+        if "\n" in line or "\r" in line:
+            issues.append(ConfigIssue(f"slurm.setup[{i}]", "must be one line (give each command as its own item)"))
     return issues
 
 
@@ -146,8 +149,52 @@ def env_exports(slurm: SlurmSettings) -> list[str]:
     if slurm.network_interface:
         iface = shlex.quote(slurm.network_interface)
         lines.append(f"export NCCL_SOCKET_IFNAME={iface} GLOO_SOCKET_IFNAME={iface}")
-    lines += [f"export {key}={shlex.quote(value)}" for key, value in slurm.env.items()]
+    quote = expandable if slurm.expand_env else shlex.quote
+    lines += [f"export {key}={quote(value)}" for key, value in slurm.env.items()]
     return lines
+
+
+_PARAMETER = re.compile(r"\$[A-Za-z_][A-Za-z0-9_]*|\$\{[A-Za-z_][A-Za-z0-9_]*\}")
+
+
+def expandable(value: str) -> str:
+    """``value`` double-quoted so the shell expands its ``$NAME``/``${NAME}`` and nothing else.
+
+    Everything else that is special inside double quotes (``\\ " ` $``) is escaped, so a
+    ``$(command)`` or a backtick stays text.
+    """
+    out, pos = ['"'], 0
+    for match in _PARAMETER.finditer(value):
+        out.append(_escape_double(value[pos : match.start()]))
+        out.append(match.group(0))
+        pos = match.end()
+    out.append(_escape_double(value[pos:]))
+    out.append('"')
+    return "".join(out)
+
+
+def _escape_double(text: str) -> str:
+    return re.sub(r'([\\"`$])', r"\\\1", text)
+
+
+def setup_lines(slurm: SlurmSettings) -> list[str]:
+    """`slurm.setup`, verbatim: shell commands the user wrote to prepare the job's environment."""
+    return [line.strip() for line in slurm.setup if line.strip()]
+
+
+def _setup_block(slurm: SlurmSettings) -> str:
+    lines = setup_lines(slurm)
+    if not lines:
+        return ""
+    # module and conda scripts read unset variables: run them without `set -u`.
+    return "\n".join(["set +u", *lines, "set -u"])
+
+
+def task_python(slurm: SlurmSettings, default: str) -> str:
+    """The tasks' interpreter: slurm.python, else `python` of the environment slurm.setup activates, else ``default``."""
+    if slurm.python:
+        return slurm.python
+    return "python" if setup_lines(slurm) else default
 
 
 def train_command(run_dir: Path, python: str) -> list[str]:
@@ -180,12 +227,15 @@ def render_sbatch(settings: JobSettings, run_dir: Path, *, python: str, workdir:
     if issues:
         raise ConfigError(issues, header="cannot write an sbatch script")
     template = find_template()
+    if setup_lines(settings.slurm) and "setup" not in placeholders(template.read_text()):
+        raise InvalidInputError(f"sbatch template {template} has no {{{{setup}}}} placeholder for slurm.setup")
     values = {
         "kforge_version": __version__,
         "run_dir": str(run_dir),
         "run_dir_q": shlex.quote(str(run_dir)),
         "sbatch_directives": "\n".join(sbatch_directives(settings.slurm, run_dir, workdir)),
         "env_exports": "\n".join(env_exports(settings.slurm)),
+        "setup": _setup_block(settings.slurm),
         "cpus_per_task": str(settings.slurm.cpus_per_task),
         "command": shlex.join(train_command(run_dir, python)),
     }

@@ -1,4 +1,5 @@
-"""`kforge export-hf`: a kforge checkpoint -> Hugging Face Llama safetensors + ``config.json``.
+"""`kforge export-hf`: a kforge checkpoint -> Hugging Face Llama safetensors + ``config.json``,
+``generation_config.json`` and the run's tokenizer (``hf_tokenizer``).
 
 Streams: each output shard's tensors are read from the DCP checkpoint (reassembling
 however it was sharded), renamed (``hf_format``), written, and freed, so memory stays
@@ -26,6 +27,7 @@ from kforge_cli.engine.checkpoint.hf_format import (
     hf_config,
     to_hf_name,
 )
+from kforge_cli.engine.checkpoint.hf_tokenizer import ExportedTokenizer, run_tokenizer, write_tokenizer
 from kforge_cli.engine.checkpoint.layout import kforge_contents
 from kforge_cli.engine.checkpoint.reader import (
     MODEL_PREFIX,
@@ -51,6 +53,19 @@ class ExportResult:
     dtype: str
     step: int | None
     config: dict[str, Any]
+    tokenizer: ExportedTokenizer | None = None
+
+
+GENERATION_CONFIG_FILE = "generation_config.json"
+
+
+def _normal_permissions(directory: Path) -> None:
+    """rw for whoever the umask allows (safetensors writes 0600 whatever the umask)."""
+    mask = os.umask(0)
+    os.umask(mask)
+    for path in directory.iterdir():
+        path.chmod(0o666 & ~mask)
+    directory.chmod(0o777 & ~mask)
 
 
 def _stored_dtype(entries: list[TensorEntry]) -> torch.dtype:
@@ -110,11 +125,14 @@ def export_hf(
     dtype: str | None = None,
     max_shard_bytes: int = DEFAULT_SHARD_BYTES,
     overwrite: bool = False,
+    tokenizer: str | None = None,
 ) -> ExportResult:
     """Write `checkpoint`'s model as ``LlamaForCausalLM`` weights in `out_dir`.
 
     `dtype` is ``fp32``/``bf16``/``fp16`` (default: the checkpoint's own dtype). Text
     models with RMSNorm, SwiGLU and no QK-norm only: anything else is refused with the reason.
+    `tokenizer` is ``byte``, a tokenizer.json path, ``none`` (write none), or None: the
+    one the run trained with (from its config.toml; none when there is no config.toml).
     """
     from safetensors.torch import save_file
 
@@ -147,7 +165,16 @@ def export_hf(
             index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
             (tmp / INDEX_FILE).write_text(json.dumps(index, indent=2) + "\n")
         config = hf_config(fields, ffn_hidden_dim=cfg.resolved_ffn_hidden_dim, torch_dtype=torch_dtype_name(target))
+        spec = run_tokenizer(view.path) if tokenizer is None else tokenizer
+        exported = None if spec in (None, "none") else write_tokenizer(spec, tmp, cfg.max_seq_len)
+        if exported is not None:
+            # kforge trains documents separated by EOS (no BOS): EOS also starts a document.
+            config.update(bos_token_id=exported.eos_id, eos_token_id=exported.eos_id)
+            generation = {"bos_token_id": exported.eos_id, "eos_token_id": exported.eos_id}
+            generation["max_length"] = cfg.max_seq_len
+            (tmp / GENERATION_CONFIG_FILE).write_text(json.dumps(generation, indent=2) + "\n")
         (tmp / CONFIG_FILE).write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+        _normal_permissions(tmp)
         if out.exists():
             shutil.rmtree(out)
         tmp.rename(out)
@@ -155,5 +182,5 @@ def export_hf(
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return ExportResult(
-        out, files, len(entries), sum(e.numel for e in entries), torch_dtype_name(target), view.step, config
+        out, files, len(entries), sum(e.numel for e in entries), torch_dtype_name(target), view.step, config, exported
     )

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import asdict, dataclass, field
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -30,6 +31,28 @@ def storage_files(view: CheckpointView) -> dict[str, int]:
             if rel not in out:
                 out[rel] = path.stat().st_size if path.is_file() else -1
     return out
+
+
+def shard_size_problems(view: CheckpointView) -> tuple[int, list[tuple[Path, str]]]:
+    """(shard files named by the metadata, [(DCP dir, problem)]) for files missing or too short.
+
+    Cheap (one stat per file), so the plain listing can tell a truncated copy from a
+    complete one; `--verify` also reads every byte back.
+    """
+    files = 0
+    problems: list[tuple[Path, str]] = []
+    for d, md in view.metadata.items():
+        needed: dict[str, int] = {}
+        for info in (md.storage_data or {}).values():
+            needed[info.relative_path] = max(needed.get(info.relative_path, 0), info.offset + info.length)
+        files += len(needed)
+        for rel, end in sorted(needed.items()):
+            path = d / rel
+            if not path.is_file():
+                problems.append((d, f"shard file {path} is missing"))
+            elif (size := path.stat().st_size) < end:
+                problems.append((d, f"shard file {path} is truncated: {size} bytes, its metadata needs {end}"))
+    return files, problems
 
 
 def tensor_record(e: TensorEntry, view: CheckpointView) -> dict[str, Any]:
@@ -56,6 +79,8 @@ def summarize(view: CheckpointView) -> dict[str, Any]:
         "path": str(view.path),
         "format": "kforge" if view.kforge else "dcp",
         "complete": view.complete,
+        "file_problems": [message for _, message in shard_size_problems(view)[1]],
+        "weights_only": bool(view.train_state.get("weights_only")),
         "step": view.step,
         "tokens_seen": view.summary.get("tokens_seen"),
         "reason": view.summary.get("reason"),

@@ -163,6 +163,7 @@ def _summary(settings: JobSettings, src: Path) -> tuple[dict[str, Any], dict[str
         "load_path": None,
         "converted_from": str(src),
         "kind": "convert-mot",
+        "weights_only": True,  # no optimizer or RNG state: a warm start, complete as it is
     }
     summary = {
         "format": "kforge-checkpoint",

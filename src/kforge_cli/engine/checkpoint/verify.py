@@ -66,6 +66,8 @@ def kforge_file_problems(step_dir: Path, *, strict: bool = False) -> list[str]:
             state = data
             problems += train_state_problems(data, step_dir / name)
     world = state.get("world_size")
+    if state.get("weights_only") or state.get("kind") == "convert-mot":
+        world = 0  # weights only (convert-mot's output): complete without optimizer or RNG state
     if isinstance(world, int) and not isinstance(world, bool) and world > 0:
         problems += rank_state_problems(step_dir, world, strict=strict)
     return problems

@@ -3,6 +3,10 @@ stops training at the next step boundary instead of killing it mid-step.
 
 The handler only sets a flag. At each step boundary `should_stop()` all-reduces the flag
 (MAX) so that a signal delivered to only some ranks still stops every rank at the same step.
+SIGINT (Ctrl-C) is one of the default signals, so a first Ctrl-C saves and stops like a
+cluster's SIGTERM; a second Ctrl-C raises KeyboardInterrupt at once (exit 130) for a user
+who does not want to wait for the save. A repeated SIGTERM stays a no-op (launchers send one
+again while a rank tears down).
 """
 
 from __future__ import annotations
@@ -48,7 +52,13 @@ class ShutdownHandler:
     def _on_signal(self, signum: int, frame: FrameType | None) -> None:
         if self.signal_name is None:
             self.signal_name = signal.Signals(signum).name
-            log.warning("received %s: stopping at the next step boundary", self.signal_name)
+            again = " (Ctrl-C again to stop at once, without saving)" if signum == signal.SIGINT else ""
+            log.warning(
+                "received %s: stopping at the next step boundary and saving a checkpoint%s", self.signal_name, again
+            )
+        elif signum == signal.SIGINT:
+            signal.signal(signal.SIGINT, signal.default_int_handler)
+            raise KeyboardInterrupt
 
     @property
     def requested(self) -> bool:

@@ -16,6 +16,7 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from kforge_cli.engine.runtime.launcher import LaunchInfo, detect_launch
 from kforge_cli.engine.runtime.mesh import build_mesh, dp_mesh, flat_dp_mesh, sub_mesh
+from kforge_cli.engine.runtime.threads import ThreadChoice, choose_threads
 from kforge_cli.errors import InvalidInputError
 from kforge_cli.settings import JobSettings, ParallelDims, resolve_dims
 
@@ -29,6 +30,7 @@ class RuntimeContext:
     dims: ParallelDims
     mesh: DeviceMesh | None = None  # dims named pp/dp_replicate/dp_shard/tp (see engine.runtime.mesh)
     owns_process_group: bool = False  # init_runtime created the process group, so teardown destroys it
+    threads: ThreadChoice | None = None  # the CPU thread count chosen for this process, and why (logged once)
     extra: dict[str, Any] = field(default_factory=dict)
 
     @property
@@ -160,8 +162,8 @@ def init_runtime(settings: JobSettings) -> RuntimeContext:
     """
     launch = detect_launch()
     dims = resolve_dims(settings, launch.world_size)
-    if settings.train.num_threads:
-        torch.set_num_threads(settings.train.num_threads)
+    threads = choose_threads(settings.train.num_threads)
+    torch.set_num_threads(threads.threads)
     device = choose_device(settings, launch.local_rank)
     mesh = None
     owns = False
@@ -179,7 +181,7 @@ def init_runtime(settings: JobSettings) -> RuntimeContext:
             owns = True
         mesh = build_mesh(device, dims)
     seed_everything(settings.train.seed)
-    return RuntimeContext(launch=launch, device=device, dims=dims, mesh=mesh, owns_process_group=owns)
+    return RuntimeContext(launch=launch, device=device, dims=dims, mesh=mesh, owns_process_group=owns, threads=threads)
 
 
 def teardown_runtime(ctx: RuntimeContext) -> None:

@@ -1,46 +1,121 @@
-"""`kforge train --nproc-per-node N`: start N local training processes with torch's elastic launcher.
+"""`kforge train --nproc-per-node N`: start N local training processes and own their signals.
 
-This is exactly what ``torchrun --standalone --nproc-per-node N -m kforge_cli train ...``
-does (torch.distributed.run, a free rendezvous port, one process per rank), for users
-without torchrun habits. The children run the same command without the flag and detect
-the launch from torchrun's environment like any torchrun job.
+The children get the environment torchrun would give them (RANK, LOCAL_RANK, WORLD_SIZE,
+LOCAL_WORLD_SIZE, MASTER_ADDR, MASTER_PORT on a free local port) and run the same
+command without the flag, detecting the launch like any torchrun job. This launcher is
+deliberately not torch's elastic agent: on SIGINT/SIGTERM the agent raises
+``SignalException`` (a long traceback, exit 1), SIGKILLs children that take longer than
+30 s to save, and throws their exit codes away. Here a signal is forwarded once to every
+child (they run in their own session, so a terminal's Ctrl-C reaches them only through
+this forward), the launcher waits for them, and exits with their code: 75 when they
+stopped after saving a checkpoint. When one child fails the others are stopped.
 """
 
 from __future__ import annotations
 
-import logging
 import os
+import signal
+import socket
+import subprocess
 import sys
+import time
+from types import FrameType
 
+from kforge_cli.engine.runtime.threads import choose_threads
 from kforge_cli.errors import EXIT_FAILURE
 
-log = logging.getLogger("kforge")
+FORWARDED = (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1)
+STOP_GRACE_S = 60.0  # after a failed rank, how long the others get to exit before SIGKILL
 
 
-def threads_per_process(nproc: int, cpu_count: int | None) -> int:
-    """CPU threads for each of ``nproc`` local processes: a fair share of the cores (at least 1)."""
-    return max(1, (cpu_count or 1) // nproc)
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def _child_env(nproc: int, rank: int, port: int) -> dict[str, str]:
+    env = dict(os.environ)
+    env.update(
+        RANK=str(rank),
+        LOCAL_RANK=str(rank),
+        GROUP_RANK="0",
+        WORLD_SIZE=str(nproc),
+        LOCAL_WORLD_SIZE=str(nproc),
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+    )
+    return env
+
+
+def exit_code_of(returncodes: list[int]) -> int:
+    """The job's code: 0 when all succeeded, else the first positive code (75 = saved, requeue),
+    else 128 + the signal that killed a child (as a shell reports it)."""
+    if all(code == 0 for code in returncodes):
+        return 0
+    positive = [code for code in returncodes if code > 0]
+    if positive:
+        return positive[0]
+    return 128 + -min(returncodes)
 
 
 def launch_local(nproc: int, child_args: list[str]) -> int:
-    """Run ``python -m kforge_cli <child_args>`` in ``nproc`` processes; returns the job's exit code.
-
-    The exit code is the first failed rank's (so 2 = invalid input, 75 = requeue
-    survive the launcher), or 0 when every rank succeeded.
-    """
-    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
-    from torch.distributed.run import get_args_parser, run
-
-    # torchrun would force 1 thread per process; a fair share is better for CPU training.
-    os.environ.setdefault("OMP_NUM_THREADS", str(threads_per_process(nproc, os.cpu_count())))
-    argv = ["--standalone", f"--nproc-per-node={nproc}", "--module", "kforge_cli", *child_args]
-    args = get_args_parser().parse_args(argv)
+    """Run ``python -m kforge_cli <child_args>`` in ``nproc`` processes; returns the job's exit code."""
+    if not os.environ.get("OMP_NUM_THREADS"):
+        choice = choose_threads(None, {**os.environ, "LOCAL_WORLD_SIZE": str(nproc)})
+        os.environ["OMP_NUM_THREADS"] = str(choice.threads)
+        print(f"kforge: {choice.describe()}", file=sys.stderr)
+    port = _free_port()
     sys.stdout.flush()
+    received: list[int] = []
+
+    def forward(signum: int, frame: FrameType | None) -> None:
+        received.append(signum)
+        for child in children:
+            if child.poll() is None:
+                child.send_signal(signum)
+
+    children: list[subprocess.Popen[bytes]] = []
+    previous = {sig: signal.signal(sig, forward) for sig in FORWARDED}
     try:
-        run(args)
-    except ChildFailedError as err:
-        failures = sorted(err.failures.items())
-        code = next((f.exitcode for _, f in failures if f.exitcode and f.exitcode > 0), EXIT_FAILURE)
-        log.error("%d of %d processes failed (exit code %d)", len(failures), nproc, code)
-        return code
-    return 0
+        for rank in range(nproc):
+            children.append(
+                subprocess.Popen(
+                    [sys.executable, "-m", "kforge_cli", *child_args],
+                    env=_child_env(nproc, rank, port),
+                    start_new_session=True,
+                )
+            )
+        return _wait(children, received)
+    finally:
+        for child in children:
+            if child.poll() is None:
+                child.kill()
+                child.wait()
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+
+
+def _wait(children: list[subprocess.Popen[bytes]], received: list[int]) -> int:
+    """Wait for every child; after the first failure (not a signal stop) stop the rest."""
+    failed_at: float | None = None
+    first_failure: int | None = None
+    while any(child.poll() is None for child in children):
+        codes = [child.returncode for child in children if child.returncode is not None]
+        if failed_at is None and not received and any(code != 0 for code in codes):
+            failed_at = time.monotonic()
+            first_failure = next(code for code in codes if code != 0)
+            for child in children:
+                if child.poll() is None:
+                    child.send_signal(signal.SIGTERM)
+        if failed_at is not None and time.monotonic() - failed_at > STOP_GRACE_S:
+            for child in children:
+                if child.poll() is None:
+                    child.kill()
+        time.sleep(0.1)
+    codes = [child.returncode for child in children]
+    code = exit_code_of(codes if first_failure is None else [first_failure])
+    if code not in (0, 75) and not received:
+        failed = sum(1 for c in codes if c != 0)
+        print(f"kforge: {failed} of {len(children)} processes failed (exit code {code})", file=sys.stderr)
+    return code if code >= 0 else EXIT_FAILURE

@@ -133,6 +133,8 @@ def run_training(
     """Train per `settings`. The process group is torn down only after a successful run."""
     runtime = init_runtime(settings)
     run_dir = resolve_run_dir(settings, runtime)  # rank 0 holds its lock until the run ends, however it ends
+    if runtime.threads is not None:
+        log.info(runtime.threads.describe())
     with ExitStack() as stack:
         stack.callback(release_run_dir, run_dir)
         setup_logging(runtime.rank, runtime.world_size, run_dir / "logs")
