@@ -11,6 +11,7 @@ from dataclasses import dataclass
 
 from kforge_cli.errors import ConfigError, ConfigIssue
 from kforge_cli.settings.job import JobSettings
+from kforge_cli.settings.moe import moe_issues
 
 INTERLEAVED_SCHEDULES = ("interleaved_1f1b", "interleaved_zero_bubble", "zbv_zero_bubble", "dualpipev")
 V_SCHEDULES = ("zbv_zero_bubble", "dualpipev")  # exactly two stages per rank
@@ -75,6 +76,7 @@ def config_issues(s: JobSettings) -> list[ConfigIssue]:
         and t.ac_every_n_blocks > m.n_layers
     ):
         out.append(ConfigIssue("train.ac_every_n_blocks", f"exceeds model.n_layers ({m.n_layers})"))
+    out += moe_issues(m)
     out += _vlm_issues(s)
     return out
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import Literal
 
+from kforge_cli.settings.moe import MoESettings
 from kforge_cli.settings.section import Section, field
 
 
@@ -30,6 +31,7 @@ class ModelSettings(Section):
     qk_norm: bool = field(False, "Normalise queries and keys per head before RoPE.")
     tie_embeddings: bool = field(False, "Share the token embedding with the output head.")
     init_std: float = field(0.02, "Std of the normal initialisation of weights.", gt=0)
+    moe: MoESettings | None = field(None, "Mixture-of-Experts feed-forward layers (None = a dense model).")
 
     @property
     def kv_heads(self) -> int:
