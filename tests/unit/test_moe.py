@@ -146,3 +146,26 @@ def test_moe_settings_errors_name_the_key() -> None:
     paths = {i.path for i in exc.value.issues}
     assert {"model.moe.top_k", "model.moe.n_groups", "model.moe.first_dense_layers"} <= paths
     assert load_settings().settings.model.moe is None  # dense by default
+
+
+def test_flops_count_active_params_and_plan_reports_experts() -> None:
+    from kforge_cli.engine.model import count_params, non_embedding_params
+    from kforge_cli.engine.parallel.plan.planner import build_plan
+    from kforge_cli.settings.explain import param_count
+
+    s = load_settings("moe-debug", use_env=False).settings
+    m = s.model
+    with torch.device("meta"):
+        model = Transformer(m)
+    moe = m.moe
+    assert moe is not None
+    n_moe = sum(moe.is_moe_layer(i) for i in range(m.n_layers))
+    one_expert = 3 * m.dim * moe.resolved_expert_hidden_dim(m)
+    idle = n_moe * (moe.num_experts - moe.top_k) * one_expert
+    embedding = m.vocab_size * m.dim
+    assert count_params(model) == param_count(s)
+    assert non_embedding_params(m) == count_params(model) - embedding - idle
+    assert param_count(s, active=True) == count_params(model) - idle
+    plan = build_plan(s, 1)
+    expert_bytes = n_moe * moe.num_experts * one_expert * 4
+    assert f"expert weights on this rank {expert_bytes / 1024**3:.2f} GiB" in " ".join(plan.notes)

@@ -77,6 +77,12 @@ def validate_config(
             f"  model: {param_count(s) / 1e6:,.1f}M parameters, dim {m.dim}, {m.n_layers} layers, "
             f"{m.n_heads} heads ({m.kv_heads} kv), vocab {m.vocab_size}"
         )
+        if m.moe is not None:
+            moe = m.moe
+            typer.echo(
+                f"  MoE: {param_count(s, active=True) / 1e6:,.1f}M active parameters per token, "
+                f"{moe.num_experts} experts (top {moe.top_k}, {moe.num_shared_experts} shared)"
+            )
         typer.echo(f"  tokens per step: {tokens:,} (global batch {tokens // s.train.seq_len} x {s.train.seq_len})")
     if plan:
         _plan(s, n, rank, fmt, mfu)

@@ -11,6 +11,7 @@ from pydantic import BaseModel
 from kforge_cli.errors import InvalidInputError
 from kforge_cli.settings.job import JobSettings
 from kforge_cli.settings.loader import ResolvedSettings, _section_class, all_keys
+from kforge_cli.settings.moe import ffn_params
 
 
 def to_toml(settings: JobSettings) -> str:
@@ -74,14 +75,17 @@ def explain_key(resolved: ResolvedSettings, key: str) -> str:
     raise InvalidInputError(f"unknown key {key!r}")
 
 
-def param_count(s: JobSettings) -> int:
-    """Parameters of the text Transformer, computed from the config (matches the built model)."""
+def param_count(s: JobSettings, *, active: bool = False) -> int:
+    """Parameters of the text Transformer, computed from the config (matches the built model).
+
+    ``active``: count only the parameters one token passes through (MoE: top_k of the
+    routed experts), as the FLOP count does. Dense models give the same number either way.
+    """
     m = s.model
-    d, hd, kv, hidden, v = m.dim, m.head_dim, m.kv_heads, m.resolved_ffn_hidden_dim, m.vocab_size
+    d, hd, kv, v = m.dim, m.head_dim, m.kv_heads, m.vocab_size
     attn = d * m.n_heads * hd + 2 * d * kv * hd + m.n_heads * hd * d
     if m.qk_norm:
         attn += 2 * hd
-    mlp = (3 if m.activation == "swiglu" else 2) * d * hidden
-    block = attn + mlp + 2 * d
+    blocks = sum(attn + ffn_params(m, i, active=active) + 2 * d for i in range(m.n_layers))
     head = 0 if m.tie_embeddings else v * d
-    return v * d + m.n_layers * block + d + head
+    return v * d + blocks + d + head

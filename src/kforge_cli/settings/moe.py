@@ -101,3 +101,33 @@ def moe_issues(m: ModelSettings) -> list[ConfigIssue]:
             )
         )
     return out
+
+
+def ffn_params(m: ModelSettings, layer: int, *, active: bool) -> int:
+    """Parameters of block ``layer``'s feed-forward: all of them, or those one token uses (``active``).
+
+    The one formula behind ``param_count`` (total) and the FLOP count (active): an MoE
+    layer has the router ``E x dim``, the shared experts and ``E`` (total) or ``top_k``
+    (active) routed SwiGLU experts of ``3 x dim x expert_hidden`` each.
+    """
+    d = m.dim
+    moe = m.moe
+    if moe is None or not moe.is_moe_layer(layer):
+        return (3 if m.activation == "swiglu" else 2) * d * m.resolved_ffn_hidden_dim
+    expert = 3 * d * moe.resolved_expert_hidden_dim(m)
+    routed = moe.top_k if active else moe.num_experts
+    return moe.num_experts * d + (moe.num_shared_experts + routed) * expert
+
+
+def active_ffn_hidden(m: ModelSettings) -> int:
+    """The widest per-token feed-forward hidden size of any block (MoE: (top_k + shared) x expert hidden).
+
+    What activation-memory estimates use for the MLP of a block; routing buffers are small next to it.
+    """
+    moe = m.moe
+    if moe is None:
+        return m.resolved_ffn_hidden_dim
+    layers = range(m.n_layers)
+    moe_hidden = (moe.top_k + moe.num_shared_experts) * moe.resolved_expert_hidden_dim(m)
+    dense = any(not moe.is_moe_layer(i) for i in layers)
+    return max(moe_hidden, m.resolved_ffn_hidden_dim if dense else 0)

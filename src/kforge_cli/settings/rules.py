@@ -297,6 +297,14 @@ def _combination_issues(s: JobSettings) -> list[ConfigIssue]:
         )
     if d.tp > 1 and m.tie_embeddings:
         out.append(ConfigIssue("model.tie_embeddings", "not supported with distributed.tp > 1; untie, or use tp = 1"))
+    if d.tp > 1 and m.moe is not None:
+        out.append(
+            ConfigIssue(
+                "distributed.tp",
+                "tensor parallelism is not supported with [model.moe] yet (MoE blocks have no TP plan); "
+                "shard with FSDP (distributed.dp_shard) instead",
+            )
+        )
     if d.tp > 1 and t.loss_chunk_size and not d.loss_parallel:
         out.append(
             ConfigIssue(

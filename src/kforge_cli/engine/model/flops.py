@@ -10,13 +10,16 @@ counted once even when tied to the embedding). ``6 = 2`` (multiply-add) ``x 3``
 (forward + two backward matmuls). The second term is the attention score and
 value matmuls (``QK^T`` and ``AV``), counted over the full ``seq_len`` without
 halving for causality, as PaLM does. Activation checkpointing recompute is not
-counted: MFU measures useful model FLOPs.
+counted: MFU measures useful model FLOPs. For Mixture-of-Experts models ``N`` counts
+the *active* parameters (router, shared experts and top_k of the routed experts per
+MoE layer), the work one token really does; dropped tokens are not subtracted.
 """
 
 from __future__ import annotations
 
 from torch import nn
 
+from kforge_cli.settings.moe import ffn_params
 from kforge_cli.settings.training import ModelSettings
 
 
@@ -30,17 +33,17 @@ def count_params(model: nn.Module) -> int:
 
 
 def non_embedding_params(cfg: ModelSettings) -> int:
-    """``N`` of the FLOP formula: all parameters except the token-embedding table.
+    """``N`` of the FLOP formula: all *active* parameters except the token-embedding table.
 
-    The output head (``vocab * dim``) is included, once, tied or not.
+    The output head (``vocab * dim``) is included, once, tied or not; an MoE layer
+    counts its router, shared experts and ``top_k`` routed experts.
     """
-    d, hd, hidden = cfg.dim, cfg.head_dim, cfg.resolved_ffn_hidden_dim
+    d, hd = cfg.dim, cfg.head_dim
     attention = 2 * d * cfg.n_heads * hd + 2 * d * cfg.kv_heads * hd  # wq, wo; wk, wv
     if cfg.qk_norm:
         attention += 2 * hd
-    mlp = (3 if cfg.activation == "swiglu" else 2) * d * hidden
-    block = attention + mlp + 2 * d  # + attention_norm, ffn_norm
-    return cfg.n_layers * block + d + cfg.vocab_size * d  # + final norm, output head
+    blocks = sum(attention + ffn_params(cfg, i, active=True) + 2 * d for i in range(cfg.n_layers))
+    return blocks + d + cfg.vocab_size * d  # + final norm, output head
 
 
 def flops_per_token(cfg: ModelSettings, seq_len: int) -> float:
