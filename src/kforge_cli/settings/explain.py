@@ -73,6 +73,7 @@ def explain_key(resolved: ResolvedSettings, key: str) -> str:
             )
         model = section
     raise InvalidInputError(f"unknown key {key!r}")
+<<<<<<< HEAD
 
 
 def param_count(s: JobSettings, *, active: bool = False) -> int:
@@ -89,3 +90,5 @@ def param_count(s: JobSettings, *, active: bool = False) -> int:
     blocks = sum(attn + ffn_params(m, i, active=active) + 2 * d for i in range(m.n_layers))
     head = 0 if m.tie_embeddings else v * d
     return v * d + blocks + d + head
+=======
+>>>>>>> main
