@@ -151,7 +151,6 @@ def test_moe_settings_errors_name_the_key() -> None:
 def test_flops_count_active_params_and_plan_reports_experts() -> None:
     from kforge_cli.engine.model import count_params, non_embedding_params
     from kforge_cli.engine.parallel.plan.planner import build_plan
-    from kforge_cli.settings.explain import param_count
 
     s = load_settings("moe-debug", use_env=False).settings
     m = s.model
@@ -163,9 +162,9 @@ def test_flops_count_active_params_and_plan_reports_experts() -> None:
     one_expert = 3 * m.dim * moe.resolved_expert_hidden_dim(m)
     idle = n_moe * (moe.num_experts - moe.top_k) * one_expert
     embedding = m.vocab_size * m.dim
-    assert count_params(model) == param_count(s)
+    assert count_params(model) == m.param_count()
     assert non_embedding_params(m) == count_params(model) - embedding - idle
-    assert param_count(s, active=True) == count_params(model) - idle
+    assert m.param_count(active=True) == count_params(model) - idle
     plan = build_plan(s, 1)
     expert_bytes = n_moe * moe.num_experts * one_expert * 4
     assert f"expert weights on this rank {expert_bytes / 1024**3:.2f} GiB" in " ".join(plan.notes)

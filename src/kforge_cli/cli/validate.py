@@ -76,7 +76,7 @@ def validate_config(
         if m.moe is not None:
             moe = m.moe
             typer.echo(
-                f"  MoE: {param_count(s, active=True) / 1e6:,.1f}M active parameters per token, "
+                f"  MoE: {m.param_count(active=True) / 1e6:,.1f}M active parameters per token, "
                 f"{moe.num_experts} experts (top {moe.top_k}, {moe.num_shared_experts} shared)"
             )
         typer.echo(f"  tokens per step: {tokens:,} (global batch {tokens // s.train.seq_len} x {s.train.seq_len})")

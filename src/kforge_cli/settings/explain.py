@@ -11,7 +11,6 @@ from pydantic import BaseModel
 from kforge_cli.errors import InvalidInputError
 from kforge_cli.settings.job import JobSettings
 from kforge_cli.settings.loader import ResolvedSettings, _section_class, all_keys
-from kforge_cli.settings.moe import ffn_params
 
 
 def to_toml(settings: JobSettings) -> str:
@@ -73,22 +72,3 @@ def explain_key(resolved: ResolvedSettings, key: str) -> str:
             )
         model = section
     raise InvalidInputError(f"unknown key {key!r}")
-<<<<<<< HEAD
-
-
-def param_count(s: JobSettings, *, active: bool = False) -> int:
-    """Parameters of the text Transformer, computed from the config (matches the built model).
-
-    ``active``: count only the parameters one token passes through (MoE: top_k of the
-    routed experts), as the FLOP count does. Dense models give the same number either way.
-    """
-    m = s.model
-    d, hd, kv, v = m.dim, m.head_dim, m.kv_heads, m.vocab_size
-    attn = d * m.n_heads * hd + 2 * d * kv * hd + m.n_heads * hd * d
-    if m.qk_norm:
-        attn += 2 * hd
-    blocks = sum(attn + ffn_params(m, i, active=active) + 2 * d for i in range(m.n_layers))
-    head = 0 if m.tie_embeddings else v * d
-    return v * d + blocks + d + head
-=======
->>>>>>> main

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 from torch import nn
 
-from kforge_cli.settings.moe import ffn_params
 from kforge_cli.settings.training import ModelSettings
 
 
@@ -38,16 +37,7 @@ def non_embedding_params(cfg: ModelSettings) -> int:
     The output head (``vocab * dim``) is included, once, tied or not; an MoE layer
     counts its router, shared experts and ``top_k`` routed experts.
     """
-<<<<<<< HEAD
-    d, hd = cfg.dim, cfg.head_dim
-    attention = 2 * d * cfg.n_heads * hd + 2 * d * cfg.kv_heads * hd  # wq, wo; wk, wv
-    if cfg.qk_norm:
-        attention += 2 * hd
-    blocks = sum(attention + ffn_params(cfg, i, active=True) + 2 * d for i in range(cfg.n_layers))
-    return blocks + d + cfg.vocab_size * d  # + final norm, output head
-=======
     return cfg.non_embedding_params()
->>>>>>> main
 
 
 def flops_per_token(cfg: ModelSettings, seq_len: int) -> float:
