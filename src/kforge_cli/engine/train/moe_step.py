@@ -4,7 +4,9 @@ Aux losses: each MoE layer keeps the weighted load-balance and z-loss of its lat
 forward. They are added to a micro-batch's loss *sum* multiplied by the micro-batch's
 valid tokens, so after the step core's division by the global token count (and the
 data-parallel gradient average) their gradient is the token-weighted mean over all
-micro-batches and ranks. They enter as ``term - term.detach()``: the gradient is the
+micro-batches and ranks; the load-balance loss's expert shares are those of the whole
+global micro-batch (all-reduced in the forward), so data parallelism trains exactly like
+one process on the same global batch. They enter as ``term - term.detach()``: the gradient is the
 aux loss's, the reported ``loss`` stays the language-model loss, and the aux values
 are logged separately (``moe/<layer>/aux_loss``).
 
@@ -20,7 +22,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from kforge_cli.engine.data.tokens import IGNORE_INDEX
-from kforge_cli.engine.model.moe import finish_moe_step, moe_aux_loss
+from kforge_cli.engine.model.moe import finish_moe_step, moe_aux_loss, moe_layers
 from kforge_cli.engine.train.step import Batch, PlainStep
 
 if TYPE_CHECKING:
@@ -32,6 +34,11 @@ class MoEStep(PlainStep):
 
     def __init__(self) -> None:
         self.metrics: dict[str, float] = {}
+
+    def before_forward(self, session: TrainingSession) -> None:
+        distributed = session.runtime.dp_size > 1
+        for _, layer in moe_layers(session.model):
+            layer.load_group, layer.global_load = session.runtime.dp_group(), distributed
 
     def adjust_loss(self, session: TrainingSession, batch: Batch, loss_sum: torch.Tensor) -> torch.Tensor:
         aux = moe_aux_loss(session.model)

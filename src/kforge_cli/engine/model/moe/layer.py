@@ -14,6 +14,7 @@ from __future__ import annotations
 import math
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from kforge_cli.engine.model.mlp import FeedForward
@@ -63,6 +64,10 @@ class MoEFeedForward(nn.Module):
         self.register_buffer("step_aux", torch.zeros(()), persistent=False)
         self.register_buffer("step_forwards", torch.zeros(()), persistent=False)
         self.aux_loss: torch.Tensor | None = None
+        # Set by the training step under data parallelism: the load-balance loss then uses the
+        # expert load of the whole global micro-batch (all ranks), so it equals one process's.
+        self.load_group: dist.ProcessGroup | None = None
+        self.global_load = False
 
     def init_weights(self, std: float, out_std: float) -> None:
         """Router and expert inputs ~ N(0, std), expert outputs ~ N(0, out_std); bias and stats zero."""
@@ -118,11 +123,20 @@ class MoEFeedForward(nn.Module):
         return out
 
     def _aux_losses(self, routing: Routing, counts: torch.Tensor, n: int) -> torch.Tensor | None:
-        """Weighted load-balance loss ``E * sum_i f_i P_i`` plus router z-loss, or None when both are off."""
+        """Weighted load-balance loss ``E * sum_i f_i P_i`` plus router z-loss, or None when both are off.
+
+        ``f_i`` is expert ``i``'s share of the routed token copies (of this micro-batch on
+        every data-parallel rank when ``global_load`` is set), ``P_i`` its mean router
+        probability over this rank's tokens; the step weights each rank's term by its tokens.
+        """
         moe = self.moe
         total: torch.Tensor | None = None
         if moe.aux_loss_weight > 0:
-            frac = counts.float() / max(1, n * moe.top_k)
+            load = counts.float()
+            if self.global_load and self.training and dist.is_initialized():
+                load = load.clone()
+                dist.all_reduce(load, group=self.load_group)
+            frac = load / load.sum().clamp(min=1.0)
             total = moe.aux_loss_weight * moe.num_experts * (frac * routing.probs.mean(dim=0)).sum()
         if moe.z_loss_weight > 0:
             z = moe.z_loss_weight * torch.logsumexp(routing.logits, dim=-1).square().mean()
