@@ -73,10 +73,12 @@ def export_problems(model: dict[str, Any], has_vlm: bool) -> list[str]:
         problems.append(f"model.norm = {model.get('norm')!r}: Llama uses RMSNorm")
     if model.get("activation") != "swiglu":
         problems.append(f"model.activation = {model.get('activation')!r}: Llama uses a SwiGLU MLP")
+    if model.get("moe"):
+        from kforge_cli.engine.checkpoint.hf_moe import moe_export_problems
+
+        return problems + moe_export_problems(model)
     if model.get("qk_norm"):
         problems.append("model.qk_norm = true: Llama has no query/key norm")
-    if model.get("moe"):
-        problems.append("model.moe is set: exporting Mixture-of-Experts checkpoints is not implemented yet")
     return problems
 
 

@@ -49,7 +49,8 @@ def finish_moe_step(model: nn.Module, group: dist.ProcessGroup | None = None) ->
         return {}
     stats = torch.stack([torch.cat([lay.step_tokens, lay.step_dropped.view(1)]) for _, lay in layers])  # [L, E + 1]
     if dist.is_available() and dist.is_initialized():
-        dist.all_reduce(stats, op=dist.ReduceOp.SUM, group=group)
+        dist.all_reduce(stats, op=dist.ReduceOp.SUM, group=group)  # int64: exact
+    stats = stats.double()
     metrics: dict[str, float] = {}
     ratios = []
     for (key, layer), row in zip(layers, stats, strict=True):
@@ -64,8 +65,7 @@ def finish_moe_step(model: nn.Module, group: dist.ProcessGroup | None = None) ->
         rate = layer.moe.bias_update_rate
         if rate > 0 and mean > 0:
             delta = rate * torch.sign(mean - tokens)
-            layer.expert_bias += (delta - delta.mean()).to(layer.expert_bias.dtype)
-        for buf in (layer.step_tokens, layer.step_dropped, layer.step_aux, layer.step_forwards):
-            buf.zero_()
+            layer.expert_bias.copy_((layer.expert_bias.double() + delta - delta.mean()).to(layer.expert_bias.dtype))
+        layer.reset_step_stats()
     metrics["moe/load_max_over_mean"] = sum(ratios) / len(ratios)
     return metrics

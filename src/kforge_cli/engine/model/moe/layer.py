@@ -59,15 +59,21 @@ class MoEFeedForward(nn.Module):
             self.shared_experts = FeedForward(shared)
         e = moe.num_experts
         self.register_buffer("expert_bias", torch.zeros(e), persistent=True)
-        self.register_buffer("step_tokens", torch.zeros(e), persistent=False)
-        self.register_buffer("step_dropped", torch.zeros(()), persistent=False)
+        # Integer counters: exact at any count, and untouched by model.to(bf16).
+        self.register_buffer("step_tokens", torch.zeros(e, dtype=torch.long), persistent=False)
+        self.register_buffer("step_dropped", torch.zeros((), dtype=torch.long), persistent=False)
         self.register_buffer("step_aux", torch.zeros(()), persistent=False)
-        self.register_buffer("step_forwards", torch.zeros(()), persistent=False)
+        self.register_buffer("step_forwards", torch.zeros((), dtype=torch.long), persistent=False)
         self.aux_loss: torch.Tensor | None = None
         # Set by the training step under data parallelism: the load-balance loss then uses the
         # expert load of the whole global micro-batch (all ranks), so it equals one process's.
         self.load_group: dist.ProcessGroup | None = None
         self.global_load = False
+
+    def reset_step_stats(self) -> None:
+        """Zero the per-step counters (after a step, or after loading: they are never saved)."""
+        for buf in (self.step_tokens, self.step_dropped, self.step_aux, self.step_forwards):
+            buf.zero_()
 
     def init_weights(self, std: float, out_std: float) -> None:
         """Router and expert inputs ~ N(0, std), expert outputs ~ N(0, out_std); bias and stats zero."""
@@ -75,8 +81,8 @@ class MoEFeedForward(nn.Module):
         self.experts.init_weights(std, out_std)
         if self.shared_experts is not None:
             self.shared_experts.init_weights(std, out_std)
-        for buf in (self.expert_bias, self.step_tokens, self.step_dropped, self.step_aux, self.step_forwards):
-            buf.zero_()
+        self.expert_bias.zero_()
+        self.reset_step_stats()
         self.aux_loss = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -96,7 +102,7 @@ class MoEFeedForward(nn.Module):
         order = torch.argsort(chosen, stable=True)  # by expert, then token order
         weights = routing.weights.reshape(-1)[order]
         token_ids = order // k
-        dropped = torch.zeros((), device=flat.device)
+        dropped = torch.zeros((), dtype=torch.long, device=flat.device)
         if self.moe.capacity_factor is not None:
             capacity = math.ceil(self.moe.capacity_factor * n * k / e)
             starts = torch.cumsum(counts, 0) - counts
@@ -104,7 +110,7 @@ class MoEFeedForward(nn.Module):
             keep = rank_in_expert < capacity
             token_ids, weights = token_ids[keep], weights[keep]
             kept = counts.clamp(max=capacity)
-            dropped = (counts - kept).sum().float()
+            dropped = (counts - kept).sum()
             expert_counts = kept
         else:
             expert_counts = counts
@@ -116,9 +122,9 @@ class MoEFeedForward(nn.Module):
             self.aux_loss = aux
             if self.training:
                 with torch.no_grad():
-                    self.step_tokens += counts.float()
+                    self.step_tokens += counts
                     self.step_dropped += dropped
-                    self.step_aux += aux.detach() if aux is not None else 0.0
+                    self.step_aux += aux.detach().to(self.step_aux.dtype) if aux is not None else 0.0
                     self.step_forwards += 1
         return out
 
