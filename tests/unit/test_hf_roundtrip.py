@@ -250,6 +250,29 @@ def test_moe_export_loads_as_qwen3_moe_with_the_same_logits(tmp_path: Path, reno
     rel = max_rel_diff(ours, theirs)
     print(f"export-hf MoE renormalize={renormalize}: max rel logit diff {rel:.3e}")
     assert rel <= REL_TOL
+    with torch.no_grad():  # and back: the Qwen3-MoE directory loads ...
+        back = load_model(tmp_path / "hf")
+        assert back.cfg.moe is not None and back.cfg.moe.renormalize == renormalize
+        assert max_rel_diff(ours, back(toks)) <= REL_TOL
+    # ... and warm-starts a training run (checkpoint.init_from), balancing switched on
+    extra = [*MOE, f"--model.moe.renormalize={str(renormalize).lower()}", "--model.moe.bias_update_rate=0.001"]
+    s = load_settings(overrides=[*TINY, *extra, f"--checkpoint.init_from={tmp_path / 'hf'}"], use_env=False).settings
+    runtime = init_runtime(s)
+    model, _ = build_parallel_model(s, runtime)
+    opt = build_optimizer(model, s)
+    mgr = CheckpointManager(
+        s,
+        runtime,
+        tmp_path / "run2",
+        model=model,
+        optimizer=opt,
+        scheduler=build_scheduler(opt, s),
+        train_state=TrainState(),
+    )
+    restored = mgr.restore()
+    assert restored is not None and restored.kind == "warm_start"
+    with torch.no_grad():
+        assert max_rel_diff(ours, model.eval()(toks)) <= REL_TOL
 
 
 def test_moe_export_refuses_what_qwen3_moe_cannot_express(tmp_path: Path) -> None:

@@ -144,9 +144,13 @@ def _rope_theta(config: dict[str, Any], problems: list[str]) -> float:
 
 def model_fields_from_hf(config: dict[str, Any]) -> dict[str, Any]:
     """kforge ``model.*`` settings equivalent to a Hugging Face Llama config; refuses what kforge lacks."""
+    if config.get("model_type") == "qwen3_moe":
+        from kforge_cli.engine.checkpoint.hf_moe import moe_fields_from_hf
+
+        return moe_fields_from_hf(config, model_fields_from_hf)
     problems: list[str] = []
     if config.get("model_type") != "llama":
-        problems.append(f"model_type {config.get('model_type')!r} (only 'llama' is supported)")
+        problems.append(f"model_type {config.get('model_type')!r} (only 'llama' and 'qwen3_moe' are supported)")
     act = config.get("hidden_act", "silu")
     if act not in ("silu", "swish"):
         problems.append(f"hidden_act {act!r} (kforge's SwiGLU uses silu)")

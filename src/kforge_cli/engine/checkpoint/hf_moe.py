@@ -1,4 +1,4 @@
-"""The Hugging Face Qwen3-MoE layout for kforge MoE checkpoints (export only).
+"""The Hugging Face Qwen3-MoE layout for kforge MoE checkpoints (export, and import for warm starts).
 
 ``Qwen3MoeForCausalLM`` (transformers 5) matches a kforge MoE model whose options it
 can express: QK-norm attention, a softmax top-k router with optional renormalisation
@@ -23,6 +23,7 @@ _MOE_BLOCK = {
     "feed_forward.router.gate.weight": "mlp.gate.weight",
     "feed_forward.experts.w2": "mlp.experts.down_proj",
 }
+ROUTER_GATE = "feed_forward.router.gate.weight"
 FUSED_GATE = "feed_forward.experts.w1"
 FUSED_UP = "feed_forward.experts.w3"
 FUSED_HF = "mlp.experts.gate_up_proj"
@@ -96,3 +97,44 @@ def qwen3_moe_config(model: dict[str, Any], llama: dict[str, Any], *, expert_hid
     )
     cfg.pop("mlp_bias", None)
     return cfg
+
+
+_HF_LAYER = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
+_MOE_BLOCK_BACK = {v: k for k, v in _MOE_BLOCK.items()}
+
+
+def from_hf_moe_name(name: str) -> str | None:
+    """Qwen3-MoE name -> kforge name (``gate_up_proj`` -> the ``w1`` name; the caller splits off ``w3``)."""
+    m = _HF_LAYER.match(name)
+    if not m:
+        return None
+    layer, rest = m.group(1), m.group(2)
+    if rest == FUSED_HF:
+        return f"layers.{layer}.{FUSED_GATE}"
+    if rest in _MOE_BLOCK_BACK:
+        return f"layers.{layer}.{_MOE_BLOCK_BACK[rest]}"
+    return None
+
+
+def moe_fields_from_hf(config: dict[str, Any], llama_fields: Any) -> dict[str, Any]:
+    """kforge ``model.*`` settings of a Qwen3-MoE config (dense blocks must be a prefix of the stack)."""
+    n_layers = int(config.get("num_hidden_layers", 0))
+    dense = sorted(int(i) for i in config.get("mlp_only_layers") or [])
+    step = int(config.get("decoder_sparse_step", 1))
+    problems = []
+    if step != 1:
+        problems.append(f"decoder_sparse_step {step} (kforge expresses dense blocks as a prefix)")
+    if dense != list(range(len(dense))) or len(dense) >= n_layers:
+        problems.append(f"mlp_only_layers {dense} (kforge keeps only the first blocks dense)")
+    if problems:
+        raise CheckpointError("this Hugging Face model cannot be represented by kforge: " + "; ".join(problems))
+    fields = dict(llama_fields({**config, "model_type": "llama"}))
+    fields["qk_norm"] = True
+    fields["moe"] = {
+        "num_experts": int(config["num_experts"]),
+        "top_k": int(config["num_experts_per_tok"]),
+        "expert_hidden_dim": int(config["moe_intermediate_size"]),
+        "first_dense_layers": len(dense),
+        "renormalize": bool(config.get("norm_topk_prob", False)),
+    }
+    return fields
