@@ -35,6 +35,7 @@ class Recorder(TrainHook):
         self.local_param_numel = 0
         self.full_param_numel = 0
         self.pipeline: dict[str, Any] | None = None
+        self.expert_bias: list[list[float]] = []  # MoE selection biases after the last step
 
     def on_train_begin(self, session: Any) -> None:
         for p in session.model.parameters():
@@ -48,6 +49,7 @@ class Recorder(TrainHook):
     def on_step_end(self, session: Any, info: Any) -> None:
         self.losses.append(info.loss)
         self.grad_norms.append(info.grad_norm)
+        self.expert_bias = [b.tolist() for n, b in session.model.named_buffers() if n.endswith("expert_bias")]
 
 
 def run_case(name: str, overrides: list[str], out_dir: Path) -> dict[str, Any]:
@@ -63,6 +65,7 @@ def run_case(name: str, overrides: list[str], out_dir: Path) -> dict[str, Any]:
         "full_param_numel": rec.full_param_numel,
         "pipeline": rec.pipeline,
         "eval_loss": outcome.last_eval_loss,
+        "expert_bias": rec.expert_bias,
     }
 
 

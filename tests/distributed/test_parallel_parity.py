@@ -35,6 +35,18 @@ FEATURES = [
     "--eval.steps=2",
 ]
 
+MOE = [  # aux-loss-free bias, aux + z losses, two micro-batches: all must agree with one process
+    "--model.moe.num_experts=4",
+    "--model.moe.top_k=2",
+    "--model.moe.expert_hidden_dim=32",
+    "--model.moe.num_shared_experts=1",
+    "--model.moe.first_dense_layers=1",
+    "--model.moe.bias_update_rate=0.01",
+    "--model.moe.aux_loss_weight=0.01",
+    "--model.moe.z_loss_weight=0.001",
+    "--train.grad_accum_steps=2",
+]
+
 # case -> (distributed settings, reference settings: the same global batch on one process)
 TWO_RANKS: dict[str, tuple[list[str], list[str]]] = {
     "fsdp": ([], ["--train.batch_size=4"]),
@@ -44,6 +56,8 @@ TWO_RANKS: dict[str, tuple[list[str], list[str]]] = {
         ["--train.batch_size=4"],
     ),
     "tp": (["--distributed.tp=2"], []),
+    "moe_fsdp": (MOE, ["--train.batch_size=4", *MOE]),
+    "moe_fsdp_ac_full": ([*MOE, "--train.activation_checkpointing=full"], ["--train.batch_size=4", *MOE]),
     "tp_ac_selective_op": (
         ["--distributed.tp=2", "--train.activation_checkpointing=selective", "--train.ac_selective_mode=op"],
         [],
@@ -120,6 +134,17 @@ def test_two_ranks_match_one_process(two: dict[str, list[dict]], name: str) -> N
 @pytest.mark.parametrize("name", list(FOUR_RANKS))
 def test_four_ranks_match_one_process(four: dict[str, list[dict]], name: str) -> None:
     check_case(four, FOUR_RANKS, name)
+
+
+@pytest.mark.parametrize("name", ["moe_fsdp", "moe_fsdp_ac_full"])
+def test_moe_bias_is_identical_on_every_rank(two: dict[str, list[dict]], name: str) -> None:
+    ranks = completed(two[name], name)
+    ref = reference(tuple(TWO_RANKS[name][1]))["expert_bias"]
+    assert len(ref) == 3 and any(any(v != 0 for v in b) for b in ref)  # 3 MoE blocks, balancing moved
+    for r in ranks:
+        assert r["expert_bias"] == ranks[0]["expert_bias"]  # all-reduced counts: bit-identical
+        for got, want in zip(r["expert_bias"], ref, strict=True):
+            assert got == pytest.approx(want, abs=1e-6)
 
 
 def test_pipeline_ranks_run_their_own_stages(two: dict[str, list[dict]]) -> None:

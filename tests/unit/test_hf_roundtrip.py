@@ -16,6 +16,8 @@ import torch
 from kforge_cli import load_model
 from kforge_cli.engine.checkpoint import CheckpointError, CheckpointManager
 from kforge_cli.engine.checkpoint.hf_export import export_hf
+from kforge_cli.engine.checkpoint.inspection import summarize
+from kforge_cli.engine.checkpoint.reader import open_checkpoint
 from kforge_cli.engine.parallel import build_parallel_model
 from kforge_cli.engine.runtime import init_runtime
 from kforge_cli.engine.train.optimizer import build_optimizer
@@ -218,3 +220,62 @@ def test_the_logit_check_would_catch_a_rope_permutation(tmp_path: Path) -> None:
     with torch.no_grad():
         ours = load_model(saved.steps[1])(toks)
     assert max_rel_diff(ours, hf_logits(tmp_path / "hf", toks)) > 1e-3
+
+
+MOE = [
+    "--model.qk_norm=true",
+    "--model.moe.num_experts=4",
+    "--model.moe.top_k=2",
+    "--model.moe.expert_hidden_dim=16",
+    "--model.moe.first_dense_layers=1",
+]
+
+
+@pytest.mark.parametrize("renormalize", [True, False])
+def test_moe_export_loads_as_qwen3_moe_with_the_same_logits(tmp_path: Path, renormalize: bool) -> None:
+    saved = train_and_save(tmp_path / "run", [*MOE, f"--model.moe.renormalize={str(renormalize).lower()}"], steps=1)
+    listed = {t["name"]: t for t in summarize(open_checkpoint(saved.steps[1]))["tensors"]}
+    assert listed["model.layers.1.feed_forward.experts.w1"]["shape"] == [4, 16, 32]  # inspect-ckpt shows experts
+    assert "model.layers.1.feed_forward.expert_bias" in listed
+    result = export_hf(saved.steps[1], tmp_path / "hf", max_shard_bytes=20_000)  # several shards
+    assert len(result.files) > 1
+    config = json.loads((tmp_path / "hf" / "config.json").read_text())
+    assert config["model_type"] == "qwen3_moe" and config["mlp_only_layers"] == [0]
+    toks = tokens()
+    with torch.no_grad():
+        ours = load_model(saved.steps[1])(toks)
+        hf = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "hf"), dtype=torch.float32).eval()
+        theirs = hf(toks).logits
+    assert type(hf).__name__ == "Qwen3MoeForCausalLM"
+    rel = max_rel_diff(ours, theirs)
+    print(f"export-hf MoE renormalize={renormalize}: max rel logit diff {rel:.3e}")
+    assert rel <= REL_TOL
+    with torch.no_grad():  # and back: the Qwen3-MoE directory loads ...
+        back = load_model(tmp_path / "hf")
+        assert back.cfg.moe is not None and back.cfg.moe.renormalize == renormalize
+        assert max_rel_diff(ours, back(toks)) <= REL_TOL
+    # ... and warm-starts a training run (checkpoint.init_from), balancing switched on
+    extra = [*MOE, f"--model.moe.renormalize={str(renormalize).lower()}", "--model.moe.bias_update_rate=0.001"]
+    s = load_settings(overrides=[*TINY, *extra, f"--checkpoint.init_from={tmp_path / 'hf'}"], use_env=False).settings
+    runtime = init_runtime(s)
+    model, _ = build_parallel_model(s, runtime)
+    opt = build_optimizer(model, s)
+    mgr = CheckpointManager(
+        s,
+        runtime,
+        tmp_path / "run2",
+        model=model,
+        optimizer=opt,
+        scheduler=build_scheduler(opt, s),
+        train_state=TrainState(),
+    )
+    restored = mgr.restore()
+    assert restored is not None and restored.kind == "warm_start"
+    with torch.no_grad():
+        assert max_rel_diff(ours, model.eval()(toks)) <= REL_TOL
+
+
+def test_moe_export_refuses_what_qwen3_moe_cannot_express(tmp_path: Path) -> None:
+    saved = train_and_save(tmp_path / "run", [*MOE, "--model.moe.num_shared_experts=1"], steps=1)
+    with pytest.raises(CheckpointError, match="num_shared_experts"):
+        export_hf(saved.steps[1], tmp_path / "hf")

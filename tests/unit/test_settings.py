@@ -11,7 +11,17 @@ from kforge_cli.settings import JobSettings, load_settings, parse_overrides, res
 from kforge_cli.settings.explain import explain_key, to_toml
 from kforge_cli.settings.profiles import available_profiles
 
-SHIPPED = ["cpu-debug", "h100x8", "h100x64", "h200x8", "h200x32", "vlm-mot-debug"]
+SHIPPED = [
+    "cpu-debug",
+    "h100x8",
+    "h100x64",
+    "h200x8",
+    "h200x32",
+    "vlm-mot-debug",
+    "moe-debug",
+    "moe16b-h100x8",
+    "moe16b-h100x64",
+]
 
 
 @pytest.fixture

@@ -84,6 +84,12 @@ def validate_config(
                 for k, v in vision.items()
             )
             typer.echo(f"    text decoder {text / 1e6:,.2f}M; the vision parts add: {shown}")
+        if m.moe is not None:
+            moe = m.moe
+            typer.echo(
+                f"  MoE: {m.param_count(active=True) / 1e6:,.1f}M active parameters per token, "
+                f"{moe.num_experts} experts (top {moe.top_k}, {moe.num_shared_experts} shared)"
+            )
         typer.echo(f"  tokens per step: {tokens:,} (global batch {tokens // s.train.seq_len} x {s.train.seq_len})")
     if plan:
         _plan(s, n, rank, fmt, mfu)

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 
 from kforge_cli.errors import ConfigError, ConfigIssue
 from kforge_cli.settings.job import JobSettings
+from kforge_cli.settings.moe import moe_issues
 from kforge_cli.settings.pipeline_schedules import schedule_facts
 
 COMPILE_TP_CPU = (
@@ -67,6 +68,7 @@ def config_issues(s: JobSettings) -> list[ConfigIssue]:
         and t.ac_every_n_blocks > m.n_layers
     ):
         out.append(ConfigIssue("train.ac_every_n_blocks", f"exceeds model.n_layers ({m.n_layers})"))
+    out += moe_issues(m)
     out += _vlm_issues(s)
     return out
 
@@ -317,6 +319,24 @@ def _combination_issues(s: JobSettings) -> list[ConfigIssue]:
         )
     if d.tp > 1 and m.tie_embeddings:
         out.append(ConfigIssue("model.tie_embeddings", "not supported with distributed.tp > 1; untie, or use tp = 1"))
+    if m.moe is not None and d.pp > 1:
+        out.append(
+            ConfigIssue(
+                "distributed.pp",
+                "pipeline parallelism is not supported with [model.moe] yet (the pipeline step does not apply "
+                "the routers' aux losses and bias updates); use distributed.pp = 1",
+            )
+        )
+    if m.moe is not None and s.vlm is not None:
+        out.append(ConfigIssue("model.moe", "MoE language models are not supported for VLMs yet; drop [model.moe]"))
+    if d.tp > 1 and m.moe is not None:
+        out.append(
+            ConfigIssue(
+                "distributed.tp",
+                "tensor parallelism is not supported with [model.moe] yet (MoE blocks have no TP plan); "
+                "shard with FSDP (distributed.dp_shard) instead",
+            )
+        )
     if d.tp > 1 and t.loss_chunk_size and not d.loss_parallel:
         out.append(
             ConfigIssue(

@@ -6,6 +6,7 @@ from typing import Annotated, Literal
 
 from pydantic import Field
 
+from kforge_cli.settings.moe import MoESettings, ffn_params
 from kforge_cli.settings.section import Section, field
 
 MAX_SEED = 2**63 - 1  # torch.manual_seed's range; seed + step must stay inside it
@@ -35,6 +36,7 @@ class ModelSettings(Section):
     qk_norm: bool = field(False, "Normalise queries and keys per head before RoPE.")
     tie_embeddings: bool = field(False, "Share the token embedding with the output head.")
     init_std: float = field(0.02, "Std of the normal initialisation of weights.", gt=0)
+    moe: MoESettings | None = field(None, "Mixture-of-Experts feed-forward layers (None = a dense model).")
 
     @property
     def kv_heads(self) -> int:
@@ -53,23 +55,29 @@ class ModelSettings(Section):
         hidden = int(self.ffn_dim_multiplier * hidden)
         return self.multiple_of * ((hidden + self.multiple_of - 1) // self.multiple_of)
 
-    def block_params(self) -> int:
-        """Parameters of one Transformer block: attention (wq, wk, wv, wo, QK-norm), MLP, two norms."""
+    def block_params(self, layer: int = 0, *, active: bool = False) -> int:
+        """Parameters of block ``layer``: attention (wq, wk, wv, wo, QK-norm), MLP or MoE, two norms.
+
+        ``active``: only those one token passes through (an MoE block's top_k routed experts).
+        """
         d, hd = self.dim, self.head_dim
         attention = 2 * d * self.n_heads * hd + 2 * d * self.kv_heads * hd
         if self.qk_norm:
             attention += 2 * hd
-        mlp = (3 if self.activation == "swiglu" else 2) * d * self.resolved_ffn_hidden_dim
-        return attention + mlp + 2 * d
+        return attention + ffn_params(self, layer, active=active) + 2 * d
+
+    def _blocks_params(self, active: bool) -> int:
+        return sum(self.block_params(i, active=active) for i in range(self.n_layers))
 
     def non_embedding_params(self) -> int:
-        """``N`` of the FLOP formula: all parameters but the token embedding (the head counts once, tied or not)."""
-        return self.n_layers * self.block_params() + self.dim + self.vocab_size * self.dim
+        """``N`` of the FLOP formula: all *active* parameters but the token embedding (the head counts
+        once, tied or not); an MoE block counts its router, shared and top_k routed experts."""
+        return self._blocks_params(True) + self.dim + self.vocab_size * self.dim
 
-    def param_count(self) -> int:
-        """Parameters of the built text Transformer (a tied head counted once)."""
+    def param_count(self, *, active: bool = False) -> int:
+        """Parameters of the built text Transformer (a tied head counted once); ``active``: per token."""
         head = 0 if self.tie_embeddings else self.vocab_size * self.dim
-        return self.vocab_size * self.dim + self.n_layers * self.block_params() + self.dim + head
+        return self.vocab_size * self.dim + self._blocks_params(active) + self.dim + head
 
 
 class TrainSettings(Section):

@@ -27,6 +27,7 @@ from kforge_cli.engine.checkpoint.hf_format import (
     hf_config,
     to_hf_name,
 )
+from kforge_cli.engine.checkpoint.hf_moe import FUSED_GATE, FUSED_UP, qwen3_moe_config, to_hf_moe_name
 from kforge_cli.engine.checkpoint.hf_tokenizer import ExportedTokenizer, run_tokenizer, write_tokenizer
 from kforge_cli.engine.checkpoint.layout import kforge_contents
 from kforge_cli.engine.checkpoint.reader import (
@@ -78,12 +79,44 @@ def _plan(entries: list[TensorEntry], itemsize: int, max_bytes: int) -> list[lis
     size = 0
     for e in entries:
         nbytes = e.numel * itemsize
-        if shards[-1] and size + nbytes > max_bytes:
+        if shards[-1] and size + nbytes > max_bytes and not e.key.endswith(FUSED_UP):  # w3 stays with its w1
             shards.append([])
             size = 0
         shards[-1].append(e)
         size += nbytes
     return shards
+
+
+def _moe_order(entries: list[TensorEntry]) -> list[TensorEntry]:
+    """Entries with each layer's expert ``w3`` right after its ``w1``, so a shard never splits the fused pair."""
+    ups = {e.key: e for e in entries if e.key.endswith(FUSED_UP)}
+    out = []
+    for e in entries:
+        if e.key.endswith(FUSED_UP):
+            continue
+        out.append(e)
+        if e.key.endswith(FUSED_GATE):
+            out.append(ups[e.key.removesuffix(FUSED_GATE) + FUSED_UP])
+    return out
+
+
+def _fuse_experts(loaded: dict[str, torch.Tensor], mapped: dict[str, str | None]) -> dict[str, torch.Tensor]:
+    """HF tensors of one shard: renamed (None = not exported), each MoE ``w1``/``w3`` pair stacked into ``gate_up_proj``."""
+    out = {}
+    for key, t in loaded.items():
+        name = mapped[key]
+        if key.endswith(FUSED_GATE) and name is not None:
+            up = loaded[key.removesuffix(FUSED_GATE) + FUSED_UP]
+            out[name] = torch.cat([t, up], dim=1).contiguous()
+        elif name is not None:
+            out[name] = t.contiguous()
+    return out
+
+
+def _check_zero_bias(view: CheckpointView, keys: list[str]) -> None:
+    for key, bias in read_tensors(view, keys).items():
+        if bool(bias.ne(0).any()):
+            raise CheckpointError(f"cannot export as Qwen3-MoE: {key} is not zero (Qwen3-MoE has no selection bias)")
 
 
 def _check_exportable(view: CheckpointView) -> dict[str, Any]:
@@ -94,7 +127,8 @@ def _check_exportable(view: CheckpointView) -> dict[str, Any]:
     fields = {k.removeprefix(MODEL_PREFIX): v for k, v in shaping_of(view).items() if k.startswith(MODEL_PREFIX)}
     problems = export_problems(fields, is_vlm(view))
     if problems:
-        raise CheckpointError(f"cannot export {view.path} as a Hugging Face Llama: " + "; ".join(problems))
+        arch = "Qwen3-MoE" if fields.get("moe") else "Llama"
+        raise CheckpointError(f"cannot export {view.path} as a Hugging Face {arch}: " + "; ".join(problems))
     return fields
 
 
@@ -139,8 +173,16 @@ def export_hf(
     view = open_checkpoint(checkpoint)
     fields = _check_exportable(view)
     cfg = model_settings_of(view)
+    moe = bool(fields.get("moe"))
+    mapped: dict[str, str | None]
     entries = sorted(view.model_entries(), key=lambda e: e.key)
-    names = {e.key: to_hf_name(e.key.removeprefix(MODEL_PREFIX)) for e in entries}
+    if moe:
+        entries = _moe_order(entries)
+        mapped = {e.key: to_hf_moe_name(e.key.removeprefix(MODEL_PREFIX), to_hf_name) for e in entries}
+        _check_zero_bias(view, [e.key for e in entries if e.key.endswith("expert_bias")])
+        entries = [e for e in entries if mapped[e.key] is not None or e.key.endswith(FUSED_UP)]
+    else:
+        mapped = {e.key: to_hf_name(e.key.removeprefix(MODEL_PREFIX)) for e in entries}
     if dtype is not None and dtype not in DTYPES:
         raise CheckpointError(f"--dtype {dtype!r} is not one of {', '.join(DTYPES)}")
     target = DTYPES[dtype] if dtype else _stored_dtype(entries)
@@ -156,7 +198,7 @@ def export_hf(
         weight_map: dict[str, str] = {}
         for shard, file in zip(shards, files, strict=True):
             loaded = read_tensors(view, [e.key for e in shard], dtype=target)
-            tensors = {names[k]: t.contiguous() for k, t in loaded.items()}
+            tensors = _fuse_experts(loaded, mapped)
             save_file(tensors, str(tmp / file), metadata={"format": "pt"})
             weight_map.update({name: file for name in tensors})
             del loaded, tensors
@@ -165,6 +207,8 @@ def export_hf(
             index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
             (tmp / INDEX_FILE).write_text(json.dumps(index, indent=2) + "\n")
         config = hf_config(fields, ffn_hidden_dim=cfg.resolved_ffn_hidden_dim, torch_dtype=torch_dtype_name(target))
+        if moe and cfg.moe is not None:
+            config = qwen3_moe_config(fields, config, expert_hidden=cfg.moe.resolved_expert_hidden_dim(cfg))
         spec = run_tokenizer(view.path) if tokenizer is None else tokenizer
         exported = None if spec in (None, "none") else write_tokenizer(spec, tmp, cfg.max_seq_len)
         if exported is not None:

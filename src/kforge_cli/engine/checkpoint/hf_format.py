@@ -73,6 +73,10 @@ def export_problems(model: dict[str, Any], has_vlm: bool) -> list[str]:
         problems.append(f"model.norm = {model.get('norm')!r}: Llama uses RMSNorm")
     if model.get("activation") != "swiglu":
         problems.append(f"model.activation = {model.get('activation')!r}: Llama uses a SwiGLU MLP")
+    if model.get("moe"):
+        from kforge_cli.engine.checkpoint.hf_moe import moe_export_problems
+
+        return problems + moe_export_problems(model)
     if model.get("qk_norm"):
         problems.append("model.qk_norm = true: Llama has no query/key norm")
     return problems
@@ -140,9 +144,13 @@ def _rope_theta(config: dict[str, Any], problems: list[str]) -> float:
 
 def model_fields_from_hf(config: dict[str, Any]) -> dict[str, Any]:
     """kforge ``model.*`` settings equivalent to a Hugging Face Llama config; refuses what kforge lacks."""
+    if config.get("model_type") == "qwen3_moe":
+        from kforge_cli.engine.checkpoint.hf_moe import moe_fields_from_hf
+
+        return moe_fields_from_hf(config, model_fields_from_hf)
     problems: list[str] = []
     if config.get("model_type") != "llama":
-        problems.append(f"model_type {config.get('model_type')!r} (only 'llama' is supported)")
+        problems.append(f"model_type {config.get('model_type')!r} (only 'llama' and 'qwen3_moe' are supported)")
     act = config.get("hidden_act", "silu")
     if act not in ("silu", "swish"):
         problems.append(f"hidden_act {act!r} (kforge's SwiGLU uses silu)")

@@ -20,6 +20,7 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_
 from kforge_cli.engine.checkpoint.dcp_io import OPTIONS, _excluded
 from kforge_cli.engine.checkpoint.errors import CheckpointError
 from kforge_cli.engine.checkpoint.hf_format import from_hf_name, hf_weight_files, model_fields_from_hf, read_hf_config
+from kforge_cli.engine.checkpoint.hf_moe import FUSED_GATE, FUSED_UP, ROUTER_GATE, SKIPPED, from_hf_moe_name
 from kforge_cli.settings.training import ModelSettings
 
 log = logging.getLogger("kforge")
@@ -98,7 +99,14 @@ def read_hf_tensors(hf_dir: str | Path, names: Iterable[str] | None = None) -> d
         try:
             with safe_open(str(path), framework="pt", device="cpu") as f:
                 for key in f.keys():  # noqa: SIM118 (a safetensors handle, not a dict)
-                    name = from_hf_name(key)
+                    name = from_hf_name(key) or from_hf_moe_name(key)
+                    if name is not None and name.endswith(FUSED_GATE):  # Qwen3-MoE's fused gate/up
+                        gate, up = f.get_tensor(key).chunk(2, dim=1)
+                        up_name = name.removesuffix(FUSED_GATE) + FUSED_UP
+                        for part_name, part in ((name, gate), (up_name, up)):
+                            if wanted is None or part_name in wanted:
+                                out[part_name] = part.contiguous()
+                        continue
                     if name is None:
                         if not key.endswith(_IGNORED_SUFFIXES):
                             unknown.append(key)
@@ -106,6 +114,10 @@ def read_hf_tensors(hf_dir: str | Path, names: Iterable[str] | None = None) -> d
                         out[name] = f.get_tensor(key)
         except (SafetensorError, OSError) as exc:
             raise CheckpointError(f"cannot read {path}: {exc}") from None
+    for name in [n for n in out if n.endswith(ROUTER_GATE)]:  # Qwen3-MoE has no selection bias: zero
+        bias = name.removesuffix(ROUTER_GATE) + SKIPPED
+        if wanted is None or bias in wanted:
+            out[bias] = torch.zeros(out[name].shape[0], dtype=torch.float32)
     if unknown:
         shown = ", ".join(unknown[:5]) + (f" (and {len(unknown) - 5} more)" if len(unknown) > 5 else "")
         raise CheckpointError(f"{hf_dir} holds tensors a kforge Llama has no place for: {shown}")

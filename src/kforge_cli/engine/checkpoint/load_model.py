@@ -35,6 +35,7 @@ from kforge_cli.engine.checkpoint.reader import (
 )
 from kforge_cli.engine.model import Transformer
 from kforge_cli.engine.model.layers import rope_tables
+from kforge_cli.engine.model.moe import MoEFeedForward
 from kforge_cli.engine.model.vlm import VisionLanguageModel, build_vlm
 from kforge_cli.settings import JobSettings
 from kforge_cli.settings.training import ModelSettings
@@ -61,7 +62,10 @@ def _materialise(model: nn.Module, cfg: ModelSettings, dtype: torch.dtype, devic
             buf = module._buffers.get(name)
             if buf is None or full in ("rope_cos", "rope_sin"):
                 continue
-            if name.endswith("position_ids"):
+            if isinstance(module, MoEFeedForward):
+                with torch.no_grad():
+                    module.reset_step_stats()
+            elif name.endswith("position_ids"):
                 with torch.no_grad():
                     buf.copy_(torch.arange(buf.shape[-1], device=buf.device).expand_as(buf))
             else:

@@ -10,7 +10,9 @@ counted once even when tied to the embedding). ``6 = 2`` (multiply-add) ``x 3``
 (forward + two backward matmuls). The second term is the attention score and
 value matmuls (``QK^T`` and ``AV``), counted over the full ``seq_len`` without
 halving for causality, as PaLM does. Activation checkpointing recompute is not
-counted: MFU measures useful model FLOPs.
+counted: MFU measures useful model FLOPs. For Mixture-of-Experts models ``N`` counts
+the *active* parameters (router, shared experts and top_k of the routed experts per
+MoE layer), the work one token really does; dropped tokens are not subtracted.
 """
 
 from __future__ import annotations
@@ -30,9 +32,10 @@ def count_params(model: nn.Module) -> int:
 
 
 def non_embedding_params(cfg: ModelSettings) -> int:
-    """``N`` of the FLOP formula: all parameters except the token-embedding table.
+    """``N`` of the FLOP formula: all *active* parameters except the token-embedding table.
 
-    The output head (``vocab * dim``) is included, once, tied or not.
+    The output head (``vocab * dim``) is included, once, tied or not; an MoE layer
+    counts its router, shared experts and ``top_k`` routed experts.
     """
     return cfg.non_embedding_params()
 

@@ -20,6 +20,7 @@ from torch import nn
 from kforge_cli.engine.model.attention import Attention, residual_std
 from kforge_cli.engine.model.layers import build_norm, reset_norm, rope_tables
 from kforge_cli.engine.model.mlp import FeedForward
+from kforge_cli.engine.model.moe.layer import MoEFeedForward
 from kforge_cli.settings.training import ModelSettings
 
 HeadLossFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
@@ -29,12 +30,13 @@ HeadLossFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 class TransformerBlock(nn.Module):
     """Pre-norm block: ``h = x + attn(norm(x)); out = h + mlp(norm(h))``."""
 
-    def __init__(self, cfg: ModelSettings) -> None:
+    def __init__(self, cfg: ModelSettings, layer_id: int = 0) -> None:
         super().__init__()
         self.attention_norm = build_norm(cfg.norm, cfg.dim, cfg.norm_eps)
         self.attention = Attention(cfg)
         self.ffn_norm = build_norm(cfg.norm, cfg.dim, cfg.norm_eps)
-        self.feed_forward = FeedForward(cfg)
+        moe = cfg.moe is not None and cfg.moe.is_moe_layer(layer_id)
+        self.feed_forward: FeedForward | MoEFeedForward = MoEFeedForward(cfg) if moe else FeedForward(cfg)
 
     def init_weights(self, std: float, out_std: float) -> None:
         """Norms to one, projections ~ N(0, std), residual outputs ~ N(0, out_std); fixed order."""
@@ -70,7 +72,7 @@ class Transformer(nn.Module):
         target = torch.get_default_device()
         with torch.device("meta"):  # skip torch's default inits: they would consume the RNG
             self.tok_embeddings: nn.Embedding | None = nn.Embedding(cfg.vocab_size, cfg.dim)
-            self.layers = nn.ModuleDict({str(i): TransformerBlock(cfg) for i in range(cfg.n_layers)})
+            self.layers = nn.ModuleDict({str(i): TransformerBlock(cfg, i) for i in range(cfg.n_layers)})
             self.norm: nn.Module | None = build_norm(cfg.norm, cfg.dim, cfg.norm_eps)
             self.output: nn.Linear | None = (
                 None if cfg.tie_embeddings else nn.Linear(cfg.dim, cfg.vocab_size, bias=False)

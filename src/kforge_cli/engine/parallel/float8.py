@@ -23,7 +23,7 @@ from kforge_cli.errors import InvalidInputError
 
 log = logging.getLogger("kforge")
 
-SKIP_MODULES = ("output",)
+SKIP_MODULES = ("output", "gate")  # the head, and MoE routers (routing stays in high precision)
 
 
 def require_torchao() -> None:

@@ -177,8 +177,8 @@ class PlainStep:
     def __call__(self, session: TrainingSession, micro_batches: list[Batch]) -> StepResult:
         self.before_forward(session)
         datasets = DatasetLosses.for_step(session, micro_batches)
-        forward = datasets.forward if datasets is not None else (lambda batch: forward_loss_sum(session, batch))
-        total, norm = accumulate(session, micro_batches, forward)
+        base = datasets.forward if datasets is not None else (lambda batch: forward_loss_sum(session, batch))
+        total, norm = accumulate(session, micro_batches, lambda batch: self.adjust_loss(session, batch, base(batch)))
         self.after_backward(session)
         grad_norm = clip_gradients(session)
         extra = datasets.means() if datasets is not None else {}
@@ -187,6 +187,10 @@ class PlainStep:
 
     def before_forward(self, session: TrainingSession) -> None:
         """Runs before the first micro-batch (nothing for plain training)."""
+
+    def adjust_loss(self, session: TrainingSession, batch: Batch, loss_sum: torch.Tensor) -> torch.Tensor:
+        """The loss sum one micro-batch backpropagates (plain training: unchanged)."""
+        return loss_sum
 
     def after_backward(self, session: TrainingSession) -> None:
         """Runs after the last backward, before clipping (nothing for plain training)."""

@@ -35,6 +35,7 @@ from kforge_cli.engine.parallel.plan.costs import (
     optimizer_step_temporaries,
     throughput,
 )
+from kforge_cli.engine.parallel.plan.moe import moe_notes
 from kforge_cli.engine.parallel.plan.sharded_model import (
     MetaBuild,
     StageLayout,
@@ -45,6 +46,7 @@ from kforge_cli.engine.parallel.plan.sharded_model import (
 from kforge_cli.engine.runtime.dtypes import dtype_name
 from kforge_cli.errors import InvalidInputError
 from kforge_cli.settings import JobSettings, ParallelDims, resolve_dims
+from kforge_cli.settings.moe import active_ffn_hidden
 
 GIB = 1024**3
 CUDA_RUNTIME_BYTES = 2 * GIB  # CUDA context + NCCL communicators: an allowance, not measured
@@ -116,7 +118,7 @@ def _activation_inputs(settings: JobSettings, dims: ParallelDims, compute_bytes:
     m, t, d = settings.model, settings.train, settings.distributed
     autocast = dims.world_size == 1 and compute_bytes < 4
     linear_weights = 2 * m.dim * m.n_heads * m.head_dim + 2 * m.dim * m.kv_heads * m.head_dim
-    linear_weights += (3 if m.activation == "swiglu" else 2) * m.dim * m.resolved_ffn_hidden_dim
+    linear_weights += (3 if m.activation == "swiglu" else 2) * m.dim * active_ffn_hidden(m)
     ac = t.activation_checkpointing if t.activation_checkpointing != "selective" else f"selective_{t.ac_selective_mode}"
     return ActivationInputs(
         micro_batch=t.batch_size,
@@ -125,7 +127,7 @@ def _activation_inputs(settings: JobSettings, dims: ParallelDims, compute_bytes:
         q_dim=m.n_heads * m.head_dim,
         kv_dim=m.kv_heads * m.head_dim,
         n_heads=m.n_heads,
-        ffn=m.resolved_ffn_hidden_dim,
+        ffn=active_ffn_hidden(m),
         gated=m.activation == "swiglu",
         vocab=m.vocab_size,
         norm=m.norm,
@@ -282,7 +284,7 @@ def build_plan(settings: JobSettings, world_size: int, rank: int = 0, *, mfu: fl
         capacity_bytes=capacity,
         throughput=throughput(settings, dims, cname, mfu),
         warnings=_warnings(settings, dims, peak, capacity),
-        notes=_notes(settings, built, dims),
+        notes=_notes(settings, built, dims) + moe_notes(settings, built.params, built.block_ids, cbytes),
         build_seconds=time.perf_counter() - start,
     )
 

@@ -1,0 +1,91 @@
+"""Routed experts with stacked weights ``[E, out, in]``, computed by grouped GEMM.
+
+Tokens arrive sorted by expert with ``counts[e]`` rows for expert ``e``. Grouped GEMM
+(``torch.nn.functional.grouped_mm``, in torch >= 2.9; ``torch._grouped_mm`` before)
+runs all experts in one kernel. Where it is unavailable the per-expert loop computes
+the same thing:
+
+- torch 2.13 CPU (measured): works for fp32 and bf16 alike, but only when every row
+  stride is a multiple of 16 bytes (``dim`` and the expert hidden size multiples of 4
+  in fp32, of 8 in bf16); otherwise it raises, so such shapes use the loop.
+- CUDA (torch >= 2.8): always available; a CUTLASS kernel on compute capability 9.x/10.x
+  (H100/H200/B200) in bf16, torch's own per-group fallback elsewhere; same 16-byte rule.
+- torch builds without the op (< 2.8): the loop.
+
+Both paths keep every expert's weights in the autograd graph even when it got zero
+tokens (an empty matmul still produces a (zero) gradient), so FSDP2's reduce-scatter
+sees a gradient for every parameter on every rank and never waits on a missing one.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import cast
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+GroupedMM = Callable[..., torch.Tensor]
+
+
+def grouped_mm_op() -> GroupedMM | None:
+    """This torch's grouped GEMM (public name first), or None."""
+    op = getattr(F, "grouped_mm", None) or getattr(torch, "_grouped_mm", None)
+    return cast(GroupedMM, op) if callable(op) else None
+
+
+def grouped_mm_usable(x: torch.Tensor, *weights: torch.Tensor) -> bool:
+    """Whether grouped GEMM accepts these operands with this torch (see module docstring)."""
+    if grouped_mm_op() is None:
+        return False
+    item = x.element_size()
+    return all((t.shape[-1] * item) % 16 == 0 and (t.shape[-2] * item) % 16 == 0 for t in weights)
+
+
+class GroupedExperts(nn.Module):
+    """SwiGLU experts: ``w2[e] @ (silu(w1[e] @ x) * (w3[e] @ x))``.
+
+    ``w1``/``w3`` are ``[E, hidden, dim]`` and ``w2`` is ``[E, dim, hidden]`` (nn.Linear's
+    ``[out, in]`` per expert), the layout Hugging Face MoE checkpoints split per expert.
+    """
+
+    def __init__(self, dim: int, hidden: int, num_experts: int, use_grouped_mm: bool = True) -> None:
+        super().__init__()
+        self.num_experts = num_experts
+        self.use_grouped_mm = use_grouped_mm
+        self.w1 = nn.Parameter(torch.empty(num_experts, hidden, dim))
+        self.w2 = nn.Parameter(torch.empty(num_experts, dim, hidden))
+        self.w3 = nn.Parameter(torch.empty(num_experts, hidden, dim))
+
+    def init_weights(self, std: float, out_std: float) -> None:
+        nn.init.normal_(self.w1, mean=0.0, std=std)
+        nn.init.normal_(self.w3, mean=0.0, std=std)
+        nn.init.normal_(self.w2, mean=0.0, std=out_std)
+
+    def forward(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        """``x`` ``[M, dim]`` sorted by expert, ``counts`` ``[E]`` rows per expert -> ``[M, dim]``."""
+        w1, w2, w3 = (_local(w).to(x.dtype) for w in (self.w1, self.w2, self.w3))
+        op = grouped_mm_op()
+        if self.use_grouped_mm and op is not None and grouped_mm_usable(x, w1, w2):
+            offs = torch.cumsum(counts, dim=0, dtype=torch.int32)
+            h = F.silu(op(x, w1.transpose(-2, -1), offs=offs)) * op(x, w3.transpose(-2, -1), offs=offs)
+            return op(h, w2.transpose(-2, -1), offs=offs).contiguous()
+        return expert_loop(x, counts, w1, w2, w3)
+
+
+def expert_loop(
+    x: torch.Tensor, counts: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, w3: torch.Tensor
+) -> torch.Tensor:
+    """The per-expert reference path (and fallback): one SwiGLU per expert on its rows."""
+    outs = []
+    for e, rows in enumerate(torch.split(x, counts.tolist(), dim=0)):
+        h = F.silu(rows @ w1[e].t()) * (rows @ w3[e].t())
+        outs.append(h @ w2[e].t())
+    return torch.cat(outs, dim=0)
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    """The local shard of a DTensor parameter (expert-parallel ``Shard(0)``), else ``t``."""
+    to_local = getattr(t, "to_local", None)
+    return cast(torch.Tensor, to_local()) if callable(to_local) else t

@@ -1,0 +1,170 @@
+"""MoE layers: grouped GEMM == per-expert loop, zero-token experts train, routing rules, balancing, settings."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch.utils.checkpoint import checkpoint
+
+from kforge_cli.engine.model import Transformer
+from kforge_cli.engine.model.moe import GroupedExperts, MoEFeedForward, finish_moe_step, grouped_mm_op, moe_aux_loss
+from kforge_cli.errors import ConfigError
+from kforge_cli.settings import load_settings
+from kforge_cli.settings.training import ModelSettings
+
+torch.set_num_threads(1)
+
+
+def tiny(**moe: object) -> ModelSettings:
+    base: dict[str, object] = {"num_experts": 4, "top_k": 2, "expert_hidden_dim": 16}
+    base.update(moe)
+    return ModelSettings(dim=32, n_layers=2, n_heads=4, vocab_size=64, max_seq_len=16, moe=base)
+
+
+@pytest.mark.skipif(grouped_mm_op() is None, reason="this torch has no grouped GEMM")
+def test_grouped_gemm_equals_per_expert_loop_forward_and_grads() -> None:
+    torch.manual_seed(0)
+    grouped = GroupedExperts(dim=32, hidden=16, num_experts=4, use_grouped_mm=True)
+    grouped.init_weights(0.5, 0.5)
+    loop = GroupedExperts(dim=32, hidden=16, num_experts=4, use_grouped_mm=False)
+    loop.load_state_dict(grouped.state_dict())
+    counts = torch.tensor([5, 0, 9, 2])  # expert 1 gets no tokens
+    x = torch.randn(16, 32)
+    xg, xl = x.clone().requires_grad_(), x.clone().requires_grad_()
+    g = torch.randn(16, 32)
+    yg, yl = grouped(xg, counts), loop(xl, counts)
+    yg.backward(g)
+    yl.backward(g)
+    torch.testing.assert_close(yg, yl, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(xg.grad, xl.grad, rtol=1e-5, atol=1e-6)
+    for name in ("w1", "w2", "w3"):
+        pg, pl = getattr(grouped, name).grad, getattr(loop, name).grad
+        assert pg is not None and pl is not None
+        torch.testing.assert_close(pg, pl, rtol=1e-5, atol=1e-6)
+        assert torch.count_nonzero(pg[1]) == 0  # the zero-token expert's gradient is zero, not missing
+
+
+@pytest.mark.parametrize("use_grouped_mm", [True, False])
+def test_a_forced_zero_token_expert_trains(use_grouped_mm: bool) -> None:
+    torch.manual_seed(0)
+    model = Transformer(tiny(bias_update_rate=1e-3, grouped_mm=use_grouped_mm))
+    for layer in (m for m in model.modules() if isinstance(m, MoEFeedForward)):
+        layer.expert_bias[0] = -100.0  # expert 0 is never selected
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    tokens = torch.randint(0, 64, (2, 16))
+    for _ in range(3):
+        opt.zero_grad()
+        model(tokens).float().logsumexp(-1).mean().backward()
+        w1 = model.layers["0"].feed_forward.experts.w1
+        assert w1.grad is not None and torch.count_nonzero(w1.grad[0]) == 0 and torch.count_nonzero(w1.grad[1:]) > 0
+        opt.step()
+        finish_moe_step(model)
+    after = dict(model.named_parameters())
+    w1_before, w1_after = before["layers.0.feed_forward.experts.w1"], after["layers.0.feed_forward.experts.w1"]
+    assert torch.equal(w1_before[0], w1_after[0]) and not torch.equal(w1_before[1:], w1_after[1:])
+
+
+def test_bias_changes_selection_but_not_gate_weights() -> None:
+    torch.manual_seed(0)
+    layer = Transformer(tiny(top_k=1, renormalize=False)).layers["0"].feed_forward
+    assert isinstance(layer, MoEFeedForward)
+    x = torch.randn(40, 32)
+    plain = layer.router(x, None)
+    bias = torch.tensor([0.0, 0.0, 0.0, 10.0])
+    biased = layer.router(x, bias)
+    assert bool((biased.experts == 3).all()) and not bool((plain.experts == 3).all())
+    torch.testing.assert_close(biased.weights, torch.softmax(biased.logits, -1)[:, 3:4])  # unbiased score
+
+
+def test_group_limited_routing_stays_in_the_best_groups() -> None:
+    torch.manual_seed(0)
+    layer = Transformer(tiny(num_experts=8, n_groups=4, topk_groups=1, score_func="sigmoid")).layers["0"].feed_forward
+    assert isinstance(layer, MoEFeedForward)
+    r = layer.router(torch.randn(64, 32), None)
+    groups = r.experts // 2
+    assert bool((groups[:, 0] == groups[:, 1]).all())  # both experts from the token's one allowed group
+
+
+def test_capacity_drops_and_counts_tokens() -> None:
+    torch.manual_seed(0)
+    model = Transformer(tiny(capacity_factor=0.5)).train()
+    model(torch.randint(0, 64, (2, 16)))
+    metrics = finish_moe_step(model)
+    # capacity = ceil(0.5 * 32 tokens * 2 / 4) = 8 per expert: 64 assignments, at most 32 kept
+    assert metrics["moe/0/dropped"] >= 32 and metrics["moe/1/dropped"] >= 32
+
+
+def test_counts_ignore_microbatch_split_and_checkpoint_recompute() -> None:
+    torch.manual_seed(0)
+    cfg = tiny(bias_update_rate=1e-2)
+    whole, split = Transformer(cfg), Transformer(cfg)
+    split.load_state_dict(whole.state_dict())
+    tokens = torch.randint(0, 64, (4, 16))
+    whole(tokens).sum().backward()
+    for half in tokens.split(2):  # two micro-batches, each block under activation checkpointing
+        h = split.tok_embeddings(half)
+        cos, sin = split.rope_cos[:16], split.rope_sin[:16]
+        for block in split.layers.values():
+            h = checkpoint(block, h, cos, sin, None, use_reentrant=False)
+        h.sum().backward()
+    assert int(split.layers["0"].feed_forward.step_forwards) == 2  # recompute did not count
+    m_whole, m_split = finish_moe_step(whole), finish_moe_step(split)
+    assert m_whole == m_split
+    for key in ("0", "1"):
+        b = whole.layers[key].feed_forward.expert_bias
+        assert torch.equal(b, split.layers[key].feed_forward.expert_bias) and b.abs().sum() > 0
+
+
+def test_aux_and_z_loss_reach_the_router() -> None:
+    torch.manual_seed(0)
+    model = Transformer(tiny(aux_loss_weight=0.01, z_loss_weight=0.001))
+    model(torch.randint(0, 64, (2, 16)))
+    aux = moe_aux_loss(model)
+    assert aux is not None and aux.item() > 0
+    aux.backward()
+    assert model.layers["0"].feed_forward.router.gate.weight.grad.abs().sum() > 0
+    assert moe_aux_loss(Transformer(tiny())) is None  # both weights 0: nothing to add
+
+
+def test_moe_layer_choice() -> None:
+    cfg = ModelSettings(dim=32, n_layers=5, n_heads=4, moe={"first_dense_layers": 1, "every_n_layers": 2})
+    kinds = [type(b.feed_forward).__name__ for b in Transformer(cfg).layers.values()]
+    assert kinds == ["FeedForward", "MoEFeedForward", "FeedForward", "MoEFeedForward", "FeedForward"]
+
+
+def test_moe_settings_errors_name_the_key() -> None:
+    with pytest.raises(ConfigError) as exc:
+        load_settings(
+            overrides=[
+                "--model.moe.num_experts=6",
+                "--model.moe.top_k=8",
+                "--model.moe.n_groups=4",
+                "--model.moe.first_dense_layers=9",
+            ]
+        )
+    paths = {i.path for i in exc.value.issues}
+    assert {"model.moe.top_k", "model.moe.n_groups", "model.moe.first_dense_layers"} <= paths
+    assert load_settings().settings.model.moe is None  # dense by default
+
+
+def test_flops_count_active_params_and_plan_reports_experts() -> None:
+    from kforge_cli.engine.model import count_params, non_embedding_params
+    from kforge_cli.engine.parallel.plan.planner import build_plan
+
+    s = load_settings("moe-debug", use_env=False).settings
+    m = s.model
+    with torch.device("meta"):
+        model = Transformer(m)
+    moe = m.moe
+    assert moe is not None
+    n_moe = sum(moe.is_moe_layer(i) for i in range(m.n_layers))
+    one_expert = 3 * m.dim * moe.resolved_expert_hidden_dim(m)
+    idle = n_moe * (moe.num_experts - moe.top_k) * one_expert
+    embedding = m.vocab_size * m.dim
+    assert count_params(model) == m.param_count()
+    assert non_embedding_params(m) == count_params(model) - embedding - idle
+    assert m.param_count(active=True) == count_params(model) - idle
+    plan = build_plan(s, 1)
+    expert_bytes = n_moe * moe.num_experts * one_expert * 4
+    assert f"expert weights on this rank {expert_bytes / 1024**3:.2f} GiB" in " ".join(plan.notes)
