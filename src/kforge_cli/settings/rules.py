@@ -24,6 +24,11 @@ FLOAT8_TP_CPU = (
     "on CPU use float8 with FSDP/PP only, or --train.float8=false"
 )
 
+FLEX_CPU = (
+    "FlexAttention has no backward on CPU (torch 2.13), so it cannot train there; use "
+    "--model.attention=auto (dense-mask SDPA on CPU, FlexAttention on CUDA) or sdpa"
+)
+
 
 def config_issues(s: JobSettings) -> list[ConfigIssue]:
     """Cross-field and cross-section rules that need only the config."""
@@ -75,6 +80,8 @@ def config_issues(s: JobSettings) -> list[ConfigIssue]:
         and t.ac_every_n_blocks > m.n_layers
     ):
         out.append(ConfigIssue("train.ac_every_n_blocks", f"exceeds model.n_layers ({m.n_layers})"))
+    if m.attention == "flex" and t.device == "cpu":
+        out.append(ConfigIssue("model.attention", FLEX_CPU))
     out += _vlm_issues(s)
     return out
 

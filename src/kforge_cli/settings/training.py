@@ -30,6 +30,11 @@ class ModelSettings(Section):
     qk_norm: bool = field(False, "Normalise queries and keys per head before RoPE.")
     tie_embeddings: bool = field(False, "Share the token embedding with the output head.")
     init_std: float = field(0.02, "Std of the normal initialisation of weights.", gt=0)
+    attention: Literal["sdpa", "flex", "auto"] = field(
+        "auto",
+        "Attention kernel: sdpa, flex (FlexAttention block mask; CUDA for training), "
+        "auto (flex on CUDA with data.document_masking, else sdpa).",
+    )
 
     @property
     def kv_heads(self) -> int:

@@ -37,7 +37,7 @@ from kforge_cli.engine.parallel.tensor_parallel import apply_tensor_parallel
 from kforge_cli.engine.runtime import RuntimeContext
 from kforge_cli.errors import ConfigError, ConfigIssue
 from kforge_cli.settings import JobSettings
-from kforge_cli.settings.rules import COMPILE_TP_CPU, FLOAT8_TP_CPU
+from kforge_cli.settings.rules import COMPILE_TP_CPU, FLEX_CPU, FLOAT8_TP_CPU
 
 log = logging.getLogger("kforge")
 
@@ -145,6 +145,8 @@ def build_parallel_model(settings: JobSettings, runtime: RuntimeContext) -> tupl
         issues += [ConfigIssue("train.float8", FLOAT8_TP_CPU)] if settings.train.float8 else []
         if issues:
             raise ConfigError(issues, header="unsupported combination on CPU")
+    if settings.model.attention == "flex" and runtime.device.type == "cpu":  # train.device=auto resolved to cpu
+        raise ConfigError([ConfigIssue("model.attention", FLEX_CPU)], header="unsupported combination on CPU")
     if settings.train.loss_chunk_size and runtime.dims.tp > 1:
         log.info("train.loss_chunk_size is not used under TP: the vocab-parallel loss keeps logits split instead")
     if runtime.dims.pp > 1:
