@@ -11,7 +11,7 @@ from kforge_cli.settings import JobSettings, load_settings, parse_overrides, res
 from kforge_cli.settings.explain import explain_key, param_count, to_toml
 from kforge_cli.settings.profiles import available_profiles
 
-SHIPPED = ["cpu-debug", "h100x8", "h100x64", "h200x8", "h200x32", "vlm-mot-debug"]
+SHIPPED = ["cpu-debug", "h100x8", "h100x8-32k-cp", "h100x64", "h200x8", "h200x32", "vlm-mot-debug"]
 
 
 @pytest.fixture

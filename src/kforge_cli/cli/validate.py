@@ -72,7 +72,8 @@ def validate_config(
         m = s.model
         tokens = s.train.batch_size * s.train.seq_len * s.train.grad_accum_steps * dims.dp
         typer.echo(f"config is valid: profile {s.profile or '-'}, world size {n}")
-        typer.echo(f"  mesh: pp={dims.pp} dp_replicate={dims.dp_replicate} dp_shard={dims.dp_shard} tp={dims.tp}")
+        cp = f" cp={dims.cp}" if dims.cp > 1 else ""
+        typer.echo(f"  mesh: pp={dims.pp} dp_replicate={dims.dp_replicate} dp_shard={dims.dp_shard}{cp} tp={dims.tp}")
         typer.echo(
             f"  model: {param_count(s) / 1e6:,.1f}M parameters, dim {m.dim}, {m.n_layers} layers, "
             f"{m.n_heads} heads ({m.kv_heads} kv), vocab {m.vocab_size}"

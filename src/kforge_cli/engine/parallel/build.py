@@ -1,7 +1,7 @@
 """`build_parallel_model`: this rank's model, built on the meta device and parallelised in order
 
-    float8 (module swap) -> tensor parallel (+SP) -> activation checkpointing -> torch.compile
-    per block -> FSDP2 per block and at the root,
+    float8 (module swap) -> tensor parallel (+SP) -> context parallel -> activation checkpointing
+    -> torch.compile per block -> FSDP2 per block and at the root,
 
 then materialised with ``to_empty`` and initialised shard by shard (engine.parallel.init),
 so no rank ever holds more than its shard and every rank, whatever the layout, starts
@@ -22,6 +22,7 @@ from torch.distributed.fsdp import fully_shard
 from kforge_cli.engine.model import Transformer
 from kforge_cli.engine.model.vlm import build_vlm
 from kforge_cli.engine.parallel.activation_checkpoint import apply_activation_checkpointing
+from kforge_cli.engine.parallel.context_parallel import apply_context_parallel
 from kforge_cli.engine.parallel.float8 import apply_float8, require_torchao
 from kforge_cli.engine.parallel.fsdp import apply_fsdp, mixed_precision_policy, resolve_reshard_after_forward
 from kforge_cli.engine.parallel.init import init_sharded
@@ -60,7 +61,7 @@ def apply_compile(model: nn.Module) -> None:
 
 
 def parallelize(module: nn.Module, settings: JobSettings, runtime: RuntimeContext) -> None:
-    """Apply float8 -> TP -> AC -> compile -> FSDP2 to one meta-device module (model or stage)."""
+    """Apply float8 -> TP -> CP -> AC -> compile -> FSDP2 to one meta-device module (model or stage)."""
     t, d = settings.train, settings.distributed
     distributed = runtime.world_size > 1
     if t.float8:
@@ -76,6 +77,8 @@ def parallelize(module: nn.Module, settings: JobSettings, runtime: RuntimeContex
         apply_tensor_parallel(
             module, tp_mesh, sequence_parallel=d.sequence_parallel, loss_parallel_on=d.loss_parallel, float8=t.float8
         )
+    if apply_context_parallel(module, runtime):
+        log.info("context parallel: cp rank %d of %d", runtime.cp_rank, runtime.cp_size)
     n_ac = apply_activation_checkpointing(module, t)
     if n_ac:
         log.info("activation checkpointing (%s) on %d blocks", t.activation_checkpointing, n_ac)

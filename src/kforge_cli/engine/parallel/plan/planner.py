@@ -19,6 +19,9 @@ import time
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+import torch
+
+from kforge_cli.engine.model.attention_mask import resolve_backend
 from kforge_cli.engine.parallel.build import compute_dtype
 from kforge_cli.engine.parallel.fsdp import resolve_reshard_after_forward
 from kforge_cli.engine.parallel.plan.activations import (
@@ -31,6 +34,7 @@ from kforge_cli.engine.parallel.plan.activations import (
 from kforge_cli.engine.parallel.plan.costs import (
     Throughput,
     comm_buffers,
+    kv_gather_bytes,
     optimizer_state_bytes,
     optimizer_step_temporaries,
     throughput,
@@ -138,10 +142,18 @@ def _activation_inputs(settings: JobSettings, dims: ParallelDims, compute_bytes:
         cuda=cuda,
         block_weight_copy_bytes=compute_bytes * linear_weights if autocast else 0,
         loss_chunk=t.loss_chunk_size if dims.tp == 1 else 0,
-        document_mask=settings.data.document_masking,
+        document_mask=dense_document_mask(settings, cuda),
         ac_mode=ac,
         ac_every_n_blocks=t.ac_every_n_blocks,
+        cp=dims.cp,
     )
+
+
+def dense_document_mask(settings: JobSettings, cuda: bool) -> bool:
+    """Document masking runs with a dense SDPA mask (not FlexAttention's block mask) on this device."""
+    docs = settings.data.document_masking
+    device = torch.device("cuda" if cuda else "cpu")
+    return docs and resolve_backend(settings.model.attention, device, docs) == "sdpa"
 
 
 def _warnings(settings: JobSettings, dims: ParallelDims, peak: int, capacity: int) -> list[str]:
@@ -181,7 +193,19 @@ def _notes(settings: JobSettings, built: MetaBuild, dims: ParallelDims) -> list[
     if settings.vlm is not None:
         out.append("VLM: activations and FLOPs cover the text decoder only (not the vision encoder)")
     if settings.data.document_masking:
-        out.append("document masking: attention is estimated with one additive mask per block (backend dependent)")
+        if dense_document_mask(settings, target_device(settings).type == "cuda"):
+            out.append("document masking: dense-mask SDPA, estimated with one additive mask per block")
+        else:
+            out.append("document masking: FlexAttention block mask (no dense mask is stored)")
+    if dims.cp > 1:
+        cbytes = compute_dtype(settings, target_device(settings)).itemsize
+        kv = kv_gather_bytes(settings, dims, cbytes)
+        n = settings.model.n_layers // max(dims.pp, 1)
+        out.append(
+            f"context parallel cp={dims.cp}: each rank holds 1/{dims.cp} of every sequence; per layer it all-gathers "
+            f"K/V ({kv / 2**20:.1f} MiB gathered, {kv * (dims.cp - 1) / dims.cp / 2**20:.1f} MiB received) and "
+            f"all-reduces their gradients in the backward: {2 * n * kv / 2**30:.2f} GiB moved per micro-batch"
+        )
     if dims.pp > 1:
         out.append("pipeline stages differ in memory: check the first and last stage's ranks with --rank")
     return out
@@ -229,6 +253,11 @@ def _memory(
             "all-gathered params + reduce-scatter grads",
         ),
         MemoryItem("TP/PP buffers", comm.tensor_parallel + comm.pipeline, "backward", "activations in transit"),
+        *(
+            [MemoryItem("CP K/V gradients", comm.context_parallel, "backward", "one layer's gathered K/V gradient")]
+            if dims.cp > 1
+            else []
+        ),
         MemoryItem(
             "optimizer step temporaries",
             optimizer_step_temporaries(params, settings, cuda),
@@ -268,7 +297,13 @@ def build_plan(settings: JobSettings, world_size: int, rank: int = 0, *, mfu: fl
         profile=settings.profile,
         world_size=world_size,
         rank=rank,
-        mesh={"pp": dims.pp, "dp_replicate": dims.dp_replicate, "dp_shard": dims.dp_shard, "tp": dims.tp},
+        mesh={
+            "pp": dims.pp,
+            "dp_replicate": dims.dp_replicate,
+            "dp_shard": dims.dp_shard,
+            **({"cp": dims.cp} if dims.cp > 1 else {}),  # listed only when used, like the mesh's own dims
+            "tp": dims.tp,
+        },
         coordinates=built.coordinates,
         stages=built.stages,
         rank_stages=built.rank_stages,
