@@ -9,8 +9,9 @@
 - ``flex``: FlexAttention with a block mask built from the document ids (causal within a
   document); fully masked tiles are skipped, so packed documents cost what their own
   lengths cost. ``flex_attention`` is compiled once per process (on CUDA).
-- ``auto``: flex on CUDA when the batch has document ids, sdpa otherwise. On CPU
-  FlexAttention has no backward (torch 2.13), so document masking keeps the dense path.
+- ``auto``: flex on CUDA when the batch has document ids or is a context-parallel shard
+  (whose local queries against the gathered keys need a mask), sdpa otherwise. On CPU
+  FlexAttention has no backward (torch 2.13), so those cases keep the dense path.
 
 :func:`build_attention_mask` runs once per forward (batch); the :class:`AttentionMask` it
 returns is passed to every layer, so a block mask is built once, not once per layer.
@@ -45,11 +46,13 @@ class AttentionMask:
     shard: SequenceShard | None = None  # gather K/V over this CP group before attending
 
 
-def resolve_backend(backend: AttentionBackend, device: torch.device, documents: bool) -> Literal["sdpa", "flex"]:
-    """The kernel ``auto`` stands for here: flex on CUDA with document masking, else sdpa."""
+def resolve_backend(
+    backend: AttentionBackend, device: torch.device, documents: bool, sharded: bool = False
+) -> Literal["sdpa", "flex"]:
+    """The kernel ``auto`` stands for: flex on CUDA with document masking or a CP shard, else sdpa."""
     if backend != "auto":
         return backend
-    return "flex" if device.type == "cuda" and documents else "sdpa"
+    return "flex" if device.type == "cuda" and (documents or sharded) else "sdpa"
 
 
 def flex_attention_fn(device: torch.device) -> Callable[..., Any]:
@@ -116,7 +119,7 @@ def build_attention_mask(
 ) -> AttentionMask:
     """The mask of one batch ``[B, T_local]``: document-causal when ``doc_ids`` is given, else causal."""
     batch, q_len = tokens_shape
-    kernel = resolve_backend(backend, device, doc_ids is not None)
+    kernel = resolve_backend(backend, device, doc_ids is not None, shard is not None)
     if shard is None:
         if kernel == "flex":
             bm = _flex_block_mask(None, None, doc_ids, doc_ids, batch, q_len, q_len, device)

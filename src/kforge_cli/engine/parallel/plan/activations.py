@@ -60,7 +60,7 @@ class ActivationInputs:
     # SDPA op that op-level AC saves (CPU's _scaled_dot_product_flash_attention_for_cpu is recomputed)
     block_weight_copy_bytes: int  # compute-dtype weight copies autocast keeps per block (single process), else 0
     loss_chunk: int  # tokens per loss chunk (0 = the logits of the whole micro-batch at once)
-    document_mask: bool
+    document_mask: bool  # attention runs with a dense SDPA mask (document masking, or a CP shard, without flex)
     ac_mode: str  # "none" | "full" | "selective_block" | "selective_op"
     ac_every_n_blocks: int = 2
     cp: int = 1  # context-parallel degree: each rank holds seq_len / cp tokens of every sequence
@@ -100,7 +100,7 @@ def _attention_saved(a: ActivationInputs) -> int:
     if a.qk_norm:
         head_dim = a.q_dim // a.n_heads
         saved += _norm_saved(a, head_dim, n * (a.q_dim + a.kv_dim) // head_dim // t)
-    if a.document_mask:  # the per-call additive mask SDPA builds from the boolean one (queries x keys)
+    if a.document_mask:  # the additive mask SDPA builds from the boolean one per call (queries x keys)
         saved += c * a.micro_batch * (a.seq_len // a.cp) * a.seq_len
     return saved
 

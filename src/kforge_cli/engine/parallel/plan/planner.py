@@ -142,18 +142,19 @@ def _activation_inputs(settings: JobSettings, dims: ParallelDims, compute_bytes:
         cuda=cuda,
         block_weight_copy_bytes=compute_bytes * linear_weights if autocast else 0,
         loss_chunk=t.loss_chunk_size if dims.tp == 1 else 0,
-        document_mask=dense_document_mask(settings, cuda),
+        document_mask=dense_attention_mask(settings, cuda),
         ac_mode=ac,
         ac_every_n_blocks=t.ac_every_n_blocks,
         cp=dims.cp,
     )
 
 
-def dense_document_mask(settings: JobSettings, cuda: bool) -> bool:
-    """Document masking runs with a dense SDPA mask (not FlexAttention's block mask) on this device."""
-    docs = settings.data.document_masking
+def dense_attention_mask(settings: JobSettings, cuda: bool) -> bool:
+    """Attention runs with a dense SDPA mask (not is_causal, nor FlexAttention's block mask):
+    document masking or context parallelism (local queries, gathered keys) with the sdpa kernel."""
+    docs, sharded = settings.data.document_masking, settings.distributed.cp > 1
     device = torch.device("cuda" if cuda else "cpu")
-    return docs and resolve_backend(settings.model.attention, device, docs) == "sdpa"
+    return (docs or sharded) and resolve_backend(settings.model.attention, device, docs, sharded) == "sdpa"
 
 
 def _warnings(settings: JobSettings, dims: ParallelDims, peak: int, capacity: int) -> list[str]:
@@ -193,7 +194,7 @@ def _notes(settings: JobSettings, built: MetaBuild, dims: ParallelDims) -> list[
     if settings.vlm is not None:
         out.append("VLM: activations and FLOPs cover the text decoder only (not the vision encoder)")
     if settings.data.document_masking:
-        if dense_document_mask(settings, target_device(settings).type == "cuda"):
+        if dense_attention_mask(settings, target_device(settings).type == "cuda"):
             out.append("document masking: dense-mask SDPA, estimated with one additive mask per block")
         else:
             out.append("document masking: FlexAttention block mask (no dense mask is stored)")
