@@ -1,5 +1,10 @@
 """Context parallelism: a sequence split over CP ranks computes what one process computes.
 
+Training: one 2-rank launch runs cp=2 (dp=1) with and without document masking (with
+evaluation) and resumes the first run from its step-5 checkpoint at cp=2 (bit for bit)
+and, in this process, at cp=1; one 4-rank launch runs cp=2 x FSDP dp_shard=2. Every
+run's 10 losses equal a single process's on the same global batch within 1e-5 relative.
+
 The model-level check: 2 gloo ranks, each holding a load-balanced half of every sequence
 (head + tail chunk) and gathering K/V per layer, give the single-process loss sum and, summed
 over the ranks, the single-process gradients, with and without document masking (documents
@@ -10,6 +15,7 @@ from __future__ import annotations
 
 import os
 import socket
+from pathlib import Path
 
 import pytest
 import torch
@@ -21,10 +27,16 @@ from kforge_cli.engine.model import Transformer
 from kforge_cli.engine.model.sequence_shard import SequenceShard
 from kforge_cli.engine.parallel.context_parallel import shard_batch
 from kforge_cli.settings.training import ModelSettings
+from tests.distributed.driver import run_case
+from tests.distributed.parity import TINY, assert_close_losses, completed, launch, reference
 
 pytestmark = pytest.mark.distributed
 
 VOCAB, T = 64, 32
+REL = 1e-5
+CP2 = ["--distributed.cp=2"]
+DOCS_EVAL = ["--data.document_masking=true", "--eval.interval=5", "--eval.steps=2"]
+CKPT = ["--checkpoint.interval=5", "--checkpoint.keep_last_n=0"]
 
 
 def _batch(documents: bool) -> dict[str, torch.Tensor]:
@@ -98,3 +110,52 @@ def test_shard_batch_gives_each_rank_a_head_and_a_tail_chunk() -> None:
     assert shard_batch(batch, 0, 1) is batch
     with pytest.raises(ValueError, match="not divisible by 2 \\* cp = 6"):
         shard_batch(batch, 0, 3)
+
+
+@pytest.fixture(scope="module")
+def two_ranks(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict[str, list[dict]], str]:
+    out = tmp_path_factory.mktemp("cp2")
+    step5 = str(out / "cp2" / "checkpoints" / "step_5")
+    cases = {
+        "cp2": [*CP2, *CKPT],
+        "cp2_docs_eval": [*CP2, *DOCS_EVAL],
+        "cp2_resume": [*CP2, f"--checkpoint.load_path={step5}"],
+    }
+    return launch(2, cases, out), step5
+
+
+def test_cp2_trains_like_one_process_on_the_same_batch(two_ranks: tuple[dict[str, list[dict]], str]) -> None:
+    res, _ = two_ranks
+    want = reference(())["losses"]
+    for r in completed(res["cp2"], "cp2"):
+        assert_close_losses(r["losses"], want, REL, "cp=2 vs one process")
+    assert res["cp2"][0]["losses"] == res["cp2"][1]["losses"]  # the global loss, on every rank
+    ref_docs = reference(tuple(DOCS_EVAL))
+    for r in completed(res["cp2_docs_eval"], "cp2_docs_eval"):
+        assert_close_losses(r["losses"], ref_docs["losses"], REL, "cp=2 + document masking vs one process")
+        assert r["eval_loss"] == pytest.approx(ref_docs["eval_loss"], rel=REL)
+    # FSDP2 shards over dp_shard x cp: each CP rank holds half of the parameters.
+    full = res["cp2"][0]["full_param_numel"]
+    assert sum(r["local_param_numel"] for r in res["cp2"]) == full
+
+
+def test_cp2_resume_is_bit_exact_and_a_cp2_checkpoint_resumes_at_cp1(
+    two_ranks: tuple[dict[str, list[dict]], str], tmp_path: Path
+) -> None:
+    res, step5 = two_ranks
+    uninterrupted = completed(res["cp2"], "cp2")[0]["losses"]
+    for r in completed(res["cp2_resume"], "cp2_resume"):
+        assert r["losses"] == uninterrupted[5:]  # steps 6..10, bit for bit
+    one = run_case("cp1_resume", [*TINY, f"--checkpoint.load_path={step5}"], tmp_path)
+    assert one["status"] == "completed" and len(one["losses"]) == 5
+    for got, want in zip(one["losses"], uninterrupted[5:], strict=True):
+        assert got == pytest.approx(want, rel=REL, abs=0)
+
+
+def test_cp2_times_fsdp2_on_four_ranks_trains_like_one_process(tmp_path_factory: pytest.TempPathFactory) -> None:
+    res = launch(4, {"cp2_fsdp2_docs": [*CP2, "--data.document_masking=true"]}, tmp_path_factory.mktemp("cp4"))
+    want = reference(("--train.batch_size=4", "--data.document_masking=true"))["losses"]
+    results = completed(res["cp2_fsdp2_docs"], "cp2_fsdp2_docs")
+    for r in results:
+        assert_close_losses(r["losses"], want, REL, "cp=2 x dp_shard=2 vs one process (global batch 4)")
+    assert sum(r["local_param_numel"] for r in results) == results[0]["full_param_numel"]

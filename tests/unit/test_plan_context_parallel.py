@@ -4,7 +4,6 @@ from __future__ import annotations
 
 from kforge_cli.engine.parallel.plan.planner import build_plan
 from kforge_cli.settings import load_settings, resolve_dims
-from kforge_cli.settings.explain import param_count
 from kforge_cli.settings.rules import world_size_issues
 
 
@@ -13,7 +12,7 @@ def test_long_context_profile_fits_with_cp4_and_its_sequence_does_not_at_cp1() -
     plan = build_plan(s, 8)
     assert plan.mesh == {"pp": 1, "dp_replicate": 1, "dp_shard": 2, "cp": 4, "tp": 1}
     assert plan.fits
-    assert plan.local_params == param_count(s) // 8  # FSDP2 shards over dp_shard x cp = 8 ranks
+    assert plan.local_params == s.model.param_count() // 8  # FSDP2 shards over dp_shard x cp = 8 ranks
     assert any("context parallel cp=4" in n and "all-gathers K/V" in n for n in plan.notes)
     assert plan.item("CP K/V gradients").bytes == 2 * 32768 * 8 * 128 * 2  # K and V, 8 kv heads x 128, bf16
     one = build_plan(load_settings("h100x8-32k-cp", overrides=["--distributed.cp=1"]).settings, 8)

@@ -6,6 +6,7 @@ share the step core in `engine.train.step`; later variants (MoE, CP) register he
 
 from __future__ import annotations
 
+from kforge_cli.engine.train.cp_step import ContextParallelStep
 from kforge_cli.engine.train.pipeline_step import pipeline_step
 from kforge_cli.engine.train.step import StepFn, plain_step
 from kforge_cli.engine.train.vlm_step import VLMStep
@@ -18,4 +19,6 @@ def select_step_fn(settings: JobSettings) -> StepFn:
         return pipeline_step
     if settings.vlm is not None:
         return VLMStep()
+    if settings.distributed.cp > 1:
+        return ContextParallelStep()
     return plain_step
