@@ -25,12 +25,13 @@ import torch.nn.functional as F
 
 from kforge_cli.engine.model import Transformer
 from kforge_cli.engine.model.sequence_shard import SequenceShard
+from kforge_cli.engine.observe import read_metrics
 from kforge_cli.engine.parallel.context_parallel import shard_batch
 from kforge_cli.settings.training import ModelSettings
 from tests.distributed.driver import run_case
 from tests.distributed.parity import TINY, assert_close_losses, completed, launch, reference
 
-pytestmark = pytest.mark.distributed
+pytestmark = [pytest.mark.distributed, pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")]
 
 VOCAB, T = 64, 32
 REL = 1e-5
@@ -86,6 +87,12 @@ def _worker(rank: int, world: int, port: int) -> None:
                 grad = p.grad.clone()  # type: ignore[union-attr]
                 dist.all_reduce(grad)
                 torch.testing.assert_close(grad, want, rtol=1e-5, atol=1e-6)
+            # FlexAttention (what `auto` picks on CUDA for a CP shard): its block mask maps local
+            # queries and gathered keys to global positions; forward only (no CPU backward).
+            model.cfg = model.cfg.model_copy(update={"attention": "flex"})
+            with torch.no_grad():
+                flex = _loss_sum(model, shard_batch(batch, rank, world))
+            torch.testing.assert_close(flex, local.detach(), rtol=1e-5, atol=1e-4)
     finally:
         dist.destroy_process_group()
 
@@ -137,6 +144,9 @@ def test_cp2_trains_like_one_process_on_the_same_batch(two_ranks: tuple[dict[str
     # FSDP2 shards over dp_shard x cp: each CP rank holds half of the parameters.
     full = res["cp2"][0]["full_param_numel"]
     assert sum(r["local_param_numel"] for r in res["cp2"]) == full
+    # tokens_seen counts each token once (not once per CP rank): 10 steps x 2 sequences x 32 tokens.
+    records = read_metrics(Path(two_ranks[1]).parents[2] / "cp2" / "metrics.jsonl")
+    assert [r["tokens_seen"] for r in records if "loss" in r][-1] == 10 * 2 * 32
 
 
 def test_cp2_resume_is_bit_exact_and_a_cp2_checkpoint_resumes_at_cp1(
@@ -159,3 +169,15 @@ def test_cp2_times_fsdp2_on_four_ranks_trains_like_one_process(tmp_path_factory:
     for r in results:
         assert_close_losses(r["losses"], want, REL, "cp=2 x dp_shard=2 vs one process (global batch 4)")
     assert sum(r["local_param_numel"] for r in results) == results[0]["full_param_numel"]
+
+
+@pytest.mark.gpu
+def test_cp2_with_flex_document_mask_on_nccl_trains_like_one_gpu(tmp_path_factory: pytest.TempPathFactory) -> None:
+    """On CUDA `auto` runs FlexAttention for the CP shard (local queries x gathered keys)."""
+    if torch.cuda.device_count() < 2:
+        pytest.skip(f"needs 2 GPUs, found {torch.cuda.device_count()}")
+    cuda = ["--train.device=cuda", "--train.mixed_precision=fp32", "--data.document_masking=true"]
+    res = launch(2, {"cp2_cuda": [*cuda, *CP2]}, tmp_path_factory.mktemp("cp2cuda"))
+    want = reference(tuple(cuda))["losses"]
+    for r in completed(res["cp2_cuda"], "cp2_cuda"):
+        assert_close_losses(r["losses"], want, 1e-4, "cp=2 flex (nccl) vs one GPU")
