@@ -34,3 +34,13 @@ def test_cp_rules_name_seq_len_and_unsupported_dims() -> None:
     assert not world_size_issues(s, 4)
     dims = resolve_dims(s, 4)
     assert (dims.dp_shard, dims.cp, dims.dp, dims.world_size) == (2, 2, 2, 4)  # cp ranks are not data-parallel
+
+
+def test_hsdp_with_cp_shards_over_dp_shard_x_cp_and_replicates_over_dp_replicate() -> None:
+    s = load_settings(
+        "h100x8-32k-cp", overrides=["--distributed.cp=2", "--distributed.dp_replicate=2", "--distributed.dp_shard=2"]
+    ).settings
+    plan = build_plan(s, 8, rank=5)
+    assert plan.mesh == {"pp": 1, "dp_replicate": 2, "dp_shard": 2, "cp": 2, "tp": 1}
+    assert plan.coordinates == {"pp": 0, "dp_replicate": 1, "dp_shard": 0, "cp": 1, "tp": 0}
+    assert plan.local_params == s.model.param_count() // 4  # sharded 4 ways, replicated twice
