@@ -86,11 +86,11 @@ def restore_run(manager: CheckpointedState) -> Restored | None:
 
         names = load_hf_weights(manager.model, path, manager.settings.model, list(cfg.exclude_from_loading))
         log.info("warm start: loaded %d tensors from Hugging Face %s (fresh optimizer, step 0)", len(names), path)
-        return Restored("warm_start", path, 0, {})
+        return Restored(kind="warm_start", path=path, step=0, metrics_run_ids={})
     if decision.kind == "warm_start":
         names = load_model_weights(manager.model, decision.dirs, list(cfg.exclude_from_loading), manager.groups.save)
         log.info("warm start: loaded %d tensors from %s (fresh optimizer, step 0)", len(names), path)
-        return Restored("warm_start", path, 0, {})
+        return Restored(kind="warm_start", path=path, step=0, metrics_run_ids={})
     return _resume(manager, decision, path)
 
 
@@ -112,7 +112,7 @@ def _resume(manager: CheckpointedState, decision: RestoreDecision, path: Path) -
     if manager.loader is not None and state.get("data") is not None:
         manager.loader.load_state_dict(state["data"])  # the data order continues exactly
     log.info("resumed from %s (step %d)", path, step)
-    return Restored("resume", path, step, dict(state.get("metrics_run_ids") or {}))
+    return Restored(kind="resume", path=path, step=step, metrics_run_ids=dict(state.get("metrics_run_ids") or {}))
 
 
 def _reapply_schedule(scheduler: Any, optimizer: torch.optim.Optimizer) -> None:

@@ -77,7 +77,7 @@ def metric_points(record: Mapping[str, Any], now: float) -> MetricPoints | None:
     if not values:
         return None
     t = _as_float(record.get("time"))
-    return MetricPoints(int(record["step"]), values, t if t is not None and math.isfinite(t) else now)
+    return MetricPoints(step=int(record["step"]), values=values, time=t if t is not None and math.isfinite(t) else now)
 
 
 def git_commit(directory: Path) -> str | None:
@@ -260,7 +260,7 @@ class Tracker:
 
     def log_checkpoint(self, step: int, path: str) -> None:
         """Record that a checkpoint of ``step`` was saved at ``path`` (metric ``checkpoint_step``)."""
-        mark = CheckpointMark(int(step), str(path), time.time())
+        mark = CheckpointMark(step=int(step), path=str(path), time=time.time())
         for d in self._deliveries:
             d.submit(mark)
 
