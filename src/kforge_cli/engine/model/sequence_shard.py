@@ -58,19 +58,18 @@ class _GatherSequence(torch.autograd.Function):
     def forward(ctx: Any, x: torch.Tensor, dim: int, group: Any) -> torch.Tensor:
         ctx.dim, ctx.group = dim, group
         size = dist.get_world_size(group)
-        ctx.rank = dist.get_rank(group)
         parts = [torch.empty_like(x) for _ in range(size)]
         dist.all_gather(parts, x.contiguous(), group=group)
         return torch.cat(parts, dim=dim)
 
     @staticmethod
     def backward(ctx: Any, *grads: torch.Tensor) -> tuple[torch.Tensor, None, None]:
-        grad = grads[0].contiguous()
-        # gloo has no reduce-scatter: an all-reduce of the full gradient then a slice is exact
-        # everywhere (NCCL could reduce-scatter; the K/V gradient is small next to activations).
-        dist.all_reduce(grad, op=dist.ReduceOp.SUM, group=ctx.group)
-        local = grad.shape[ctx.dim] // dist.get_world_size(ctx.group)
-        return grad.narrow(ctx.dim, ctx.rank * local, local).contiguous(), None, None
+        # Reduce-scatter along the gathered dim (moved to the front, where the collective splits):
+        # rank r receives the sum over ranks of the gradient of its own slice (NCCL and gloo).
+        grad = grads[0].movedim(ctx.dim, 0).contiguous()
+        out = grad.new_empty((grad.shape[0] // dist.get_world_size(ctx.group), *grad.shape[1:]))
+        dist.reduce_scatter_tensor(out, grad, op=dist.ReduceOp.SUM, group=ctx.group)
+        return out.movedim(0, ctx.dim).contiguous(), None, None
 
 
 def gather_sequence(x: torch.Tensor, shard: SequenceShard, dim: int) -> torch.Tensor:

@@ -9,7 +9,7 @@ and NCCL); everything else in a block is per token, so it runs on the local shar
 
 Memory: activations scale with the local tokens, ``T / cp``, except the gathered K/V that
 attention keeps for its backward (``2 x T x kv_dim`` per layer). Communication: per layer,
-an all-gather of K and V in the forward and an all-reduce of their gradients in the
+an all-gather of K and V in the forward and a reduce-scatter of their gradients in the
 backward.
 
 The loss side: CP ranks' label tokens are disjoint parts of one batch, so the step sums

@@ -77,7 +77,7 @@ class CommBuffers:
     fsdp_reduce_scatter: int  # unsharded gradients: the root's (until the end), one block's and its fp32 copy
     tensor_parallel: int  # one all-gathered activation in flight
     pipeline: int  # send/receive buffers of activations and gradients per stage
-    context_parallel: int = 0  # gradients of one layer's gathered K/V, all-reduced over the CP group
+    context_parallel: int = 0  # gradients of one layer's gathered K/V, reduce-scattered over the CP group
 
     @property
     def total(self) -> int:

@@ -201,11 +201,12 @@ def _notes(settings: JobSettings, built: MetaBuild, dims: ParallelDims) -> list[
     if dims.cp > 1:
         cbytes = compute_dtype(settings, target_device(settings)).itemsize
         kv = kv_gather_bytes(settings, dims, cbytes)
-        n = settings.model.n_layers // max(dims.pp, 1)
+        n, share = settings.model.n_layers, (dims.cp - 1) / dims.cp  # the part of a gathered tensor from peers
         out.append(
             f"context parallel cp={dims.cp}: each rank holds 1/{dims.cp} of every sequence; per layer it all-gathers "
-            f"K/V ({kv / 2**20:.1f} MiB gathered, {kv * (dims.cp - 1) / dims.cp / 2**20:.1f} MiB received) and "
-            f"all-reduces their gradients in the backward: {2 * n * kv / 2**30:.2f} GiB moved per micro-batch"
+            f"K/V ({kv / 2**20:.1f} MiB gathered, {kv * share / 2**20:.1f} MiB from peers) and reduce-scatters their "
+            f"gradients in the backward: {2 * n * kv * share / 2**30:.2f} GiB in and out per rank per micro-batch "
+            "(an activation-checkpointed block gathers again in its recompute)"
         )
     if dims.pp > 1:
         out.append("pipeline stages differ in memory: check the first and last stage's ranks with --rank")
