@@ -14,6 +14,7 @@ from kforge_cli.settings.profiles import available_profiles
 SHIPPED = [
     "cpu-debug",
     "h100x8",
+    "h100x8-32k-cp",
     "h100x64",
     "h200x8",
     "h200x32",

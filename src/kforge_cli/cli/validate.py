@@ -68,7 +68,8 @@ def validate_config(
         m = s.model
         tokens = s.train.tokens_per_step(dims.dp)
         typer.echo(f"config is valid: profile {s.profile or '-'}, world size {n}")
-        typer.echo(f"  mesh: pp={dims.pp} dp_replicate={dims.dp_replicate} dp_shard={dims.dp_shard} tp={dims.tp}")
+        cp = f" cp={dims.cp}" if dims.cp > 1 else ""
+        typer.echo(f"  mesh: pp={dims.pp} dp_replicate={dims.dp_replicate} dp_shard={dims.dp_shard}{cp} tp={dims.tp}")
         text = s.model.param_count()
         vision = vision_param_counts(s)
         known = [v for v in vision.values() if v is not None]

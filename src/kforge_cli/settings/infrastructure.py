@@ -9,12 +9,15 @@ from kforge_cli.settings.section import Section, field
 
 
 class DistributedSettings(Section):
-    """Parallelism over the device mesh pp x dp_replicate x dp_shard x tp."""
+    """Parallelism over the device mesh pp x dp_replicate x dp_shard x cp x tp."""
 
     dp_shard: int = field(-1, "FSDP shard degree (-1 = whatever remains of the world size).", ge=-1)
     dp_replicate: int = field(1, "Replicate degree (> 1 with dp_shard > 1 means HSDP).", gt=0)
     tp: int = field(1, "Tensor-parallel degree (keep within one node).", gt=0)
     pp: int = field(1, "Pipeline-parallel degree (number of pipeline ranks).", gt=0)
+    cp: int = field(
+        1, "Context-parallel degree: each sequence is split over this many ranks (train.seq_len % (2*cp) == 0).", gt=0
+    )
     pp_schedule: PipelineSchedule = field("1f1b", "Pipeline schedule.")
     pp_stages_per_rank: int = field(1, "Pipeline stages per rank (> 1 for interleaved schedules).", gt=0)
     sequence_parallel: bool = field(True, "Shard norms/activations along the sequence under TP.")

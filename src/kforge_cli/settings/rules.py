@@ -23,6 +23,11 @@ FLOAT8_TP_CPU = (
     "on CPU use float8 with FSDP/PP only, or --train.float8=false"
 )
 
+FLEX_CPU = (
+    "FlexAttention has no backward on CPU (torch 2.13), so it cannot train there; use "
+    "--model.attention=auto (dense-mask SDPA on CPU, FlexAttention on CUDA) or sdpa"
+)
+
 
 def config_issues(s: JobSettings) -> list[ConfigIssue]:
     """Cross-field and cross-section rules that need only the config."""
@@ -69,6 +74,10 @@ def config_issues(s: JobSettings) -> list[ConfigIssue]:
     ):
         out.append(ConfigIssue("train.ac_every_n_blocks", f"exceeds model.n_layers ({m.n_layers})"))
     out += moe_issues(m)
+    if m.attention == "flex" and t.device == "cpu":
+        out.append(ConfigIssue("model.attention", FLEX_CPU))
+    if m.moe is not None and s.distributed.cp > 1:
+        out.append(ConfigIssue("distributed.cp", "context parallelism is not supported with model.moe yet; use cp = 1"))
     out += _vlm_issues(s)
     return out
 
@@ -170,10 +179,11 @@ class ParallelDims:
     dp_replicate: int
     dp_shard: int
     tp: int
+    cp: int = 1  # context parallel: ranks that split one sequence (they share a batch and, with FSDP, shards)
 
     @property
     def world_size(self) -> int:
-        return self.pp * self.dp_replicate * self.dp_shard * self.tp
+        return self.pp * self.dp_replicate * self.dp_shard * self.cp * self.tp
 
     @property
     def dp(self) -> int:
@@ -185,13 +195,13 @@ def world_size_issues(s: JobSettings, world_size: int) -> list[ConfigIssue]:
     """Rules that depend on the number of processes the job runs with."""
     out: list[ConfigIssue] = []
     d, m = s.distributed, s.model
-    fixed = d.dp_replicate * d.tp * d.pp * (d.dp_shard if d.dp_shard > 0 else 1)
+    fixed = d.dp_replicate * d.tp * d.pp * d.cp * (d.dp_shard if d.dp_shard > 0 else 1)
     if d.dp_shard == -1:
         if world_size % fixed:
             out.append(
                 ConfigIssue(
                     "distributed.dp_shard",
-                    f"world size {world_size} is not divisible by dp_replicate*tp*pp = {fixed}",
+                    f"world size {world_size} is not divisible by dp_replicate*tp*pp*cp = {fixed}",
                 )
             )
     elif d.dp_shard == 0:
@@ -200,7 +210,7 @@ def world_size_issues(s: JobSettings, world_size: int) -> list[ConfigIssue]:
         out.append(
             ConfigIssue(
                 "distributed",
-                f"pp*dp_replicate*dp_shard*tp = {d.pp}*{d.dp_replicate}*{d.dp_shard}*{d.tp} = {fixed} "
+                f"pp*dp_replicate*dp_shard*cp*tp = {d.pp}*{d.dp_replicate}*{d.dp_shard}*{d.cp}*{d.tp} = {fixed} "
                 f"but the world size is {world_size}",
             )
         )
@@ -255,6 +265,7 @@ def world_size_issues(s: JobSettings, world_size: int) -> list[ConfigIssue]:
             )
         out += _pipeline_schedule_issues(s)
     out += _combination_issues(s)
+    out += _context_parallel_issues(s)
     if d.tp > s.slurm.gpus_per_node and s.slurm.nodes > 1:
         out.append(
             ConfigIssue(
@@ -352,11 +363,36 @@ def _combination_issues(s: JobSettings) -> list[ConfigIssue]:
     return out
 
 
+def _context_parallel_issues(s: JobSettings) -> list[ConfigIssue]:
+    """What context parallelism needs: sequences in 2*cp equal chunks; the combinations it supports."""
+    d, t = s.distributed, s.train
+    if d.cp == 1:
+        return []
+    out: list[ConfigIssue] = []
+    if t.seq_len % (2 * d.cp):
+        out.append(
+            ConfigIssue(
+                "train.seq_len",
+                f"{t.seq_len} is not divisible by 2 * distributed.cp = {2 * d.cp} (each CP rank holds a head "
+                "and a tail chunk of every sequence)",
+            )
+        )
+    for name, value, why in (
+        ("distributed.pp", d.pp, "pipeline stages would need their micro-batches sharded too"),
+        ("distributed.tp", d.tp, "tensor parallelism with CP is not tested yet"),
+    ):
+        if value > 1:
+            out.append(ConfigIssue(name, f"must be 1 with distributed.cp > 1 ({why}); use cp with FSDP/HSDP"))
+    if s.vlm is not None:
+        out.append(ConfigIssue("distributed.cp", "context parallelism is not supported for VLM models"))
+    return out
+
+
 def resolve_dims(s: JobSettings, world_size: int) -> ParallelDims:
     """The mesh shape for `world_size`; raises ConfigError listing every world-size problem."""
     issues = world_size_issues(s, world_size)
     if issues:
         raise ConfigError(issues, header=f"configuration does not fit world size {world_size}")
     d = s.distributed
-    dp_shard = d.dp_shard if d.dp_shard > 0 else world_size // (d.dp_replicate * d.tp * d.pp)
-    return ParallelDims(pp=d.pp, dp_replicate=d.dp_replicate, dp_shard=dp_shard, tp=d.tp)
+    dp_shard = d.dp_shard if d.dp_shard > 0 else world_size // (d.dp_replicate * d.tp * d.pp * d.cp)
+    return ParallelDims(pp=d.pp, dp_replicate=d.dp_replicate, dp_shard=dp_shard, tp=d.tp, cp=d.cp)

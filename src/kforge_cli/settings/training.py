@@ -37,6 +37,11 @@ class ModelSettings(Section):
     tie_embeddings: bool = field(False, "Share the token embedding with the output head.")
     init_std: float = field(0.02, "Std of the normal initialisation of weights.", gt=0)
     moe: MoESettings | None = field(None, "Mixture-of-Experts feed-forward layers (None = a dense model).")
+    attention: Literal["sdpa", "flex", "auto"] = field(
+        "auto",
+        "Attention kernel: sdpa, flex (FlexAttention block mask; CUDA for training), "
+        "auto (flex on CUDA with data.document_masking, else sdpa).",
+    )
 
     @property
     def kv_heads(self) -> int:

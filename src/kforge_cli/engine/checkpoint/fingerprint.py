@@ -15,8 +15,9 @@ from typing import Any
 from kforge_cli.settings import JobSettings
 
 # Fields that change parameters or the function the model computes. `model.init_std`
-# only matters at step 0, so it may differ on resume.
-_MODEL_EXCLUDED = frozenset({"init_std"})
+# only matters at step 0, and `model.attention` picks a kernel for the same function, so
+# both may differ on resume.
+_MODEL_EXCLUDED = frozenset({"init_std", "attention"})
 _VLM_SHAPING = ("arch", "cross_attention_every", "modalities")
 
 

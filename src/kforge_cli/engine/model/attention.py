@@ -1,13 +1,14 @@
-"""Causal grouped-query self-attention on top of ``F.scaled_dot_product_attention``."""
+"""Causal grouped-query self-attention; the kernel (SDPA or FlexAttention) is chosen per batch
+by the mask it is given (see :mod:`kforge_cli.engine.model.attention_mask`)."""
 
 from __future__ import annotations
 
 import math
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
+from kforge_cli.engine.model.attention_mask import AttentionMask, attend
 from kforge_cli.engine.model.layers import apply_rotary, build_norm, reset_norm
 from kforge_cli.settings.training import ModelSettings
 
@@ -49,9 +50,13 @@ class Attention(nn.Module):
                 reset_norm(norm)
 
     def forward(
-        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: torch.Tensor | None = None
+        self,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        mask: AttentionMask | torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """``x`` ``[B, T, D]`` -> ``[B, T, D]``; causal, or ``mask`` (bool, True = attend) when given."""
+        """``x`` ``[B, T, D]`` -> ``[B, T, D]``; causal, or per ``mask`` (an AttentionMask, or bool: True = attend)."""
         bsz, seqlen, _ = x.shape
         q = self.wq(x).view(bsz, seqlen, -1, self.head_dim)
         k = self.wk(x).view(bsz, seqlen, -1, self.head_dim)
@@ -62,12 +67,7 @@ class Attention(nn.Module):
         q = apply_rotary(q, cos, sin).transpose(1, 2)  # [B, H, T, hd]
         k = apply_rotary(k, cos, sin).transpose(1, 2)
         v = v.transpose(1, 2)
-        gqa = q.shape[1] != k.shape[1]
-        if mask is None:
-            out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
-        else:
-            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa)
-        out = out.transpose(1, 2).reshape(bsz, seqlen, -1)
+        out = attend(q, k, v, mask).transpose(1, 2).reshape(bsz, seqlen, -1)
         return self.wo(out)
 
 

@@ -18,9 +18,11 @@ import torch.nn.functional as F
 from torch import nn
 
 from kforge_cli.engine.model.attention import Attention, residual_std
+from kforge_cli.engine.model.attention_mask import AttentionMask, build_attention_mask
 from kforge_cli.engine.model.layers import build_norm, reset_norm, rope_tables
 from kforge_cli.engine.model.mlp import FeedForward
 from kforge_cli.engine.model.moe.layer import MoEFeedForward
+from kforge_cli.engine.model.sequence_shard import SequenceShard
 from kforge_cli.settings.training import ModelSettings
 
 HeadLossFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
@@ -46,7 +48,7 @@ class TransformerBlock(nn.Module):
         self.feed_forward.init_weights(std, out_std)
 
     def forward(
-        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: torch.Tensor | None = None
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: AttentionMask | torch.Tensor | None = None
     ) -> torch.Tensor:
         h = x + self.attention(self.attention_norm(x), cos, sin, mask)
         return h + self.feed_forward(self.ffn_norm(h))
@@ -65,6 +67,7 @@ class Transformer(nn.Module):
 
     rope_cos: torch.Tensor
     rope_sin: torch.Tensor
+    sequence_shard: SequenceShard | None = None  # set by the parallel builder under context parallelism
 
     def __init__(self, cfg: ModelSettings) -> None:
         super().__init__()
@@ -117,7 +120,9 @@ class Transformer(nn.Module):
         ``tokens`` are token ids ``[B, T]`` (or hidden states ``[B, T, D]`` when this
         stage has no embedding). ``positions`` ``[B, T]`` are RoPE positions (default
         ``0..T-1``). ``doc_ids`` ``[B, T]`` restrict attention to earlier tokens of
-        the same document (packed sequences). With ``labels`` and ``loss_fn`` the
+        the same document (packed sequences). Under context parallelism
+        (``sequence_shard`` set) the inputs are this rank's shard and ``positions`` are required.
+        With ``labels`` and ``loss_fn`` the
         result is ``loss_fn(normed_hidden, head_weight, labels)``, so a chunked loss
         never materialises the full logits yet still runs inside ``forward`` (where
         FSDP2's hooks keep the head weight unsharded).
@@ -127,12 +132,14 @@ class Transformer(nn.Module):
         h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens
         seqlen = h.shape[1]
         if positions is None:
+            if self.sequence_shard is not None:
+                raise ValueError("a context-parallel shard needs its global positions (shard the batch first)")
             if seqlen > self.cfg.max_seq_len:
                 raise ValueError(f"sequence length {seqlen} exceeds model.max_seq_len={self.cfg.max_seq_len}")
             cos, sin = self.rope_cos[:seqlen], self.rope_sin[:seqlen]
         else:
             cos, sin = self.rope_cos[positions], self.rope_sin[positions]
-        mask = document_causal_mask(doc_ids) if doc_ids is not None else None
+        mask = build_attention_mask(self.cfg.attention, (h.shape[0], seqlen), h.device, doc_ids, self.sequence_shard)
         for block in self.layers.values():
             h = block(h, cos, sin, mask)
         if self.norm is None:
@@ -170,15 +177,3 @@ def decoder_head_weight(model: Any) -> torch.Tensor | None:
     if model.cfg.tie_embeddings and model.tok_embeddings is not None:
         return model.tok_embeddings.weight
     return None
-
-
-def document_causal_mask(doc_ids: torch.Tensor) -> torch.Tensor:
-    """Boolean SDPA mask ``[B, 1, T, T]``: True where query ``i`` may attend key ``j``.
-
-    ``j <= i`` and both tokens belong to the same document, so packed documents
-    never see each other. The diagonal is always True, so no row is fully masked.
-    """
-    seqlen = doc_ids.shape[1]
-    same_doc = doc_ids.unsqueeze(2) == doc_ids.unsqueeze(1)
-    causal = torch.ones(seqlen, seqlen, dtype=torch.bool, device=doc_ids.device).tril()
-    return (same_doc & causal).unsqueeze(1)

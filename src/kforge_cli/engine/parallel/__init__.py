@@ -1,7 +1,8 @@
-"""engine.parallel (layer 2): the parallel model build (TP, float8, AC, compile, FSDP2, PP)."""
+"""engine.parallel (layer 2): the parallel model build (TP, float8, CP, AC, compile, FSDP2, PP)."""
 
 from kforge_cli.engine.parallel.activation_checkpoint import apply_activation_checkpointing
 from kforge_cli.engine.parallel.build import build_parallel_model, compute_dtype, parallelize
+from kforge_cli.engine.parallel.context_parallel import shard_batch
 from kforge_cli.engine.parallel.grad_norm import clip_grad_norm, total_grad_norm
 from kforge_cli.engine.parallel.pipeline import PipelineBundle, PipelineModel, StageLoss
 from kforge_cli.engine.parallel.tensor_parallel import vocab_parallel_loss_sum
@@ -15,6 +16,7 @@ __all__ = [
     "clip_grad_norm",
     "compute_dtype",
     "parallelize",
+    "shard_batch",
     "total_grad_norm",
     "vocab_parallel_loss_sum",
 ]

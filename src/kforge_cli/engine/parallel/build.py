@@ -1,7 +1,7 @@
 """`build_parallel_model`: this rank's model, built on the meta device and parallelised in order
 
-    float8 (module swap) -> tensor parallel (+SP) -> activation checkpointing -> torch.compile
-    per block -> FSDP2 per block and at the root,
+    float8 (module swap) -> tensor parallel (+SP) -> context parallel -> activation checkpointing
+    -> torch.compile per block -> FSDP2 per block and at the root,
 
 then materialised with ``to_empty`` and initialised shard by shard (engine.parallel.init),
 so no rank ever holds more than its shard and every rank, whatever the layout, starts
@@ -22,6 +22,7 @@ from torch.distributed.fsdp import fully_shard
 from kforge_cli.engine.model import Transformer
 from kforge_cli.engine.model.vlm import build_vlm
 from kforge_cli.engine.parallel.activation_checkpoint import apply_activation_checkpointing
+from kforge_cli.engine.parallel.context_parallel import apply_context_parallel
 from kforge_cli.engine.parallel.float8 import apply_float8, require_torchao
 from kforge_cli.engine.parallel.fsdp import apply_fsdp, mixed_precision_policy, resolve_reshard_after_forward
 from kforge_cli.engine.parallel.init import init_sharded
@@ -38,7 +39,7 @@ from kforge_cli.engine.runtime import RuntimeContext
 from kforge_cli.engine.runtime.dtypes import DTYPES
 from kforge_cli.errors import ConfigError, ConfigIssue
 from kforge_cli.settings import JobSettings
-from kforge_cli.settings.rules import COMPILE_TP_CPU, FLOAT8_TP_CPU
+from kforge_cli.settings.rules import COMPILE_TP_CPU, FLEX_CPU, FLOAT8_TP_CPU
 
 log = logging.getLogger("kforge")
 
@@ -59,7 +60,7 @@ def apply_compile(model: nn.Module) -> None:
 
 
 def parallelize(module: nn.Module, settings: JobSettings, runtime: RuntimeContext) -> None:
-    """Apply float8 -> TP -> AC -> compile -> FSDP2 to one meta-device module (model or stage)."""
+    """Apply float8 -> TP -> CP -> AC -> compile -> FSDP2 to one meta-device module (model or stage)."""
     t, d = settings.train, settings.distributed
     distributed = runtime.world_size > 1
     if t.float8:
@@ -75,6 +76,8 @@ def parallelize(module: nn.Module, settings: JobSettings, runtime: RuntimeContex
         apply_tensor_parallel(
             module, tp_mesh, sequence_parallel=d.sequence_parallel, loss_parallel_on=d.loss_parallel, float8=t.float8
         )
+    if apply_context_parallel(module, runtime):
+        log.info("context parallel: cp rank %d of %d", runtime.cp_rank, runtime.cp_size)
     n_ac = apply_activation_checkpointing(module, t)
     if n_ac:
         log.info("activation checkpointing (%s) on %d blocks", t.activation_checkpointing, n_ac)
@@ -144,6 +147,8 @@ def build_parallel_model(settings: JobSettings, runtime: RuntimeContext) -> tupl
         issues += [ConfigIssue("train.float8", FLOAT8_TP_CPU)] if settings.train.float8 else []
         if issues:
             raise ConfigError(issues, header="unsupported combination on CPU")
+    if settings.model.attention == "flex" and runtime.device.type == "cpu":  # train.device=auto resolved to cpu
+        raise ConfigError([ConfigIssue("model.attention", FLEX_CPU)], header="unsupported combination on CPU")
     if settings.train.loss_chunk_size and runtime.dims.tp > 1:
         log.info("train.loss_chunk_size is not used under TP: the vocab-parallel loss keeps logits split instead")
     if runtime.dims.pp > 1:

@@ -15,7 +15,7 @@ from torch.distributed import ProcessGroup
 from torch.distributed.device_mesh import DeviceMesh
 
 from kforge_cli.engine.runtime.launcher import LaunchInfo, detect_launch
-from kforge_cli.engine.runtime.mesh import build_mesh, dp_mesh, flat_dp_mesh, sub_mesh
+from kforge_cli.engine.runtime.mesh import build_mesh, dp_mesh, flat_dp_mesh, loss_mesh, sub_mesh
 from kforge_cli.engine.runtime.threads import ThreadChoice, choose_threads
 from kforge_cli.errors import InvalidInputError
 from kforge_cli.settings import JobSettings, ParallelDims, resolve_dims
@@ -28,7 +28,7 @@ class RuntimeContext:
     launch: LaunchInfo
     device: torch.device
     dims: ParallelDims
-    mesh: DeviceMesh | None = None  # dims named pp/dp_replicate/dp_shard/tp (see engine.runtime.mesh)
+    mesh: DeviceMesh | None = None  # dims named pp/dp_replicate/dp_shard/cp/tp (see engine.runtime.mesh)
     owns_process_group: bool = False  # init_runtime created the process group, so teardown destroys it
     threads: ThreadChoice | None = None  # the CPU thread count chosen for this process, and why (logged once)
     extra: dict[str, Any] = field(default_factory=dict)
@@ -68,6 +68,30 @@ class RuntimeContext:
     def dp_group(self) -> ProcessGroup | None:
         """The process group over data-parallel ranks (None = single process)."""
         return None if self.mesh is None else flat_dp_mesh(self.mesh).get_group()
+
+    @property
+    def cp_size(self) -> int:
+        """Context-parallel degree: ranks that split each sequence of one batch."""
+        return self.dims.cp
+
+    @property
+    def cp_rank(self) -> int:
+        cp = sub_mesh(self.mesh, "cp")
+        return 0 if cp is None else cp.get_local_rank()
+
+    def cp_group(self) -> ProcessGroup | None:
+        """The context-parallel group of this rank (None without context parallelism)."""
+        cp = sub_mesh(self.mesh, "cp")
+        return None if cp is None else cp.get_group()
+
+    @property
+    def loss_ranks(self) -> int:
+        """Ranks whose label tokens differ (dp x cp): the loss is normalised over all of their tokens."""
+        return self.dims.dp * self.dims.cp
+
+    def loss_group(self) -> ProcessGroup | None:
+        """The process group over dp x cp ranks, for valid-token counts and loss sums (None = one process)."""
+        return None if self.mesh is None else loss_mesh(self.mesh).get_group()
 
     @property
     def pp_size(self) -> int:

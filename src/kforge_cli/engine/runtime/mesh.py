@@ -1,8 +1,15 @@
-"""The device mesh: named dims ``pp``, ``dp_replicate``, ``dp_shard``, ``tp`` (outer to inner).
+"""The device mesh: named dims ``pp``, ``dp_replicate``, ``dp_shard``, ``cp``, ``tp`` (outer to inner).
 
 ``tp`` is innermost so a tensor-parallel group is made of neighbouring ranks (the GPUs
 of one node, joined by NVLink); ``pp`` is outermost so pipeline neighbours may sit on
-different nodes (their traffic is one activation per micro-batch).
+different nodes (their traffic is one activation per micro-batch). ``cp`` (context parallel:
+ranks that split one sequence, all-gathering K/V per layer) sits next to ``tp``, inside a node
+where it fits.
+
+Context-parallel ranks hold the same parameters and see the same batch (each a part of
+every sequence), so FSDP2 shards over ``dp_shard x cp`` (flattened ``dp_shard_cp``) and the
+loss's token counts are summed over ``dp x cp`` (``dp_cp``); the data loader partitions by
+the data-parallel dims only.
 
 In a multi-process job ``dp_shard`` is always a mesh dim, even of size 1: FSDP2 is then
 applied on every multi-process run, which gives one code path for mixed precision
@@ -12,23 +19,25 @@ and for checkpoints. Other dims appear only when larger than 1.
 
 from __future__ import annotations
 
+import warnings
 from typing import Any
 
 import torch
 
 from kforge_cli.settings import ParallelDims
 
-MESH_ORDER = ("pp", "dp_replicate", "dp_shard", "tp")
+MESH_ORDER = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
 
 
 def mesh_shape(dims: ParallelDims) -> list[tuple[str, int]]:
     """(name, size) of the dims the mesh will have, outer to inner."""
-    sizes = {"pp": dims.pp, "dp_replicate": dims.dp_replicate, "dp_shard": dims.dp_shard, "tp": dims.tp}
+    sizes = {"pp": dims.pp, "dp_replicate": dims.dp_replicate, "dp_shard": dims.dp_shard, "cp": dims.cp, "tp": dims.tp}
     return [(name, sizes[name]) for name in MESH_ORDER if sizes[name] > 1 or name == "dp_shard"]
 
 
 def build_mesh(device: torch.device, dims: ParallelDims) -> Any:
-    """A DeviceMesh over ``mesh_shape(dims)``, plus the flattened ``dp`` dim when both dp dims exist."""
+    """A DeviceMesh over ``mesh_shape(dims)``, plus flattened dims: ``dp`` when both dp dims exist;
+    with ``cp``, ``dp_shard_cp`` (FSDP's shard dim) and, with ``dp_replicate``, ``dp_cp``."""
     from torch.distributed.device_mesh import init_device_mesh
 
     shape = mesh_shape(dims)
@@ -36,6 +45,10 @@ def build_mesh(device: torch.device, dims: ParallelDims) -> Any:
     if "dp_replicate" in (mesh.mesh_dim_names or ()):
         # One group over all data-parallel ranks, for token counts and loss sums.
         mesh["dp_replicate", "dp_shard"]._flatten("dp")
+    if has_dim(mesh, "cp"):
+        mesh["dp_shard", "cp"]._flatten("dp_shard_cp")
+        if has_dim(mesh, "dp_replicate"):
+            mesh["dp_replicate", "dp_shard", "cp"]._flatten("dp_cp")
     return mesh
 
 
@@ -43,18 +56,35 @@ def has_dim(mesh: Any, name: str) -> bool:
     return mesh is not None and name in (mesh.mesh_dim_names or ())
 
 
+def _flat(mesh: Any, *names: str) -> Any:
+    """``mesh[names]`` where a name is a flattened dim: torch 2.13 warns that slicing one from the
+    root mesh "will be deprecated"; it still works, and kforge's helpers are the only place it happens."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="Slicing a flattened dim", category=UserWarning)
+        return mesh[names[0]] if len(names) == 1 else mesh[names]
+
+
 def dp_mesh(mesh: Any) -> Any:
-    """The sub-mesh FSDP2 shards over: 2-D (dp_replicate, dp_shard) = HSDP, else 1-D dp_shard."""
+    """The sub-mesh FSDP2 shards over: 2-D (dp_replicate, dp_shard) = HSDP, else 1-D dp_shard;
+    with context parallelism, dp_shard_cp in place of dp_shard (CP ranks share parameter shards)."""
+    shard = "dp_shard_cp" if has_dim(mesh, "cp") else "dp_shard"
     if has_dim(mesh, "dp_replicate"):
-        return mesh["dp_replicate", "dp_shard"]
-    return mesh["dp_shard"]
+        return _flat(mesh, "dp_replicate", shard)
+    return _flat(mesh, shard)
 
 
 def flat_dp_mesh(mesh: Any) -> Any:
     """A 1-D mesh over every data-parallel rank (the flattened dp dims)."""
     if has_dim(mesh, "dp_replicate"):
-        return mesh["dp"]
+        return _flat(mesh, "dp")
     return mesh["dp_shard"]
+
+
+def loss_mesh(mesh: Any) -> Any:
+    """A 1-D mesh over every rank whose loss tokens differ (dp x cp): token counts and loss sums."""
+    if not has_dim(mesh, "cp"):
+        return flat_dp_mesh(mesh)
+    return _flat(mesh, "dp_cp" if has_dim(mesh, "dp_replicate") else "dp_shard_cp")
 
 
 def sub_mesh(mesh: Any, name: str) -> Any:

@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from kforge_cli.engine.data.tokens import IGNORE_INDEX
+from kforge_cli.engine.parallel import shard_batch
 from kforge_cli.engine.runtime import all_reduce_sum
 from kforge_cli.engine.train.pipeline_step import pipeline_eval_loss_sum
 from kforge_cli.engine.train.step import Batch, forward_loss_sum
@@ -42,19 +43,24 @@ def _eval_batches(session: TrainingSession) -> Iterator[Batch]:
 
 
 def evaluate(session: TrainingSession) -> float | None:
-    """The eval loss, averaged over every valid token of every data-parallel rank (None: no val data)."""
+    """The eval loss, averaged over every valid token of every data-parallel rank (None: no val data).
+
+    Under context parallelism each rank evaluates its shard of every sequence; the sums
+    then span dp x cp."""
     if session.data.val is None:
         return None
     forward = pipeline_eval_loss_sum if session.pipeline is not None else forward_loss_sum
     totals = torch.zeros(2, device=session.runtime.device, dtype=torch.float64)
+    runtime = session.runtime
     was_training = session.model.training
     session.model.eval()
     try:
         with torch.no_grad():
             for batch in _eval_batches(session):
+                batch = shard_batch(batch, runtime.cp_rank, runtime.cp_size)
                 totals[0] += forward(session, batch).double()
                 totals[1] += (batch["labels"] != IGNORE_INDEX).sum()
     finally:
         session.model.train(was_training)
-    all_reduce_sum(totals, session.runtime.dp_group())
+    all_reduce_sum(totals, runtime.loss_group())
     return float(totals[0] / totals[1].clamp(min=1))

@@ -6,6 +6,9 @@ The loss is normalised by the number of valid (non-ignored) label tokens across 
 micro-batches of the step and all data-parallel ranks, not averaged per micro-batch, so
 gradient accumulation and data parallelism give the same update as one big batch.
 
+Under context parallelism every rank holds a part of each sequence, so "all ranks" means
+dp x cp (`RuntimeContext.loss_group`, `loss_ranks`); without CP that is the dp group.
+
 `TokenNormaliser` is that rule (count, all-reduce, scale); `accumulate` is the
 micro-batch loop built on it (gradient sync only on the last micro-batch). `PlainStep`
 runs it and clips; variants subclass it and override one phase (`VLMStep` drops frozen
@@ -99,18 +102,20 @@ def clip_gradients(session: TrainingSession) -> float:
 class TokenNormaliser:
     """The step's global count of valid label tokens and the factor every loss sum is scaled by.
 
-    Data-parallel gradient reduction averages over ranks; multiplying by ``dp_size`` undoes
-    that, so the effective loss is (global loss sum) / (global valid tokens).
+    Gradient reduction averages over the ranks FSDP shards over (dp, and cp under context
+    parallelism); multiplying by their number (``loss_ranks``) undoes that, so the effective
+    loss is (global loss sum) / (global valid tokens), counted over dp x cp.
     """
 
     n_valid: torch.Tensor  # global valid tokens (float scalar on the device)
-    scale: torch.Tensor  # dp_size / n_valid
+    scale: torch.Tensor  # loss_ranks / n_valid
 
     @classmethod
     def for_step(cls, session: TrainingSession, micro_batches: list[Batch]) -> TokenNormaliser:
         local = sum(int((mb["labels"] != IGNORE_INDEX).sum()) for mb in micro_batches)
-        n_valid = all_reduce_sum(torch.tensor(float(local), device=session.runtime.device), session.runtime.dp_group())
-        return cls(n_valid=n_valid, scale=session.runtime.dp_size / n_valid.clamp(min=1.0))
+        runtime = session.runtime
+        n_valid = all_reduce_sum(torch.tensor(float(local), device=runtime.device), runtime.loss_group())
+        return cls(n_valid=n_valid, scale=runtime.loss_ranks / n_valid.clamp(min=1.0))
 
     def mean(self, global_loss_sum: torch.Tensor) -> float:
         """The step's mean loss per valid token from the global loss sum."""
@@ -136,7 +141,7 @@ def accumulate(
         loss_sum = forward(batch)
         (loss_sum * norm.scale).backward()
         total += loss_sum.detach().float()
-    return all_reduce_sum(total, session.runtime.dp_group()), norm
+    return all_reduce_sum(total, session.runtime.loss_group()), norm
 
 
 class DatasetLosses:
@@ -163,7 +168,7 @@ class DatasetLosses:
         return per_token.sum()
 
     def means(self) -> dict[str, float]:
-        all_reduce_sum(self.sums, self.session.runtime.dp_group())
+        all_reduce_sum(self.sums, self.session.runtime.loss_group())
         return {
             f"loss/{name}": loss_sum / tokens
             for name, loss_sum, tokens in zip(self.names, *self.sums.tolist(), strict=True)

@@ -6,6 +6,7 @@ share the step core in `engine.train.step`; later variants (MoE, CP) register he
 
 from __future__ import annotations
 
+from kforge_cli.engine.train.cp_step import ContextParallelStep
 from kforge_cli.engine.train.moe_step import MoEStep
 from kforge_cli.engine.train.pipeline_step import pipeline_step
 from kforge_cli.engine.train.step import StepFn, plain_step
@@ -21,4 +22,6 @@ def select_step_fn(settings: JobSettings) -> StepFn:
         return VLMStep()
     if settings.model.moe is not None:
         return MoEStep()
+    if settings.distributed.cp > 1:
+        return ContextParallelStep()
     return plain_step

@@ -18,6 +18,10 @@ without activation checkpointing keeps (``/t`` = split over tensor-parallel rank
 - SwiGLU MLP: gate, ``silu(gate)``, up and their product (``4cNF/t``); GELU: 2 of them;
 - in a single process under autocast, the compute-dtype copies of the block's weights.
 
+Under context parallelism (``cp`` ranks per sequence) ``N`` is the local ``B*T/cp`` tokens,
+except ``k`` and ``v``, which attention keeps gathered over the whole sequence (``N*cp``),
+and a dense document mask, ``B x T/cp x T``.
+
 Full AC keeps only each block's input; selective/block does so on every k-th block;
 selective/op keeps the block input plus the outputs of the matmuls and of SDPA. The
 backward adds, transiently, one block's recomputed activations (when any block is
@@ -56,9 +60,10 @@ class ActivationInputs:
     # SDPA op that op-level AC saves (CPU's _scaled_dot_product_flash_attention_for_cpu is recomputed)
     block_weight_copy_bytes: int  # compute-dtype weight copies autocast keeps per block (single process), else 0
     loss_chunk: int  # tokens per loss chunk (0 = the logits of the whole micro-batch at once)
-    document_mask: bool
+    document_mask: bool  # attention runs with a dense SDPA mask (document masking, or a CP shard, without flex)
     ac_mode: str  # "none" | "full" | "selective_block" | "selective_op"
     ac_every_n_blocks: int = 2
+    cp: int = 1  # context-parallel degree: each rank holds seq_len / cp tokens of every sequence
 
     @property
     def stream_bytes(self) -> int:
@@ -67,6 +72,12 @@ class ActivationInputs:
 
     @property
     def tokens(self) -> int:
+        """Tokens of one micro-batch held by this rank (a 1/cp share of each sequence)."""
+        return self.micro_batch * self.seq_len // self.cp
+
+    @property
+    def kv_tokens(self) -> int:
+        """Key/value tokens attention keeps: the gathered full sequence under context parallelism."""
         return self.micro_batch * self.seq_len
 
     @property
@@ -85,12 +96,12 @@ def _norm_saved(a: ActivationInputs, width: int, tokens: int) -> int:
 
 def _attention_saved(a: ActivationInputs) -> int:
     n, c, t = a.tokens, a.compute_bytes, a.tp
-    saved = c * n * (2 * a.q_dim + 2 * a.kv_dim) // t + FP32 * n * a.n_heads // t
+    saved = c * (n * 2 * a.q_dim + a.kv_tokens * 2 * a.kv_dim) // t + FP32 * n * a.n_heads // t
     if a.qk_norm:
         head_dim = a.q_dim // a.n_heads
         saved += _norm_saved(a, head_dim, n * (a.q_dim + a.kv_dim) // head_dim // t)
-    if a.document_mask:  # the per-call additive mask SDPA builds from the boolean one
-        saved += c * a.micro_batch * a.seq_len * a.seq_len
+    if a.document_mask:  # the additive mask SDPA builds from the boolean one per call (queries x keys)
+        saved += c * a.micro_batch * (a.seq_len // a.cp) * a.seq_len
     return saved
 
 

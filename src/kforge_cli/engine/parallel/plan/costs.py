@@ -77,10 +77,17 @@ class CommBuffers:
     fsdp_reduce_scatter: int  # unsharded gradients: the root's (until the end), one block's and its fp32 copy
     tensor_parallel: int  # one all-gathered activation in flight
     pipeline: int  # send/receive buffers of activations and gradients per stage
+    context_parallel: int = 0  # gradients of one layer's gathered K/V, reduce-scattered over the CP group
 
     @property
     def total(self) -> int:
-        return self.fsdp_all_gather + self.fsdp_reduce_scatter + self.tensor_parallel + self.pipeline
+        return (
+            self.fsdp_all_gather
+            + self.fsdp_reduce_scatter
+            + self.tensor_parallel
+            + self.pipeline
+            + self.context_parallel
+        )
 
 
 def comm_buffers(
@@ -117,7 +124,14 @@ def comm_buffers(
     tokens_dim = t.batch_size * t.seq_len * settings.model.dim * compute_bytes
     tp = tokens_dim if dims.tp > 1 else 0
     pp = 2 * tokens_dim * n_stages_here if dims.pp > 1 else 0
-    return CommBuffers(gathered, reduce, tp, pp)
+    cp = kv_gather_bytes(settings, dims, compute_bytes) if dims.cp > 1 else 0
+    return CommBuffers(gathered, reduce, tp, pp, cp)
+
+
+def kv_gather_bytes(settings: JobSettings, dims: ParallelDims, compute_bytes: int) -> int:
+    """K and V of one layer over a whole micro-batch sequence (local KV heads): what CP gathers per layer."""
+    m, t = settings.model, settings.train
+    return 2 * t.batch_size * t.seq_len * m.kv_heads * m.head_dim // dims.tp * compute_bytes
 
 
 @dataclass(frozen=True)

@@ -19,6 +19,9 @@ import time
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+import torch
+
+from kforge_cli.engine.model.attention_mask import resolve_backend
 from kforge_cli.engine.parallel.build import compute_dtype
 from kforge_cli.engine.parallel.fsdp import resolve_reshard_after_forward
 from kforge_cli.engine.parallel.plan.activations import (
@@ -31,6 +34,7 @@ from kforge_cli.engine.parallel.plan.activations import (
 from kforge_cli.engine.parallel.plan.costs import (
     Throughput,
     comm_buffers,
+    kv_gather_bytes,
     optimizer_state_bytes,
     optimizer_step_temporaries,
     throughput,
@@ -140,10 +144,19 @@ def _activation_inputs(settings: JobSettings, dims: ParallelDims, compute_bytes:
         cuda=cuda,
         block_weight_copy_bytes=compute_bytes * linear_weights if autocast else 0,
         loss_chunk=t.loss_chunk_size if dims.tp == 1 else 0,
-        document_mask=settings.data.document_masking,
+        document_mask=dense_attention_mask(settings, cuda),
         ac_mode=ac,
         ac_every_n_blocks=t.ac_every_n_blocks,
+        cp=dims.cp,
     )
+
+
+def dense_attention_mask(settings: JobSettings, cuda: bool) -> bool:
+    """Attention runs with a dense SDPA mask (not is_causal, nor FlexAttention's block mask):
+    document masking or context parallelism (local queries, gathered keys) with the sdpa kernel."""
+    docs, sharded = settings.data.document_masking, settings.distributed.cp > 1
+    device = torch.device("cuda" if cuda else "cpu")
+    return (docs or sharded) and resolve_backend(settings.model.attention, device, docs, sharded) == "sdpa"
 
 
 def _warnings(settings: JobSettings, dims: ParallelDims, peak: int, capacity: int) -> list[str]:
@@ -183,7 +196,20 @@ def _notes(settings: JobSettings, built: MetaBuild, dims: ParallelDims) -> list[
     if settings.vlm is not None:
         out.append("VLM: activations and FLOPs cover the text decoder only (not the vision encoder)")
     if settings.data.document_masking:
-        out.append("document masking: attention is estimated with one additive mask per block (backend dependent)")
+        if dense_attention_mask(settings, target_device(settings).type == "cuda"):
+            out.append("document masking: dense-mask SDPA, estimated with one additive mask per block")
+        else:
+            out.append("document masking: FlexAttention block mask (no dense mask is stored)")
+    if dims.cp > 1:
+        cbytes = compute_dtype(settings, target_device(settings)).itemsize
+        kv = kv_gather_bytes(settings, dims, cbytes)
+        n, share = settings.model.n_layers, (dims.cp - 1) / dims.cp  # the part of a gathered tensor from peers
+        out.append(
+            f"context parallel cp={dims.cp}: each rank holds 1/{dims.cp} of every sequence; per layer it all-gathers "
+            f"K/V ({kv / 2**20:.1f} MiB gathered, {kv * share / 2**20:.1f} MiB from peers) and reduce-scatters their "
+            f"gradients in the backward: {2 * n * kv * share / 2**30:.2f} GiB in and out per rank per micro-batch "
+            "(an activation-checkpointed block gathers again in its recompute)"
+        )
     if dims.pp > 1:
         out.append("pipeline stages differ in memory: check the first and last stage's ranks with --rank")
     return out
@@ -231,6 +257,11 @@ def _memory(
             "all-gathered params + reduce-scatter grads",
         ),
         MemoryItem("TP/PP buffers", comm.tensor_parallel + comm.pipeline, "backward", "activations in transit"),
+        *(
+            [MemoryItem("CP K/V gradients", comm.context_parallel, "backward", "one layer's gathered K/V gradient")]
+            if dims.cp > 1
+            else []
+        ),
         MemoryItem(
             "optimizer step temporaries",
             optimizer_step_temporaries(params, settings, cuda),
@@ -270,7 +301,13 @@ def build_plan(settings: JobSettings, world_size: int, rank: int = 0, *, mfu: fl
         profile=settings.profile,
         world_size=world_size,
         rank=rank,
-        mesh={"pp": dims.pp, "dp_replicate": dims.dp_replicate, "dp_shard": dims.dp_shard, "tp": dims.tp},
+        mesh={
+            "pp": dims.pp,
+            "dp_replicate": dims.dp_replicate,
+            "dp_shard": dims.dp_shard,
+            **({"cp": dims.cp} if dims.cp > 1 else {}),  # listed only when used, like the mesh's own dims
+            "tp": dims.tp,
+        },
         coordinates=built.coordinates,
         stages=built.stages,
         rank_stages=built.rank_stages,

@@ -143,7 +143,7 @@ def _runtime(settings: JobSettings, dims: ParallelDims, rank: int, device: torch
 
 
 def _coordinates(runtime: RuntimeContext) -> dict[str, int]:
-    names = ("pp", "dp_replicate", "dp_shard", "tp")
+    names = ("pp", "dp_replicate", "dp_shard", *(("cp",) if runtime.cp_size > 1 else ()), "tp")
     if runtime.mesh is None:
         return dict.fromkeys(names, 0)
     dim_names: tuple[str, ...] = tuple(runtime.mesh.mesh_dim_names or ())

@@ -1,0 +1,86 @@
+"""A sequence shard: which tokens of the full sequence this rank holds under context parallelism.
+
+The sequence of ``T`` tokens is cut into ``2 * cp`` equal chunks and rank ``r`` holds chunk
+``r`` (a head chunk) and chunk ``2*cp - 1 - r`` (a tail chunk). Under causal attention a
+query's work grows with its index, so pairing an early chunk with a late one gives every
+rank the same amount of attention work (without it the last rank does ~(2*cp - 1) times
+the first one's).
+
+Attention over the full sequence gathers K/V from every rank of the group
+(:func:`gather_sequence`, differentiable: the backward sums each rank's gradient of the
+gathered K/V and hands every rank its own slice). The gathered keys stay in gathered order
+(rank 0's chunks, then rank 1's, ...); the masks use :meth:`SequenceShard.key_index`, the
+global index of each gathered key, so nothing is reordered.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+
+def load_balanced_indices(seqlen: int, size: int, rank: int, device: torch.device | str | None = None) -> torch.Tensor:
+    """Global positions (``[seqlen // size]``, ascending) of the tokens rank ``rank`` of ``size`` holds."""
+    if seqlen % (2 * size):
+        raise ValueError(f"sequence length {seqlen} is not divisible by 2 * cp = {2 * size}")
+    chunk = seqlen // (2 * size)
+    head = torch.arange(rank * chunk, (rank + 1) * chunk, device=device)
+    tail_start = (2 * size - 1 - rank) * chunk
+    tail = torch.arange(tail_start, tail_start + chunk, device=device)
+    return torch.cat([head, tail])
+
+
+@dataclass(frozen=True)
+class SequenceShard:
+    """This rank's place in a context-parallel group (set on the model by the parallel builder)."""
+
+    group: Any  # the process group of the CP ranks
+    size: int
+    rank: int
+
+    def query_index(self, local_len: int, device: torch.device) -> torch.Tensor:
+        """Global positions of this rank's ``local_len`` tokens."""
+        return load_balanced_indices(local_len * self.size, self.size, self.rank, device)
+
+    def key_index(self, local_len: int, device: torch.device) -> torch.Tensor:
+        """Global positions of the keys in gathered order (every rank's tokens, rank by rank)."""
+        full = local_len * self.size
+        return torch.cat([load_balanced_indices(full, self.size, r, device) for r in range(self.size)])
+
+
+class _GatherSequence(torch.autograd.Function):
+    """All-gather along ``dim``; backward: sum the gradient over the group, keep this rank's slice."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, dim: int, group: Any) -> torch.Tensor:
+        ctx.dim, ctx.group = dim, group
+        size = dist.get_world_size(group)
+        parts = [torch.empty_like(x) for _ in range(size)]
+        dist.all_gather(parts, x.contiguous(), group=group)
+        return torch.cat(parts, dim=dim)
+
+    @staticmethod
+    def backward(ctx: Any, *grads: torch.Tensor) -> tuple[torch.Tensor, None, None]:
+        # Reduce-scatter along the gathered dim (moved to the front, where the collective splits):
+        # rank r receives the sum over ranks of the gradient of its own slice (NCCL and gloo).
+        grad = grads[0].movedim(ctx.dim, 0).contiguous()
+        out = grad.new_empty((grad.shape[0] // dist.get_world_size(ctx.group), *grad.shape[1:]))
+        dist.reduce_scatter_tensor(out, grad, op=dist.ReduceOp.SUM, group=ctx.group)
+        return out.movedim(0, ctx.dim).contiguous(), None, None
+
+
+def gather_sequence(x: torch.Tensor, shard: SequenceShard, dim: int) -> torch.Tensor:
+    """Every rank's ``x`` concatenated along ``dim`` in rank order, differentiable."""
+    out = _GatherSequence.apply(x, dim, shard.group)
+    assert isinstance(out, torch.Tensor)
+    return out
+
+
+def gather_sequence_ids(x: torch.Tensor, shard: SequenceShard) -> torch.Tensor:
+    """Integer tensors (document ids) ``[B, T_local]`` -> ``[B, T]`` in gathered order (no autograd)."""
+    parts = [torch.empty_like(x) for _ in range(shard.size)]
+    dist.all_gather(parts, x.contiguous(), group=shard.group)
+    return torch.cat(parts, dim=1)

@@ -1,0 +1,58 @@
+"""Context parallelism (``distributed.cp``): every sequence split over the ranks of the ``cp`` mesh dim.
+
+Each CP rank holds a head chunk and a tail chunk of every sequence (load balanced for
+causal attention, see :mod:`kforge_cli.engine.model.sequence_shard`). Everything
+position-dependent is sharded together by :func:`shard_batch`: input ids, labels, RoPE
+positions (made explicit, ``0..T-1``, when the batch has none) and document ids.
+Attention gathers K/V from the whole group in every layer (exact for any mask, on gloo
+and NCCL); everything else in a block is per token, so it runs on the local shard as is.
+
+Memory: activations scale with the local tokens, ``T / cp``, except the gathered K/V that
+attention keeps for its backward (``2 x T x kv_dim`` per layer). Communication: per layer,
+an all-gather of K and V in the forward and a reduce-scatter of their gradients in the
+backward.
+
+The loss side: CP ranks' label tokens are disjoint parts of one batch, so the step sums
+valid tokens and loss over dp x cp (``RuntimeContext.loss_group``) and FSDP2, sharding
+over dp_shard x cp, averages gradients over dp x cp ranks (hence the step's
+``loss_ranks / valid_tokens`` scale). Tokens seen and tokens/s count each token once:
+``tokens_per_step`` uses the data-parallel degree, not cp.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from kforge_cli.engine.model.sequence_shard import SequenceShard, load_balanced_indices
+from kforge_cli.engine.runtime import RuntimeContext
+
+SEQUENCE_KEYS = ("input_ids", "labels", "positions", "doc_ids")  # batch entries of shape [B, T]
+
+
+def apply_context_parallel(module: nn.Module, runtime: RuntimeContext) -> bool:
+    """Tell the model it runs on a sequence shard of this rank's CP group; False without CP."""
+    if runtime.cp_size == 1:
+        return False
+    module.sequence_shard = SequenceShard(runtime.cp_group(), runtime.cp_size, runtime.cp_rank)  # type: ignore[assignment]
+    return True
+
+
+def shard_batch(batch: dict[str, torch.Tensor], cp_rank: int, cp_size: int) -> dict[str, torch.Tensor]:
+    """This CP rank's part of a batch: the load-balanced chunks of every ``[B, T]`` entry.
+
+    Without CP the batch is returned as is. Positions are added first when missing, so
+    RoPE sees the global positions of the tokens this rank holds.
+    """
+    if cp_size == 1:
+        return batch
+    ids = batch["input_ids"]
+    seqlen = ids.shape[1]
+    out = dict(batch)
+    if "positions" not in out:
+        out["positions"] = torch.arange(seqlen, device=ids.device).expand(ids.shape[0], seqlen)
+    index = load_balanced_indices(seqlen, cp_size, cp_rank, ids.device)
+    for key in SEQUENCE_KEYS:
+        if key in out:
+            out[key] = out[key].index_select(1, index)
+    return out

@@ -1,0 +1,183 @@
+"""Context parallelism: a sequence split over CP ranks computes what one process computes.
+
+Training: one 2-rank launch runs cp=2 (dp=1) with and without document masking (with
+evaluation) and resumes the first run from its step-5 checkpoint at cp=2 (bit for bit)
+and, in this process, at cp=1; one 4-rank launch runs cp=2 x FSDP dp_shard=2. Every
+run's 10 losses equal a single process's on the same global batch within 1e-5 relative.
+
+The model-level check: 2 gloo ranks, each holding a load-balanced half of every sequence
+(head + tail chunk) and gathering K/V per layer, give the single-process loss sum and, summed
+over the ranks, the single-process gradients, with and without document masking (documents
+that straddle the shard boundaries).
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+import torch.nn.functional as F
+
+from kforge_cli.engine.model import Transformer
+from kforge_cli.engine.model.sequence_shard import SequenceShard
+from kforge_cli.engine.observe import read_metrics
+from kforge_cli.engine.parallel.context_parallel import shard_batch
+from kforge_cli.settings.training import ModelSettings
+from tests.distributed.driver import run_case
+from tests.distributed.parity import TINY, assert_close_losses, completed, launch, reference
+
+pytestmark = [pytest.mark.distributed, pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")]
+
+VOCAB, T = 64, 32
+REL = 1e-5
+CP2 = ["--distributed.cp=2"]
+DOCS_EVAL = ["--data.document_masking=true", "--eval.interval=5", "--eval.steps=2"]
+CKPT = ["--checkpoint.interval=5", "--checkpoint.keep_last_n=0"]
+
+
+def _batch(documents: bool) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(3)
+    tokens = torch.randint(0, VOCAB, (2, T + 1), generator=g)
+    batch = {"input_ids": tokens[:, :-1], "labels": tokens[:, 1:].clone()}
+    if documents:  # boundaries inside chunks and across the rank split (chunks of 8: 0-7, 8-15, ...)
+        docs = torch.tensor([[0] * 5 + [1] * 14 + [2] * 13, [0] * 27 + [1] * 5])
+        starts = torch.ones_like(docs, dtype=torch.bool)
+        starts[:, 1:] = docs[:, 1:] != docs[:, :-1]
+        pos = torch.zeros_like(docs)
+        for b in range(2):
+            for t in range(1, T):
+                pos[b, t] = 0 if starts[b, t] else pos[b, t - 1] + 1
+        batch["doc_ids"], batch["positions"] = docs, pos
+        batch["labels"][:, :-1][starts[:, 1:]] = -100  # no label across a boundary
+    return batch
+
+
+def _loss_sum(model: Transformer, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+    kwargs = {k: batch[k] for k in ("doc_ids", "positions") if k in batch}
+    logits = model(batch["input_ids"], **kwargs)
+    return F.cross_entropy(logits.flatten(0, 1), batch["labels"].flatten(), ignore_index=-100, reduction="sum")
+
+
+def _worker(rank: int, world: int, port: int) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    try:
+        for documents in (False, True):
+            torch.manual_seed(0)
+            model = Transformer(ModelSettings(dim=32, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=VOCAB))
+            batch = _batch(documents)
+            ref = _loss_sum(model, batch)
+            ref.backward()
+            ref_grads = [p.grad.clone() for p in model.parameters()]  # type: ignore[union-attr]
+            model.zero_grad()
+            model.sequence_shard = SequenceShard(dist.group.WORLD, world, rank)
+            local = _loss_sum(model, shard_batch(batch, rank, world))
+            local.backward()
+            total = local.detach().clone()
+            dist.all_reduce(total)
+            torch.testing.assert_close(total, ref.detach(), rtol=1e-6, atol=1e-4)
+            assert (local.detach() - ref.detach()).abs() > 1.0  # each rank holds only a part of the loss
+            for p, want in zip(model.parameters(), ref_grads, strict=True):
+                grad = p.grad.clone()  # type: ignore[union-attr]
+                dist.all_reduce(grad)
+                torch.testing.assert_close(grad, want, rtol=1e-5, atol=1e-6)
+            # FlexAttention (what `auto` picks on CUDA for a CP shard): its block mask maps local
+            # queries and gathered keys to global positions; forward only (no CPU backward).
+            model.cfg = model.cfg.model_copy(update={"attention": "flex"})
+            with torch.no_grad():
+                flex = _loss_sum(model, shard_batch(batch, rank, world))
+            torch.testing.assert_close(flex, local.detach(), rtol=1e-5, atol=1e-4)
+    finally:
+        dist.destroy_process_group()
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def test_cp2_loss_and_gradients_equal_one_process_with_and_without_documents() -> None:
+    mp.spawn(_worker, args=(2, _free_port()), nprocs=2, join=True)
+
+
+def test_shard_batch_gives_each_rank_a_head_and_a_tail_chunk() -> None:
+    batch = {"input_ids": torch.arange(16).view(1, 16), "labels": torch.arange(16).view(1, 16) + 100}
+    parts = [shard_batch(batch, r, 2) for r in range(2)]
+    assert parts[0]["input_ids"].tolist() == [[0, 1, 2, 3, 12, 13, 14, 15]]
+    assert parts[1]["input_ids"].tolist() == [[4, 5, 6, 7, 8, 9, 10, 11]]
+    assert parts[1]["labels"].tolist() == [[104, 105, 106, 107, 108, 109, 110, 111]]
+    assert parts[1]["positions"].tolist() == [[4, 5, 6, 7, 8, 9, 10, 11]]  # global RoPE positions
+    assert shard_batch(batch, 0, 1) is batch
+    with pytest.raises(ValueError, match="not divisible by 2 \\* cp = 6"):
+        shard_batch(batch, 0, 3)
+
+
+@pytest.fixture(scope="module")
+def two_ranks(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict[str, list[dict]], str]:
+    out = tmp_path_factory.mktemp("cp2")
+    step5 = str(out / "cp2" / "checkpoints" / "step_5")
+    cases = {
+        "cp2": [*CP2, *CKPT],
+        "cp2_docs_eval": [*CP2, *DOCS_EVAL],
+        "cp2_resume": [*CP2, f"--checkpoint.load_path={step5}"],
+    }
+    return launch(2, cases, out), step5
+
+
+def test_cp2_trains_like_one_process_on_the_same_batch(two_ranks: tuple[dict[str, list[dict]], str]) -> None:
+    res, _ = two_ranks
+    want = reference(())["losses"]
+    for r in completed(res["cp2"], "cp2"):
+        assert_close_losses(r["losses"], want, REL, "cp=2 vs one process")
+    assert res["cp2"][0]["losses"] == res["cp2"][1]["losses"]  # the global loss, on every rank
+    ref_docs = reference(tuple(DOCS_EVAL))
+    for r in completed(res["cp2_docs_eval"], "cp2_docs_eval"):
+        assert_close_losses(r["losses"], ref_docs["losses"], REL, "cp=2 + document masking vs one process")
+        assert r["eval_loss"] == pytest.approx(ref_docs["eval_loss"], rel=REL)
+    # FSDP2 shards over dp_shard x cp: each CP rank holds half of the parameters.
+    full = res["cp2"][0]["full_param_numel"]
+    assert sum(r["local_param_numel"] for r in res["cp2"]) == full
+    # tokens_seen counts each token once (not once per CP rank): 10 steps x 2 sequences x 32 tokens.
+    records = read_metrics(Path(two_ranks[1]).parents[2] / "cp2" / "metrics.jsonl")
+    assert [r["tokens_seen"] for r in records if "loss" in r][-1] == 10 * 2 * 32
+
+
+def test_cp2_resume_is_bit_exact_and_a_cp2_checkpoint_resumes_at_cp1(
+    two_ranks: tuple[dict[str, list[dict]], str], tmp_path: Path
+) -> None:
+    res, step5 = two_ranks
+    uninterrupted = completed(res["cp2"], "cp2")[0]["losses"]
+    for r in completed(res["cp2_resume"], "cp2_resume"):
+        assert r["losses"] == uninterrupted[5:]  # steps 6..10, bit for bit
+    one = run_case("cp1_resume", [*TINY, f"--checkpoint.load_path={step5}"], tmp_path)
+    assert one["status"] == "completed" and len(one["losses"]) == 5
+    for got, want in zip(one["losses"], uninterrupted[5:], strict=True):
+        assert got == pytest.approx(want, rel=REL, abs=0)
+
+
+def test_cp2_times_fsdp2_on_four_ranks_trains_like_one_process(tmp_path_factory: pytest.TempPathFactory) -> None:
+    res = launch(4, {"cp2_fsdp2_docs": [*CP2, "--data.document_masking=true"]}, tmp_path_factory.mktemp("cp4"))
+    want = reference(("--train.batch_size=4", "--data.document_masking=true"))["losses"]
+    results = completed(res["cp2_fsdp2_docs"], "cp2_fsdp2_docs")
+    for r in results:
+        assert_close_losses(r["losses"], want, REL, "cp=2 x dp_shard=2 vs one process (global batch 4)")
+    assert sum(r["local_param_numel"] for r in results) == results[0]["full_param_numel"]
+
+
+@pytest.mark.gpu
+def test_cp2_with_flex_document_mask_on_nccl_trains_like_one_gpu(tmp_path_factory: pytest.TempPathFactory) -> None:
+    """On CUDA `auto` runs FlexAttention for the CP shard (local queries x gathered keys)."""
+    if torch.cuda.device_count() < 2:
+        pytest.skip(f"needs 2 GPUs, found {torch.cuda.device_count()}")
+    cuda = ["--train.device=cuda", "--train.mixed_precision=fp32", "--data.document_masking=true"]
+    res = launch(2, {"cp2_cuda": [*cuda, *CP2]}, tmp_path_factory.mktemp("cp2cuda"))
+    want = reference(tuple(cuda))["losses"]
+    for r in completed(res["cp2_cuda"], "cp2_cuda"):
+        assert_close_losses(r["losses"], want, 1e-4, "cp=2 flex (nccl) vs one GPU")

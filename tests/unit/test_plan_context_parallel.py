@@ -1,0 +1,46 @@
+"""The plan and the rules under context parallelism: activation savings, K/V traffic, divisibility."""
+
+from __future__ import annotations
+
+from kforge_cli.engine.parallel.plan.planner import build_plan
+from kforge_cli.settings import load_settings, resolve_dims
+from kforge_cli.settings.rules import world_size_issues
+
+
+def test_long_context_profile_fits_with_cp4_and_its_sequence_does_not_at_cp1() -> None:
+    s = load_settings("h100x8-32k-cp").settings
+    plan = build_plan(s, 8)
+    assert plan.mesh == {"pp": 1, "dp_replicate": 1, "dp_shard": 2, "cp": 4, "tp": 1}
+    assert plan.fits
+    assert plan.local_params == s.model.param_count() // 8  # FSDP2 shards over dp_shard x cp = 8 ranks
+    assert any("context parallel cp=4" in n and "all-gathers K/V" in n for n in plan.notes)
+    assert plan.item("CP K/V gradients").bytes == 2 * 32768 * 8 * 128 * 2  # K and V, 8 kv heads x 128, bf16
+    one = build_plan(load_settings("h100x8-32k-cp", overrides=["--distributed.cp=1"]).settings, 8)
+    two = build_plan(load_settings("h100x8-32k-cp", overrides=["--distributed.cp=2"]).settings, 8)
+    assert not one.fits
+    # Activations shrink with the local tokens; only the gathered K/V (and the head's chunk) do not.
+    ratio = two.item("activations").bytes / one.item("activations").bytes
+    assert 0.5 < ratio < 0.6, ratio
+    assert plan.item("activations").bytes < 0.35 * one.item("activations").bytes
+
+
+def test_cp_rules_name_seq_len_and_unsupported_dims() -> None:
+    s = load_settings("cpu-debug", overrides=["--distributed.cp=2", "--train.seq_len=254"]).settings
+    issues = {i.path: i.message for i in world_size_issues(s, 2)}
+    assert "2 * distributed.cp = 4" in issues["train.seq_len"]
+    s = load_settings("cpu-debug", overrides=["--distributed.cp=2", "--distributed.tp=2"]).settings
+    assert "distributed.tp" in {i.path for i in world_size_issues(s, 4)}
+    s = load_settings("cpu-debug", overrides=["--distributed.cp=2"]).settings
+    assert not world_size_issues(s, 4)
+    dims = resolve_dims(s, 4)
+    assert (dims.dp_shard, dims.cp, dims.dp, dims.world_size) == (2, 2, 2, 4)  # cp ranks are not data-parallel
+
+
+def test_hsdp_with_cp_shards_over_dp_shard_x_cp_and_replicates_over_dp_replicate() -> None:
+    s = load_settings(
+        "h100x8-32k-cp", overrides=["--distributed.cp=2", "--distributed.dp_replicate=2", "--distributed.dp_shard=2"]
+    ).settings
+    plan = build_plan(s, 8, rank=5)
+    assert plan.mesh == {"pp": 1, "dp_replicate": 2, "dp_shard": 2, "cp": 2, "tp": 1}
+    assert plan.coordinates == {"pp": 0, "dp_replicate": 1, "dp_shard": 0, "cp": 1, "tp": 0}
+    assert plan.local_params == s.model.param_count() // 4  # sharded 4 ways, replicated twice
