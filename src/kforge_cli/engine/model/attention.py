@@ -5,9 +5,9 @@ from __future__ import annotations
 import math
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
+from kforge_cli.engine.model.kv_cache import KVCache, self_attention
 from kforge_cli.engine.model.layers import apply_rotary, build_norm, reset_norm
 from kforge_cli.settings.training import ModelSettings
 
@@ -17,8 +17,11 @@ class Attention(nn.Module):
 
     Heads are recovered with ``view(B, T, -1, head_dim)`` rather than the configured
     head count so that, under tensor parallelism, each rank works on its local
-    slice of heads without knowing the TP degree.
+    slice of heads without knowing the TP degree. ``kv_cache`` is set only while a
+    generation forward runs (:meth:`KVCache.bound`); training leaves it None.
     """
+
+    kv_cache: KVCache | None = None
 
     def __init__(self, cfg: ModelSettings) -> None:
         super().__init__()
@@ -62,11 +65,7 @@ class Attention(nn.Module):
         q = apply_rotary(q, cos, sin).transpose(1, 2)  # [B, H, T, hd]
         k = apply_rotary(k, cos, sin).transpose(1, 2)
         v = v.transpose(1, 2)
-        gqa = q.shape[1] != k.shape[1]
-        if mask is None:
-            out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
-        else:
-            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa)
+        out = self_attention(q, k, v, mask, self.kv_cache, self)
         out = out.transpose(1, 2).reshape(bsz, seqlen, -1)
         return self.wo(out)
 
