@@ -12,7 +12,17 @@ from typing import Annotated
 import typer
 
 from kforge_cli import __version__
-from kforge_cli.cli import convert_mot, export_hf, generate, inspect_ckpt, prepare_data, resume, train, validate
+from kforge_cli.cli import (
+    convert_mot,
+    evaluate,
+    export_hf,
+    generate,
+    inspect_ckpt,
+    prepare_data,
+    resume,
+    train,
+    validate,
+)
 
 app = typer.Typer(
     name="kforge",
@@ -40,7 +50,7 @@ def _root(
 
 for module in (train, resume, convert_mot, inspect_ckpt, export_hf, validate, prepare_data):
     module.register(app)
-for module in (generate,):  # after training
+for module in (generate, evaluate):  # after training
     module.register(app)
 
 
