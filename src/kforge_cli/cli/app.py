@@ -18,8 +18,10 @@ from kforge_cli.cli import (
     export_hf,
     generate,
     inspect_ckpt,
+    plot,
     prepare_data,
     resume,
+    runs,
     train,
     validate,
 )
@@ -50,7 +52,7 @@ def _root(
 
 for module in (train, resume, convert_mot, inspect_ckpt, export_hf, validate, prepare_data):
     module.register(app)
-for module in (generate, evaluate):  # after training
+for module in (generate, evaluate, plot, runs):  # after training
     module.register(app)
 
 
