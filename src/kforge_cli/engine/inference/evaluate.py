@@ -141,12 +141,19 @@ def log_to_trackers(loaded: LoadedCheckpoint, results: Results) -> list[str]:
     if loaded.run_dir is None or loaded.step is None:
         return []
     from kforge_cli.engine.checkpoint.reader import open_checkpoint
-    from kforge_cli.engine.observe.tracker import build_tracker
+    from kforge_cli.engine.observe.metrics_file import MetricsFile
+    from kforge_cli.engine.observe.tensorboard_backend import TensorboardBackend
+    from kforge_cli.engine.observe.tracker import Tracker, run_info, tracker_backends
 
     settings = run_settings(loaded)
     run_ids = open_checkpoint(loaded.path).train_state.get("metrics_run_ids") or {}
-    tracker = build_tracker(settings, is_main=True, run_dir=loaded.run_dir, world_size=1, run_ids=run_ids)
-    assert tracker is not None
+    wanted = set(settings.metrics.backends) - {"jsonl"}
+    backends = tracker_backends(settings, run_info(settings, loaded.run_dir, 1), run_ids) if wanted else []
+    for backend in backends:
+        if isinstance(backend, TensorboardBackend):
+            backend.purge = False  # an old step: add points, never drop the training curve after it
+    tracker = Tracker(MetricsFile(loaded.run_dir / "metrics.jsonl"), backends)
+    tracker.start()
     record: dict[str, Any] = {"step": loaded.step}
     for task, metrics in results.items():
         record.update({f"eval/{task}/{name}": value for name, value in metrics.items()})
