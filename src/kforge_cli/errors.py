@@ -52,12 +52,6 @@ class ConfigError(KforgeError):
         super().__init__("\n".join(lines))
 
 
-class NotBuiltYetError(KforgeError):
-    """A subcommand whose engine does not exist yet (exit 1, one line)."""
-
-    exit_code = EXIT_FAILURE
-
-
 class TrainingAborted(KforgeError):
     """Training stopped because of a policy decision (e.g. NaN abort): exit 1."""
 

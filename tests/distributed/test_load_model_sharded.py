@@ -50,7 +50,7 @@ def _worker(cases_file: str, out: str) -> None:
     from kforge_cli.engine.runtime import init_runtime
     from kforge_cli.engine.train.optimizer import build_optimizer
     from kforge_cli.engine.train.scheduler import build_scheduler
-    from kforge_cli.engine.train.session import TrainState
+    from kforge_cli.engine.train.train_state import TrainState
     from kforge_cli.settings import load_settings
 
     torch.set_num_threads(1)
@@ -63,8 +63,16 @@ def _worker(cases_file: str, out: str) -> None:
             runtime = init_runtime(s)
             model, _ = build_parallel_model(s, runtime)
             opt = build_optimizer(model, s)
-            mgr = CheckpointManager(s, runtime, run_dir, model=model, optimizer=opt, scheduler=build_scheduler(opt, s))
-            mgr.restore(progress=TrainState())
+            mgr = CheckpointManager(
+                s,
+                runtime,
+                run_dir,
+                model=model,
+                optimizer=opt,
+                scheduler=build_scheduler(opt, s),
+                train_state=TrainState(),
+            )
+            mgr.restore()
             mgr.save(0, blocking=True)
             full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True))
             torch.save(

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 from pathlib import Path
 
 import pytest
@@ -109,3 +110,26 @@ def test_mixture_logs_tokens_per_dataset(kforge, tmp_path: Path) -> None:
     assert 0 < last["loss/a"] < 6 and 0 < last["loss/b"] < 6 and last["loss/a"] != last["loss/b"]
     # the total is the token-weighted mean of the per-dataset losses
     assert min(last["loss/a"], last["loss/b"]) <= last["loss"] <= max(last["loss/a"], last["loss/b"])
+
+
+def test_profile_given_as_a_path_names_the_run_dir_like_sbatch(kforge, tmp_path: Path) -> None:
+    """`--profile dir/my.toml`: training and --sbatch both pick runs/my-<timestamp> under the cwd."""
+    profile = tmp_path / "profiles_elsewhere" / "my.toml"
+    profile.parent.mkdir()
+    profile.write_text(
+        'extends = "cpu-debug"\n[model]\ndim = 32\nn_layers = 1\nn_heads = 2\nn_kv_heads = 1\n'
+        "[train]\nmax_steps = 1\nbatch_size = 2\nseq_len = 32\n[eval]\ninterval = 0\n"
+        "[checkpoint]\nsave_final = false\n[scheduler]\nwarmup_steps = 1\n"
+    )
+    work = tmp_path / "work"
+    work.mkdir()
+    trained = kforge("train", "--profile", str(profile), cwd=work)
+    assert trained.returncode == 0, trained.stderr[-2000:]
+    sbatch = kforge("train", "--profile", str(profile), "--sbatch", cwd=work)
+    assert sbatch.returncode == 0, sbatch.stderr[-2000:]
+    runs = sorted(p for p in (work / "runs").iterdir())
+    assert len(runs) == 2 and all(re.fullmatch(r"my-\d{8}-\d{6}", p.name) for p in runs), runs
+    assert (
+        sum((p / "job.sbatch").is_file() for p in runs) == 1 and sum((p / "metrics.jsonl").is_file() for p in runs) == 1
+    )
+    assert not list(profile.parent.glob("my.toml-*")), "a run directory was created next to the profile"

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import random
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -12,26 +11,11 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from kforge_cli.engine.checkpoint import CheckpointError, CheckpointManager, read_latest
+from kforge_cli.engine.checkpoint import CheckpointError, read_latest
 from kforge_cli.engine.checkpoint.dcp_io import OPTIONS
-from kforge_cli.engine.parallel import build_parallel_model
-from kforge_cli.engine.resilience import NanGuard
-from kforge_cli.engine.runtime import init_runtime
-from kforge_cli.engine.train.optimizer import build_optimizer
-from kforge_cli.engine.train.scheduler import build_scheduler
-from kforge_cli.engine.train.session import TrainState
-from kforge_cli.settings import JobSettings, load_settings
+from tests.helpers.tiny_run import TinyRun, tiny_run, tiny_settings
 
-TINY = [
-    "--model.dim=32",
-    "--model.n_layers=2",
-    "--model.n_heads=4",
-    "--model.n_kv_heads=2",
-    "--model.vocab_size=64",
-    "--model.max_seq_len=32",
-    "--train.seq_len=16",
-    "--train.device=cpu",
-    "--train.mixed_precision=fp32",
+TINY = [  # on top of tests.helpers.tiny_run.TINY_MODEL
     "--train.max_steps=20",
     "--scheduler.warmup_steps=3",
     "--optimizer.lr=1e-2",
@@ -39,39 +23,11 @@ TINY = [
 ]
 
 
-class FakeLoader:
-    """Stands in for the data loader: a position that must come back exactly."""
-
-    def __init__(self) -> None:
-        self.position = 0
-
-    def state_dict(self) -> dict[str, Any]:
-        return {"position": self.position}
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.position = int(state["position"])
+Run = TinyRun
 
 
-@dataclass
-class Run:
-    settings: JobSettings
-    model: torch.nn.Module
-    optimizer: torch.optim.Optimizer
-    scheduler: Any
-    manager: CheckpointManager
-    state: TrainState
-    guard: NanGuard
-    loader: FakeLoader
-
-
-def make_run(run_dir: Path, extra: list[str] | None = None) -> Run:
-    s = load_settings(overrides=TINY + (extra or []), use_env=False).settings
-    runtime = init_runtime(s)
-    model, _ = build_parallel_model(s, runtime)
-    opt = build_optimizer(model, s)
-    sched = build_scheduler(opt, s)
-    mgr = CheckpointManager(s, runtime, run_dir, model=model, optimizer=opt, scheduler=sched)
-    return Run(s, model, opt, sched, mgr, TrainState(), NanGuard.from_settings(s.resilience), FakeLoader())
+def make_run(run_dir: Path, extra: list[str] | None = None) -> TinyRun:
+    return tiny_run(run_dir, tiny_settings(*TINY, *(extra or [])))
 
 
 def batch(step: int) -> torch.Tensor:
@@ -114,8 +70,7 @@ def assert_same(a: dict[str, Any], b: dict[str, Any]) -> None:
 
 def test_resume_restores_everything_exactly_and_continues_bit_exact(tmp_path: Path) -> None:
     a = make_run(tmp_path)
-    a.manager.restore(progress=a.state, nan_guard=a.guard)
-    a.manager.bind_data(a.loader)
+    a.manager.restore()
     train(a, 4)
     a.guard.total_bad = 2
     a.manager.save(4, metrics_run_ids={"wandb": "abc123"})
@@ -124,8 +79,7 @@ def test_resume_restores_everything_exactly_and_continues_bit_exact(tmp_path: Pa
     # A second process: different init seed (not model-shaping), restored from the checkpoint.
     b = make_run(tmp_path, ["--train.seed=7"])
     assert not torch.equal(next(b.model.parameters()), next(a.model.parameters()))
-    restored = b.manager.restore(progress=b.state, nan_guard=b.guard)
-    b.manager.bind_data(b.loader)
+    restored = b.manager.restore()
     assert restored is not None and restored.kind == "resume" and restored.step == 4
     assert b.manager.restored_metrics_run_ids == {"wandb": "abc123"}
     assert (b.state.step, b.state.tokens_seen, b.loader.position, b.guard.total_bad) == (4, 4 * 34, 8, 2)
@@ -137,7 +91,7 @@ def test_resume_restores_everything_exactly_and_continues_bit_exact(tmp_path: Pa
 
 def test_layout_latest_and_retention(tmp_path: Path) -> None:
     a = make_run(tmp_path, ["--checkpoint.keep_last_n=2"])
-    a.manager.restore(progress=a.state)
+    a.manager.restore()
     for step in (1, 2, 3, 4):
         train(a, 1)
         a.manager.save(step)
@@ -151,21 +105,21 @@ def test_layout_latest_and_retention(tmp_path: Path) -> None:
 
 def test_incomplete_newest_checkpoint_is_skipped(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
     a = make_run(tmp_path)
-    a.manager.restore(progress=a.state)
+    a.manager.restore()
     train(a, 2)
     a.manager.save(2)
     train(a, 1)
     a.manager.save(3)
     (tmp_path / "checkpoints" / "step_3" / "kforge_commit.json").unlink()  # as if killed before the commit
     b = make_run(tmp_path)
-    restored = b.manager.restore(progress=b.state)
+    restored = b.manager.restore()
     assert restored is not None and restored.step == 2 and b.state.step == 2
     assert "skipping incomplete checkpoint" in caplog.text and "step_3" in caplog.text
 
 
 def test_async_save_snapshots_at_call_time_and_commits(tmp_path: Path) -> None:
     a = make_run(tmp_path, ["--checkpoint.async_mode=async"])
-    a.manager.restore(progress=a.state)
+    a.manager.restore()
     train(a, 2)
     a.manager.save(2)
     expected = full_state(a)
@@ -174,30 +128,30 @@ def test_async_save_snapshots_at_call_time_and_commits(tmp_path: Path) -> None:
     assert a.manager.history[0].mode == "async" and a.manager.history[0].total_s is not None
     assert read_latest(tmp_path / "checkpoints") == tmp_path / "checkpoints" / "step_2"
     b = make_run(tmp_path, ["--checkpoint.resume=require"])
-    b.manager.restore(progress=b.state)
+    b.manager.restore()
     assert_same(full_state(b), expected)
 
 
 def test_resume_with_other_model_shape_is_refused(tmp_path: Path) -> None:
     a = make_run(tmp_path)
-    a.manager.restore(progress=a.state)
+    a.manager.restore()
     train(a, 1)
     a.manager.save(1)
     b = make_run(tmp_path, ["--model.n_layers=3"])
     with pytest.raises(CheckpointError, match=r"model\.n_layers: 2 -> 3") as err:
-        b.manager.restore(progress=b.state)
+        b.manager.restore()
     assert err.value.exit_code == 2 and "init_from" in str(err.value)
 
 
 def test_resume_require_without_checkpoint_is_an_error(tmp_path: Path) -> None:
     a = make_run(tmp_path, ["--checkpoint.resume=require"])
     with pytest.raises(CheckpointError, match="no complete checkpoint"):
-        a.manager.restore(progress=a.state)
+        a.manager.restore()
 
 
 def test_warm_start_loads_weights_only_with_exclusions(tmp_path: Path) -> None:
     src = make_run(tmp_path / "src")
-    src.manager.restore(progress=src.state)
+    src.manager.restore()
     train(src, 3)
     src.manager.save(3)
     weights = {k: v.clone() for k, v in src.model.state_dict().items()}
@@ -210,7 +164,7 @@ def test_warm_start_loads_weights_only_with_exclusions(tmp_path: Path) -> None:
         ],
     )
     fresh = {k: v.clone() for k, v in b.model.state_dict().items()}
-    restored = b.manager.restore(progress=b.state)
+    restored = b.manager.restore()
     assert restored is not None and restored.kind == "warm_start" and b.state.step == 0
     assert b.scheduler.last_epoch == 0 and not b.optimizer.state
     for k, v in b.model.state_dict().items():
@@ -220,21 +174,21 @@ def test_warm_start_loads_weights_only_with_exclusions(tmp_path: Path) -> None:
     train(b, 1)
     b.manager.save(1)
     c = make_run(tmp_path / "new", [f"--checkpoint.init_from={tmp_path / 'src'}"])
-    assert c.manager.restore(progress=c.state).kind == "resume"  # type: ignore[union-attr]
+    assert c.manager.restore().kind == "resume"  # type: ignore[union-attr]
 
 
 def test_warm_start_shape_mismatch_and_missing_names_are_clear(tmp_path: Path) -> None:
     src = make_run(tmp_path / "src")
-    src.manager.restore(progress=src.state)
+    src.manager.restore()
     src.manager.save(0)
     wide = make_run(tmp_path / "wide", ["--model.dim=64", f"--checkpoint.init_from={tmp_path / 'src'}"])
     with pytest.raises(
         CheckpointError, match=r"layers\.0\.attention\.wk\.weight: checkpoint \(16, 32\), this model \(32, 64\)"
     ):
-        wide.manager.restore(progress=wide.state)
+        wide.manager.restore()
     deep = make_run(tmp_path / "deep", ["--model.n_layers=3", f"--checkpoint.init_from={tmp_path / 'src'}"])
     with pytest.raises(CheckpointError, match=r"no weights for layers\.2\..*exclude_from_loading"):
-        deep.manager.restore(progress=deep.state)
+        deep.manager.restore()
     ok = make_run(
         tmp_path / "ok",
         [
@@ -243,18 +197,18 @@ def test_warm_start_shape_mismatch_and_missing_names_are_clear(tmp_path: Path) -
             "--checkpoint.exclude_from_loading=['layers.2']",
         ],
     )
-    assert ok.manager.restore(progress=ok.state).kind == "warm_start"  # type: ignore[union-attr]
+    assert ok.manager.restore().kind == "warm_start"  # type: ignore[union-attr]
 
 
 def test_load_path_then_own_progress(tmp_path: Path) -> None:
     src = make_run(tmp_path / "src")
-    src.manager.restore(progress=src.state)
+    src.manager.restore()
     train(src, 2)
     src.manager.save(2)
     load = f"--checkpoint.load_path={tmp_path / 'src' / 'checkpoints' / 'step_2'}"
     b = make_run(tmp_path / "b", [load])
-    assert b.manager.restore(progress=b.state).step == 2  # type: ignore[union-attr]
+    assert b.manager.restore().step == 2  # type: ignore[union-attr]
     train(b, 1)
     b.manager.save(3)
     c = make_run(tmp_path / "b", [load])  # a requeue with the same settings continues its own progress
-    assert c.manager.restore(progress=c.state).step == 3  # type: ignore[union-attr]
+    assert c.manager.restore().step == 3  # type: ignore[union-attr]

@@ -27,7 +27,7 @@ class Payload:
 
 def saved_run(tmp_path: Path) -> Path:
     run = make_run(tmp_path / "victim")
-    run.manager.restore(progress=run.state)
+    run.manager.restore()
     train(run, 1)
     return run.manager.save(1)
 
@@ -56,10 +56,10 @@ def test_metadata_payload_is_refused_by_resume_and_warm_start(tmp_path: Path, ne
     assert str(step_dir / ".metadata") in str(err.value)
     resume = make_run(tmp_path / "victim")
     with pytest.raises(UnsafeCheckpointError, match=r"\.metadata"):
-        resume.manager.restore(progress=resume.state)
+        resume.manager.restore()
     warm = make_run(tmp_path / "fresh", [f"--checkpoint.init_from={step_dir}"])
     with pytest.raises(UnsafeCheckpointError, match=r"\.metadata") as err:
-        warm.manager.restore(progress=warm.state)
+        warm.manager.restore()
     assert err.value.exit_code == 2
     assert not marker.exists()
 
@@ -71,7 +71,7 @@ def test_train_state_payload_is_refused(tmp_path: Path) -> None:
     torch.save({"torch_cpu": Payload(marker)}, rank_file)
     run = make_run(tmp_path / "victim")
     with pytest.raises(UnsafeCheckpointError, match=r"rank_0\.pt.*could run code"):
-        run.manager.restore(progress=run.state)
+        run.manager.restore()
     assert not marker.exists()
 
 
@@ -86,5 +86,5 @@ def test_dcp_byte_item_payload_is_refused(tmp_path: Path) -> None:
     dcp.save(state, checkpoint_id=step_dir, no_dist=True)
     victim = make_run(tmp_path / "victim")
     with pytest.raises(UnsafeCheckpointError, match=rf"{key}.*not plain data"):
-        victim.manager.restore(progress=victim.state)
+        victim.manager.restore()
     assert not marker.exists()

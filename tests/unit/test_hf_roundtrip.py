@@ -20,7 +20,7 @@ from kforge_cli.engine.parallel import build_parallel_model
 from kforge_cli.engine.runtime import init_runtime
 from kforge_cli.engine.train.optimizer import build_optimizer
 from kforge_cli.engine.train.scheduler import build_scheduler
-from kforge_cli.engine.train.session import TrainState
+from kforge_cli.engine.train.train_state import TrainState
 from kforge_cli.settings import load_settings
 from tests.unit.test_inspect_ckpt import TINY, train_and_save
 
@@ -147,8 +147,16 @@ def test_init_from_a_transformers_directory_gives_transformers_logits(tmp_path: 
     runtime = init_runtime(s)
     model, _ = build_parallel_model(s, runtime)
     opt = build_optimizer(model, s)
-    mgr = CheckpointManager(s, runtime, tmp_path / "run", model=model, optimizer=opt, scheduler=build_scheduler(opt, s))
-    restored = mgr.restore(progress=TrainState())
+    mgr = CheckpointManager(
+        s,
+        runtime,
+        tmp_path / "run",
+        model=model,
+        optimizer=opt,
+        scheduler=build_scheduler(opt, s),
+        train_state=TrainState(),
+    )
+    restored = mgr.restore()
     assert restored is not None and restored.kind == "warm_start" and restored.step == 0
     toks = tokens()
     with torch.no_grad():
@@ -172,9 +180,17 @@ def test_init_from_a_differently_shaped_hf_model_says_which_overrides_fit(tmp_pa
     runtime = init_runtime(s)
     model, _ = build_parallel_model(s, runtime)
     opt = build_optimizer(model, s)
-    mgr = CheckpointManager(s, runtime, tmp_path / "run", model=model, optimizer=opt, scheduler=build_scheduler(opt, s))
+    mgr = CheckpointManager(
+        s,
+        runtime,
+        tmp_path / "run",
+        model=model,
+        optimizer=opt,
+        scheduler=build_scheduler(opt, s),
+        train_state=TrainState(),
+    )
     with pytest.raises(CheckpointError, match="differently shaped") as info:
-        mgr.restore(progress=TrainState())
+        mgr.restore()
     message = str(info.value)
     assert "n_layers: run has 3, hf has 2" in message and "resolved_ffn_hidden_dim" in message
     assert "--model.n_layers=2" in message and "--model.ffn_hidden_dim=80" in message

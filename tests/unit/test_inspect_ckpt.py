@@ -13,19 +13,15 @@ import torch.nn.functional as F
 from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
 
 from kforge_cli import load_model
-from kforge_cli.engine.checkpoint import CheckpointError, CheckpointManager
+from kforge_cli.engine.checkpoint import CheckpointError
 from kforge_cli.engine.checkpoint.dcp_io import quiet_single_process
 from kforge_cli.engine.checkpoint.inspection import diff_checkpoints, summarize, tensor_stats
 from kforge_cli.engine.checkpoint.layout import COMMIT_FILE
 from kforge_cli.engine.checkpoint.reader import open_checkpoint, read_tensors
 from kforge_cli.engine.checkpoint.verify import verify_checkpoint
 from kforge_cli.engine.model import Transformer, count_params
-from kforge_cli.engine.parallel import build_parallel_model
-from kforge_cli.engine.runtime import init_runtime
-from kforge_cli.engine.train.optimizer import build_optimizer
-from kforge_cli.engine.train.scheduler import build_scheduler
-from kforge_cli.engine.train.session import TrainState
 from kforge_cli.settings import JobSettings, load_settings
+from tests.helpers.tiny_run import tiny_run
 
 TINY = [
     "--model.dim=32",
@@ -55,13 +51,8 @@ class Saved:
 def train_and_save(run_dir: Path, extra: list[str], steps: int) -> Saved:
     """`steps` AdamW steps on random tokens, a checkpoint after each (through the real CheckpointManager)."""
     s = load_settings(overrides=TINY + extra, use_env=False).settings
-    runtime = init_runtime(s)
-    model, _ = build_parallel_model(s, runtime)
-    opt = build_optimizer(model, s)
-    sched = build_scheduler(opt, s)
-    mgr = CheckpointManager(s, runtime, run_dir, model=model, optimizer=opt, scheduler=sched)
-    state = TrainState()
-    mgr.progress = state
+    run = tiny_run(run_dir, s)
+    model, opt, sched, mgr, state = run.model, run.optimizer, run.scheduler, run.manager, run.state
     saved = Saved(s, model, {}, {})
     gen = torch.Generator().manual_seed(0)
     for step in range(1, steps + 1):

@@ -29,6 +29,7 @@ from kforge_cli.engine.train.optimizer import build_optimizer
 from kforge_cli.engine.train.run_dir import write_config
 from kforge_cli.engine.train.scheduler import build_scheduler
 from kforge_cli.engine.train.session import TrainingSession
+from kforge_cli.engine.train.train_state import TrainState
 from kforge_cli.settings import JobSettings
 from tests.unit.test_vlm_convert import dense_checkpoint
 from tests.unit.test_vlm_model import inputs, vlm_settings
@@ -153,9 +154,9 @@ def _saved_untrained(tmp: Path, s: JobSettings, with_config: bool) -> tuple[Path
     runtime = init_runtime(s)
     model, _ = build_parallel_model(s, runtime)
     opt = build_optimizer(model, s)
-    path = CheckpointManager(s, runtime, tmp, model=model, optimizer=opt, scheduler=build_scheduler(opt, s)).save(
-        0, blocking=True
-    )
+    path = CheckpointManager(
+        s, runtime, tmp, model=model, optimizer=opt, scheduler=build_scheduler(opt, s), train_state=TrainState()
+    ).save(0, blocking=True)
     if with_config:
         write_config(s, tmp)
     return path, model

@@ -10,8 +10,6 @@ import torch.nn.functional as F
 
 from kforge_cli.engine.model import Transformer, count_params, flops_per_token, non_embedding_params
 from kforge_cli.engine.model.layers import apply_rotary, rope_tables
-from kforge_cli.settings.explain import param_count
-from kforge_cli.settings.job import JobSettings
 from kforge_cli.settings.training import ModelSettings
 
 VOCAB = 64
@@ -49,7 +47,7 @@ def test_output_shape_and_param_count_match_config(name: str) -> None:
     logits = model(tokens(2, 10))
     assert logits.shape == (2, 10, VOCAB)
     assert torch.isfinite(logits).all()
-    expected = param_count(JobSettings(model=cfg))
+    expected = cfg.param_count()
     assert count_params(model) == expected
     # N of the FLOP formula = everything but the embedding table, plus the head once when tied.
     head_once = cfg.vocab_size * cfg.dim if cfg.tie_embeddings else 0

@@ -17,7 +17,6 @@ from kforge_cli.engine.parallel.plan.planner import GIB, ParallelPlan, build_pla
 from kforge_cli.engine.parallel.plan.report import format_plan, plan_json
 from kforge_cli.errors import InvalidInputError
 from kforge_cli.settings import JobSettings, load_settings
-from kforge_cli.settings.explain import param_count
 
 H100_BF16 = 989.4e12
 
@@ -40,7 +39,7 @@ def llama70b() -> tuple[JobSettings, ParallelPlan]:
 
 def test_8b_fsdp64_parameters_are_total_over_64(llama8b_fsdp64: tuple) -> None:
     s, first, last = llama8b_fsdp64
-    total = param_count(s)
+    total = s.model.param_count()
     assert total == 8_030_261_248 and total % 64 == 0
     for plan in (first, last):
         assert plan.total_params == total
@@ -55,7 +54,7 @@ def test_8b_fsdp64_parameters_are_total_over_64(llama8b_fsdp64: tuple) -> None:
 
 def test_70b_tp8_dp8_parameters(llama70b: tuple) -> None:
     s, plan = llama70b
-    total = param_count(s)
+    total = s.model.param_count()
     norms = (2 * 80 + 1) * 8192
     assert total == 70_553_706_496
     assert plan.local_params == (total - norms) // 64 + norms // 8 == 1_102_545_920

@@ -8,7 +8,7 @@ import pytest
 
 from kforge_cli.errors import ConfigError, InvalidInputError
 from kforge_cli.settings import JobSettings, load_settings, parse_overrides, resolve_dims
-from kforge_cli.settings.explain import explain_key, param_count, to_toml
+from kforge_cli.settings.explain import explain_key, to_toml
 from kforge_cli.settings.profiles import available_profiles
 
 SHIPPED = ["cpu-debug", "h100x8", "h100x64", "h200x8", "h200x32", "vlm-mot-debug"]
@@ -175,7 +175,7 @@ def test_vlm_rules() -> None:
 
 
 def test_param_count_matches_llama3_8b() -> None:
-    assert param_count(load_settings("h100x8").settings) == 8_030_261_248
+    assert load_settings("h100x8").settings.model.param_count() == 8_030_261_248
 
 
 def test_toml_round_trip(tmp_path: Path) -> None:

@@ -129,7 +129,10 @@ def test_metric_points_keep_numbers_only() -> None:
 
 def test_jsonl_only_tracker_writes_metrics_file(tmp_path: Path) -> None:
     settings = JobSettings()
-    assert build_tracker(settings, is_main=False, run_dir=tmp_path, world_size=2) is None
+    other_rank = build_tracker(settings, is_main=False, run_dir=tmp_path / "other", world_size=2)
+    other_rank.write({"step": 1, "loss": 2.5})  # the null tracker: same calls, nothing written
+    other_rank.close("completed")
+    assert other_rank.path is None and other_rank.run_ids() == {} and not (tmp_path / "other").exists()
     tracker = build_tracker(settings, is_main=True, run_dir=tmp_path, world_size=1)
     assert tracker is not None and tracker.backend_names == ["jsonl"] and tracker.run_ids() == {}
     tracker.write({"step": 1, "loss": 2.5, "time": 10.0})

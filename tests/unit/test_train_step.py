@@ -3,63 +3,26 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any, ClassVar
 
 import pytest
 import torch
 
-from kforge_cli.engine.observe import ProgressReporter, build_profiler
-from kforge_cli.engine.parallel import build_parallel_model
-from kforge_cli.engine.resilience import NanGuard, ShutdownHandler
-from kforge_cli.engine.runtime import init_runtime
-from kforge_cli.engine.train.hooks import HookList
-from kforge_cli.engine.train.loss import build_loss_fn
-from kforge_cli.engine.train.optimizer import build_optimizer
-from kforge_cli.engine.train.scheduler import build_scheduler
 from kforge_cli.engine.train.session import TrainingSession
 from kforge_cli.engine.train.step import plain_step
-from kforge_cli.settings import load_settings
+from tests.helpers.tiny_run import tiny_session, tiny_settings
 
-TINY = [
-    "--model.dim=32",
-    "--model.n_layers=2",
-    "--model.n_heads=4",
-    "--model.n_kv_heads=2",
-    "--model.vocab_size=64",
-    "--model.max_seq_len=32",
-    "--train.seq_len=16",
-    "--train.device=cpu",
-    "--train.mixed_precision=fp32",
-    "--train.grad_clip_norm=0",
-]
+TINY = ["--train.grad_clip_norm=0"]  # on top of tests.helpers.tiny_run.TINY_MODEL
 
 
-def make_session(tmp_path: Path, extra: list[str] | None = None) -> TrainingSession:
-    s = load_settings(overrides=TINY + (extra or [])).settings
-    runtime = init_runtime(s)
-    model, _ = build_parallel_model(s, runtime)
-    optimizer = build_optimizer(model, s)
-    import logging
+def make_session(tmp_path: Path, extra: list[str] | None = None, data: Any = None) -> TrainingSession:
+    return tiny_session(tmp_path, tiny_settings(*TINY, *(extra or [])), data=data or NoData())
 
-    return TrainingSession(
-        settings=s,
-        runtime=runtime,
-        run_dir=tmp_path,
-        model=model,
-        pipeline=None,
-        optimizer=optimizer,
-        scheduler=build_scheduler(optimizer, s),
-        loss_fn=build_loss_fn(s),
-        data=None,
-        hooks=HookList([]),
-        metrics=None,
-        progress=ProgressReporter(1, 0, "off", False, logging.getLogger("kforge")),
-        profiler=build_profiler(s.profiling, tmp_path, 0),
-        nan_guard=NanGuard.from_settings(s.resilience),
-        shutdown=ShutdownHandler([]),
-        compute_dtype=torch.float32,
-        flops_per_token=1.0,
-        peak_flops=None,
-    )
+
+class NoData:
+    """The step reads only `dataset_names` of the session's data (a mixture test sets it)."""
+
+    dataset_names: ClassVar[list[str]] = []
 
 
 def make_batch(n: int = 8, t: int = 16, seed: int = 0) -> dict[str, torch.Tensor]:

@@ -16,6 +16,7 @@ from kforge_cli.engine.parallel import build_parallel_model
 from kforge_cli.engine.runtime import init_runtime
 from kforge_cli.engine.train.optimizer import build_optimizer
 from kforge_cli.engine.train.scheduler import build_scheduler
+from kforge_cli.engine.train.train_state import TrainState
 from kforge_cli.settings import load_settings
 from tests.unit.test_vlm_model import VLM_TINY, inputs, vlm_settings
 
@@ -34,7 +35,9 @@ def dense_checkpoint(tmp: Path, *extra: str) -> tuple[Path, Transformer]:
             if "norm" in name:
                 p.uniform_(0.5, 1.5)
     opt = build_optimizer(model, s)
-    manager = CheckpointManager(s, runtime, tmp, model=model, optimizer=opt, scheduler=build_scheduler(opt, s))
+    manager = CheckpointManager(
+        s, runtime, tmp, model=model, optimizer=opt, scheduler=build_scheduler(opt, s), train_state=TrainState()
+    )
     path = manager.save(3, blocking=True)
     assert isinstance(model, Transformer)
     return path, model

@@ -33,7 +33,3 @@ def resolve(profile: str | None, config: Path | None, overrides: list[str], **kw
     from kforge_cli.settings import load_settings
 
     return load_settings(profile=profile, config=config, overrides=overrides, **kwargs)
-
-
-def echo_err(message: str) -> None:
-    typer.echo(message, err=True)

@@ -7,6 +7,13 @@ from typing import Annotated
 
 import typer
 
+from kforge_cli.settings.data import (
+    PREPARE_SHARD_TOKENS,
+    PREPARE_TEXT_FIELD,
+    PREPARE_TOKENIZER,
+    PREPARE_VAL_FRACTION,
+)
+
 
 def register(app: typer.Typer) -> None:
     app.command("prepare-data")(prepare_data)
@@ -21,12 +28,14 @@ def prepare_data(
         ),
     ],
     out: Annotated[Path, typer.Option("--out", "-o", help="Output directory.")],
-    tokenizer: Annotated[str, typer.Option("--tokenizer", help="'byte' or a tokenizer.json path.")] = "byte",
-    val_fraction: Annotated[float, typer.Option("--val-fraction", help="Fraction of documents for validation.")] = 0.01,
-    shard_tokens: Annotated[int, typer.Option("--shard-tokens", help="Tokens per shard file.")] = 100_000_000,
+    tokenizer: Annotated[str, typer.Option("--tokenizer", help="'byte' or a tokenizer.json path.")] = PREPARE_TOKENIZER,
+    val_fraction: Annotated[
+        float, typer.Option("--val-fraction", help="Fraction of documents for validation.")
+    ] = PREPARE_VAL_FRACTION,
+    shard_tokens: Annotated[int, typer.Option("--shard-tokens", help="Tokens per shard file.")] = PREPARE_SHARD_TOKENS,
     text_field: Annotated[
         str, typer.Option("--text-field", help="JSONL field or dataset column holding the text.")
-    ] = "text",
+    ] = PREPARE_TEXT_FIELD,
     hf_split: Annotated[
         str | None, typer.Option("--hf-split", help="Split of a DatasetDict input (default: train, or its only one).")
     ] = None,

@@ -33,9 +33,9 @@ def resume(
         from kforge_cli.slurm import sbatch_from_cli
 
         raise typer.Exit(sbatch_from_cli(resolved.settings, submit=submit))
-    from kforge_cli.engine.train.entry import train_from_cli
+    from kforge_cli.cli.outcome import train_and_exit
 
-    raise typer.Exit(train_from_cli(resolved))
+    raise typer.Exit(train_and_exit(resolved.settings))
 
 
 def resolve_resume(run_dir: Path, overrides: list[str]) -> ResolvedSettings:

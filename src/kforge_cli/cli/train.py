@@ -42,12 +42,9 @@ def train(
         raise typer.Exit(sbatch_from_cli(resolved.settings, submit=submit))
     if nproc_per_node is not None:
         raise typer.Exit(_launch_local(resolved, nproc_per_node, profile, config, overrides))
-    from kforge_cli.engine.train.entry import train_from_cli
+    from kforge_cli.cli.outcome import train_and_exit
 
-    code = train_from_cli(resolved)
-    if _in_multi_process_job():
-        _exit_now(code)
-    raise typer.Exit(code)
+    raise typer.Exit(train_and_exit(resolved.settings))
 
 
 def _launch_local(resolved: Any, nproc: int, profile: str | None, config: Path | None, overrides: list[str]) -> int:
@@ -65,26 +62,3 @@ def _launch_local(resolved: Any, nproc: int, profile: str | None, config: Path |
     from kforge_cli.engine.runtime.local_launch import launch_local
 
     return launch_local(nproc, [*child, *overrides])
-
-
-def _in_multi_process_job() -> bool:
-    import os
-
-    return int(os.environ.get("WORLD_SIZE", os.environ.get("SLURM_NTASKS", "1")) or 1) > 1
-
-
-def _exit_now(code: int) -> None:
-    """Exit a distributed rank without interpreter teardown, after flushing every output.
-
-    The process group is already destroyed and every file closed, but gloo/NCCL
-    background threads can still abort the interpreter's teardown ("terminate called
-    without an active exception"), turning a successful run into a crash exit code.
-    """
-    import logging
-    import os
-    import sys
-
-    logging.shutdown()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(code)

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-from pathlib import Path
 from typing import Annotated, Any
 
 import typer
@@ -41,9 +40,9 @@ def validate_config(
     Exit code 0 when valid, 2 when not (every problem listed with its dotted key). With
     `--plan` (`--format json` prints only the plan), 1 when the plan does not fit the GPU.
     """
-    from kforge_cli.errors import ConfigError, InvalidInputError
+    from kforge_cli.errors import InvalidInputError
     from kforge_cli.settings import resolve_dims
-    from kforge_cli.settings.explain import explain_key, param_count, to_toml
+    from kforge_cli.settings.explain import explain_key, to_toml
 
     resolved = resolve(profile, config, list(ctx.args))
     s = resolved.settings
@@ -53,10 +52,7 @@ def validate_config(
     n = world_size if world_size is not None else s.slurm.world_size
     if n < 1:
         raise InvalidInputError(f"--world-size must be >= 1 (got {n})")
-    try:
-        dims = resolve_dims(s, n)
-    except ConfigError:
-        raise
+    dims = resolve_dims(s, n)
     if plan and fmt not in (None, "json"):
         raise InvalidInputError(f"--plan prints a table, or JSON with --format json (got --format {fmt!r})")
     if plan and fmt == "json":
@@ -70,11 +66,11 @@ def validate_config(
             raise InvalidInputError(f"--format must be 'toml' or 'json' (got {fmt!r})")
     else:
         m = s.model
-        tokens = s.train.batch_size * s.train.seq_len * s.train.grad_accum_steps * dims.dp
+        tokens = s.train.tokens_per_step(dims.dp)
         typer.echo(f"config is valid: profile {s.profile or '-'}, world size {n}")
         typer.echo(f"  mesh: pp={dims.pp} dp_replicate={dims.dp_replicate} dp_shard={dims.dp_shard} tp={dims.tp}")
         typer.echo(
-            f"  model: {param_count(s) / 1e6:,.1f}M parameters, dim {m.dim}, {m.n_layers} layers, "
+            f"  model: {s.model.param_count() / 1e6:,.1f}M parameters, dim {m.dim}, {m.n_layers} layers, "
             f"{m.n_heads} heads ({m.kv_heads} kv), vocab {m.vocab_size}"
         )
         typer.echo(f"  tokens per step: {tokens:,} (global batch {tokens // s.train.seq_len} x {s.train.seq_len})")
@@ -91,6 +87,3 @@ def _plan(settings: Any, world_size: int, rank: int, fmt: str | None, mfu: float
     typer.echo(plan_json(result) if fmt == "json" else "\n" + format_plan(result))
     if not result.fits:
         raise typer.Exit(1)
-
-
-__all__ = ["Path", "register", "validate_config"]

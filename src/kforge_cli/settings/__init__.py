@@ -1,11 +1,10 @@
 """The ONE settings model (`JobSettings`) and how it is loaded and validated. No torch here."""
 
-from kforge_cli.settings.job import SECTION_NAMES, JobSettings
+from kforge_cli.settings.job import JobSettings
 from kforge_cli.settings.loader import ResolvedSettings, load_settings, parse_overrides
 from kforge_cli.settings.rules import ParallelDims, config_issues, resolve_dims, world_size_issues
 
 __all__ = [
-    "SECTION_NAMES",
     "JobSettings",
     "ParallelDims",
     "ResolvedSettings",

@@ -72,16 +72,3 @@ def explain_key(resolved: ResolvedSettings, key: str) -> str:
             )
         model = section
     raise InvalidInputError(f"unknown key {key!r}")
-
-
-def param_count(s: JobSettings) -> int:
-    """Parameters of the text Transformer, computed from the config (matches the built model)."""
-    m = s.model
-    d, hd, kv, hidden, v = m.dim, m.head_dim, m.kv_heads, m.resolved_ffn_hidden_dim, m.vocab_size
-    attn = d * m.n_heads * hd + 2 * d * kv * hd + m.n_heads * hd * d
-    if m.qk_norm:
-        attn += 2 * hd
-    mlp = (3 if m.activation == "swiglu" else 2) * d * hidden
-    block = attn + mlp + 2 * d
-    head = 0 if m.tie_embeddings else v * d
-    return v * d + m.n_layers * block + d + head

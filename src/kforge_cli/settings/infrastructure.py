@@ -4,11 +4,8 @@ from __future__ import annotations
 
 from typing import Literal
 
+from kforge_cli.settings.pipeline_schedules import PipelineSchedule
 from kforge_cli.settings.section import Section, field
-
-PipelineSchedule = Literal[
-    "gpipe", "1f1b", "interleaved_1f1b", "interleaved_zero_bubble", "zbv_zero_bubble", "dualpipev"
-]
 
 
 class DistributedSettings(Section):

@@ -17,25 +17,6 @@ from kforge_cli.settings.section import field
 from kforge_cli.settings.training import ModelSettings, OptimizerSettings, SchedulerSettings, TrainSettings
 from kforge_cli.settings.vlm import AdapterSettings, VideoSettings, VisionEncoderSettings, VLMSettings
 
-SECTION_NAMES = (
-    "model",
-    "train",
-    "optimizer",
-    "scheduler",
-    "data",
-    "eval",
-    "distributed",
-    "checkpoint",
-    "metrics",
-    "profiling",
-    "resilience",
-    "slurm",
-    "vision_encoder",
-    "adapter",
-    "vlm",
-    "video",
-)
-
 
 class JobSettings(BaseSettings):
     """Everything a kforge job needs, validated.
@@ -73,13 +54,6 @@ class JobSettings(BaseSettings):
     video: VideoSettings | None = field(None, "Video clips (video VLM jobs only).")
 
     @property
-    def is_vlm(self) -> bool:
-        return self.vlm is not None
-
-    @property
     def data_seed(self) -> int:
         """The seed of the data order (train.data_seed, defaulting to train.seed)."""
         return self.train.seed if self.train.data_seed is None else self.train.data_seed
-
-
-__all__ = ["SECTION_NAMES", "JobSettings"]

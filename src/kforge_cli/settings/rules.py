@@ -11,10 +11,8 @@ from dataclasses import dataclass
 
 from kforge_cli.errors import ConfigError, ConfigIssue
 from kforge_cli.settings.job import JobSettings
+from kforge_cli.settings.pipeline_schedules import schedule_facts
 
-INTERLEAVED_SCHEDULES = ("interleaved_1f1b", "interleaved_zero_bubble", "zbv_zero_bubble", "dualpipev")
-V_SCHEDULES = ("zbv_zero_bubble", "dualpipev")  # exactly two stages per rank
-ZERO_BUBBLE_SCHEDULES = ("interleaved_zero_bubble", "zbv_zero_bubble", "dualpipev")
 COMPILE_TP_CPU = (
     "torch.compile of tensor-parallel blocks on CPU gives wrong gradients (measured with torch 2.13); "
     "set --train.compile_model=false with distributed.tp > 1 on CPU (compile works with FSDP and PP)"
@@ -202,14 +200,15 @@ def world_size_issues(s: JobSettings, world_size: int) -> list[ConfigIssue]:
                 "train.seq_len", f"{s.train.seq_len} is not divisible by distributed.tp ({d.tp}) (sequence parallel)"
             )
         )
-    interleaved = d.pp_schedule in INTERLEAVED_SCHEDULES
+    facts = schedule_facts(d.pp_schedule)
+    interleaved = facts.multi_stage
     stages = d.pp * d.pp_stages_per_rank
     if d.pp > 1:
         if interleaved and d.pp_stages_per_rank < 2:
             out.append(
                 ConfigIssue("distributed.pp_stages_per_rank", f"schedule {d.pp_schedule} needs >= 2 stages per rank")
             )
-        if d.pp_schedule in V_SCHEDULES and d.pp_stages_per_rank != 2:
+        if facts.v_shaped and d.pp_stages_per_rank != 2:
             out.append(
                 ConfigIssue(
                     "distributed.pp_stages_per_rank", f"schedule {d.pp_schedule} needs exactly 2 stages per rank"
@@ -230,6 +229,10 @@ def world_size_issues(s: JobSettings, world_size: int) -> list[ConfigIssue]:
             )
         if s.vlm is not None:
             out.append(ConfigIssue("distributed.pp", "pipeline parallelism is not supported for VLM models"))
+        if s.eval.interval and s.eval.batch_size not in (None, s.train.batch_size):
+            out.append(
+                ConfigIssue("eval.batch_size", "must equal train.batch_size (or be unset) under pipeline parallelism")
+            )
         out += _pipeline_schedule_issues(s)
     out += _combination_issues(s)
     if d.tp > s.slurm.gpus_per_node and s.slurm.nodes > 1:
@@ -247,6 +250,7 @@ def _pipeline_schedule_issues(s: JobSettings) -> list[ConfigIssue]:
     out: list[ConfigIssue] = []
     d, m = s.distributed, s.train.grad_accum_steps
     stages = d.pp * d.pp_stages_per_rank
+    facts = schedule_facts(d.pp_schedule)
     if d.pp_schedule in ("interleaved_1f1b", "interleaved_zero_bubble"):
         rounds = max(1, m // d.pp)
         if m % rounds:
@@ -261,7 +265,7 @@ def _pipeline_schedule_issues(s: JobSettings) -> list[ConfigIssue]:
         out.append(
             ConfigIssue("train.grad_accum_steps", f"schedule dualpipev needs at least {stages} micro-batches, got {m}")
         )
-    if d.pp_schedule in ZERO_BUBBLE_SCHEDULES and s.train.activation_checkpointing != "none":
+    if facts.zero_bubble and s.train.activation_checkpointing != "none":
         out.append(
             ConfigIssue(
                 "train.activation_checkpointing",
@@ -270,7 +274,7 @@ def _pipeline_schedule_issues(s: JobSettings) -> list[ConfigIssue]:
                 "or activation_checkpointing = 'none'",
             )
         )
-    if d.pp_schedule in ZERO_BUBBLE_SCHEDULES and d.reshard_after_forward:
+    if facts.zero_bubble and d.reshard_after_forward:
         out.append(
             ConfigIssue(
                 "distributed.reshard_after_forward",

@@ -48,6 +48,24 @@ class ModelSettings(Section):
         hidden = int(self.ffn_dim_multiplier * hidden)
         return self.multiple_of * ((hidden + self.multiple_of - 1) // self.multiple_of)
 
+    def block_params(self) -> int:
+        """Parameters of one Transformer block: attention (wq, wk, wv, wo, QK-norm), MLP, two norms."""
+        d, hd = self.dim, self.head_dim
+        attention = 2 * d * self.n_heads * hd + 2 * d * self.kv_heads * hd
+        if self.qk_norm:
+            attention += 2 * hd
+        mlp = (3 if self.activation == "swiglu" else 2) * d * self.resolved_ffn_hidden_dim
+        return attention + mlp + 2 * d
+
+    def non_embedding_params(self) -> int:
+        """``N`` of the FLOP formula: all parameters but the token embedding (the head counts once, tied or not)."""
+        return self.n_layers * self.block_params() + self.dim + self.vocab_size * self.dim
+
+    def param_count(self) -> int:
+        """Parameters of the built text Transformer (a tied head counted once)."""
+        head = 0 if self.tie_embeddings else self.vocab_size * self.dim
+        return self.vocab_size * self.dim + self.n_layers * self.block_params() + self.dim + head
+
 
 class TrainSettings(Section):
     """The training loop: batch shape, steps, precision, memory/speed trade-offs."""
@@ -85,6 +103,10 @@ class TrainSettings(Section):
     z_loss_weight: float = field(0.0, "Weight of the z-loss (log(Z)^2) regulariser (0 = off).", ge=0)
     hooks: list[str] = field(list, "Training hooks by import path, e.g. 'my_pkg.hooks:LogGradNorms'.")
     num_threads: int | None = field(None, "torch CPU threads per process (None = torch's default).", gt=0)
+
+    def tokens_per_step(self, dp_size: int) -> int:
+        """Global tokens one optimizer step consumes (every micro-batch of every data-parallel rank)."""
+        return self.batch_size * self.seq_len * self.grad_accum_steps * dp_size
 
 
 class OptimizerSettings(Section):

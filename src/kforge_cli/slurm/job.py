@@ -9,7 +9,6 @@ existing run directory's checkpoint against new settings (shared with the engine
 from __future__ import annotations
 
 import sys
-import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -18,6 +17,7 @@ import typer
 from kforge_cli.errors import EXIT_OK, InvalidInputError
 from kforge_cli.settings import JobSettings
 from kforge_cli.settings.explain import to_toml
+from kforge_cli.settings.run_dir import default_run_dir
 from kforge_cli.slurm.sbatch import CONFIG_FILE, SCRIPT_FILE, render_sbatch
 from kforge_cli.slurm.submit import submit_script
 
@@ -27,12 +27,6 @@ class JobFiles:
     run_dir: Path
     config: Path
     script: Path
-
-
-def default_run_dir(settings: JobSettings) -> Path:
-    """runs/<profile>-<timestamp>, as `kforge train` names a run (a profile given as a path: its stem)."""
-    name = Path(settings.profile).stem if settings.profile else "custom"
-    return Path("runs") / f"{name}-{time.strftime('%Y%m%d-%H%M%S')}"
 
 
 def _atomic_write(path: Path, text: str, mode: int = 0o644) -> None:

@@ -11,11 +11,17 @@ thread and only while no save is in flight on this rank.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 import torch.distributed as dist
+from torch.distributed import ProcessGroup
 
 from kforge_cli.engine.runtime import RuntimeContext
+
+
+def _gloo_group(ranks: list[int] | None = None, *, backend: str = "gloo") -> ProcessGroup:
+    """A new gloo group (collective); on ranks outside ``ranks`` the value is never used."""
+    return cast(ProcessGroup, dist.new_group(ranks, backend=backend))
 
 
 @dataclass
@@ -24,8 +30,8 @@ class CheckpointGroups:
     world_size: int
     stage: int = 0
     num_stages: int = 1
-    control: Any = None
-    save: Any = None
+    control: ProcessGroup | None = None  # gloo over every rank: decisions, barriers
+    save: ProcessGroup | None = None  # the ranks that write one DCP directory (one pipeline stage)
 
     @property
     def distributed(self) -> bool:
@@ -36,19 +42,28 @@ class CheckpointGroups:
         """Create the groups (collective: every rank calls this in the same order)."""
         if not runtime.distributed:
             return cls(rank=0, world_size=1)
-        control = dist.new_group(backend="gloo")
-        mesh: Any = runtime.mesh
+        control = _gloo_group(backend="gloo")
+        mesh = runtime.mesh
         names = tuple(mesh.mesh_dim_names or ()) if mesh is not None else ()
         if mesh is None or "pp" not in names or mesh["pp"].size() == 1:
-            return cls(runtime.rank, runtime.world_size, control=control, save=dist.new_group(backend="gloo"))
+            return cls(
+                rank=runtime.rank, world_size=runtime.world_size, control=control, save=_gloo_group(backend="gloo")
+            )
         dim = names.index("pp")
         stage, save = 0, None
         for s in range(mesh["pp"].size()):
             ranks = [int(r) for r in mesh.mesh.select(dim, s).flatten().tolist()]
-            group = dist.new_group(ranks, backend="gloo")
+            group = _gloo_group(ranks, backend="gloo")
             if runtime.rank in ranks:
                 stage, save = s, group
-        return cls(runtime.rank, runtime.world_size, stage, mesh["pp"].size(), control, save)
+        return cls(
+            rank=runtime.rank,
+            world_size=runtime.world_size,
+            stage=stage,
+            num_stages=mesh["pp"].size(),
+            control=control,
+            save=save,
+        )
 
     def broadcast(self, obj: Any) -> Any:
         """Rank 0's `obj` on every rank."""

@@ -36,9 +36,8 @@ from kforge_cli.engine.checkpoint.reader import (
     read_tensors,
     shaping_of,
 )
+from kforge_cli.engine.runtime.dtypes import DTYPES, torch_dtype_name
 
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
-_HF_DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
 DEFAULT_SHARD_BYTES = 5 * 2**30
 
 
@@ -55,7 +54,7 @@ class ExportResult:
 
 def _stored_dtype(entries: list[TensorEntry]) -> torch.dtype:
     kinds = {e.dtype for e in entries}
-    return kinds.pop() if len(kinds) == 1 and next(iter(kinds)) in _HF_DTYPE_NAMES else torch.float32
+    return kinds.pop() if len(kinds) == 1 and next(iter(kinds)) in DTYPES.values() else torch.float32
 
 
 def _plan(entries: list[TensorEntry], itemsize: int, max_bytes: int) -> list[list[TensorEntry]]:
@@ -135,7 +134,7 @@ def export_hf(
             total = sum(e.numel for e in entries) * target.itemsize
             index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
             (tmp / INDEX_FILE).write_text(json.dumps(index, indent=2) + "\n")
-        config = hf_config(fields, ffn_hidden_dim=cfg.resolved_ffn_hidden_dim, torch_dtype=_HF_DTYPE_NAMES[target])
+        config = hf_config(fields, ffn_hidden_dim=cfg.resolved_ffn_hidden_dim, torch_dtype=torch_dtype_name(target))
         (tmp / CONFIG_FILE).write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
         if out.exists():
             shutil.rmtree(out)
@@ -144,5 +143,5 @@ def export_hf(
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return ExportResult(
-        out, files, len(entries), sum(e.numel for e in entries), _HF_DTYPE_NAMES[target], view.step, config
+        out, files, len(entries), sum(e.numel for e in entries), torch_dtype_name(target), view.step, config
     )

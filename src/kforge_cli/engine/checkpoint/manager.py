@@ -25,14 +25,10 @@ from torch.distributed.checkpoint.state_dict_saver import AsyncSaveResponse, asy
 
 import kforge_cli
 from kforge_cli.engine.checkpoint.dcp_io import (
-    apply_training_state_dict,
-    load_from_dirs,
-    load_model_weights,
     quiet_single_process,
     state_nbytes,
     training_state_dict,
 )
-from kforge_cli.engine.checkpoint.errors import CheckpointError, UnsafeCheckpointError
 from kforge_cli.engine.checkpoint.fingerprint import fingerprint, shaping_config
 from kforge_cli.engine.checkpoint.groups import CheckpointGroups
 from kforge_cli.engine.checkpoint.layout import (
@@ -46,31 +42,16 @@ from kforge_cli.engine.checkpoint.layout import (
     step_dir_name,
     write_latest,
 )
-from kforge_cli.engine.checkpoint.resolve import check_compatible, data_phase, decide_restore, freeze_config
-from kforge_cli.engine.checkpoint.train_state import FORMAT, read_rank_state, restore_rng, write_rank_state
+from kforge_cli.engine.checkpoint.resolve import Stateful, data_phase, freeze_config
+from kforge_cli.engine.checkpoint.restore import CheckpointedState, Restored, restore_run
+from kforge_cli.engine.checkpoint.train_state import FORMAT, write_rank_state
+from kforge_cli.engine.model.names import clean_param_name
 from kforge_cli.engine.model.vlm.freeze import freeze_record
-from kforge_cli.engine.runtime import RuntimeContext, seed_everything
-from kforge_cli.errors import KforgeError
+from kforge_cli.engine.runtime import RuntimeContext
 from kforge_cli.settings import JobSettings
+from kforge_cli.settings.run_dir import checkpoint_root
 
 log = logging.getLogger("kforge")
-
-_WRAPPER_TOKENS = ("_checkpoint_wrapped_module.", "_orig_mod.", "_fsdp_wrapped_module.")
-
-
-def _reapply_schedule(scheduler: Any, optimizer: torch.optim.Optimizer) -> None:
-    """Set each group's LR from the rebuilt schedule at the restored step.
-
-    The optimizer state carries the LR the old schedule chose; recomputing it
-    (``base_lr * lambda(step)``, exactly what LambdaLR does) gives the same value when
-    nothing changed and applies a changed ``train.max_steps`` from the first resumed step.
-    """
-    lambdas = getattr(scheduler, "lr_lambdas", None)
-    if lambdas is None:
-        return
-    for group, base, fn in zip(optimizer.param_groups, scheduler.base_lrs, lambdas, strict=True):
-        group["lr"] = base * fn(scheduler.last_epoch)
-    scheduler._last_lr = [g["lr"] for g in optimizer.param_groups]
 
 
 @dataclass
@@ -83,16 +64,6 @@ class SaveRecord:
     nbytes: int  # this rank's tensor bytes
     blocking_s: float  # time the training loop was held (staging for async, everything for sync)
     total_s: float | None = None  # from start until durable on this rank (rank 0: committed)
-
-
-@dataclass
-class Restored:
-    """What `restore` loaded; `metrics_run_ids` lets trackers continue the same runs."""
-
-    kind: Literal["resume", "warm_start"]
-    path: Path
-    step: int
-    metrics_run_ids: dict[str, str]
 
 
 @dataclass
@@ -114,23 +85,37 @@ class CheckpointManager:
         *,
         model: nn.Module,
         optimizer: torch.optim.Optimizer,
-        scheduler: Any,
+        scheduler: torch.optim.lr_scheduler.LRScheduler,
+        train_state: Stateful,
+        nan_guard: Stateful | None = None,
+        loader: Stateful | None = None,
         groups: CheckpointGroups | None = None,
     ) -> None:
+        """Everything a checkpoint holds is given here: `restore` loads into it, `save` writes it."""
         self.settings, self.cfg, self.runtime = settings, settings.checkpoint, runtime
-        self.root = Path(self.cfg.dir).expanduser().resolve() if self.cfg.dir else Path(run_dir) / "checkpoints"
+        self.root = checkpoint_root(settings, run_dir)
         self.model, self.optimizer, self.scheduler = model, optimizer, scheduler
+        self.train_state, self.nan_guard, self.loader = train_state, nan_guard, loader
         self.groups = groups or CheckpointGroups.build(runtime)
         self.shaping = shaping_config(settings)
         self.fingerprint = fingerprint(self.shaping)
-        self.progress: Any = None  # has state_dict()/load_state_dict(); "step", "tokens_seen"
-        self.nan_guard: Any = None
-        self.loader: Any = None
+        self.checkpointed = CheckpointedState(
+            settings=settings,
+            groups=self.groups,
+            root=self.root,
+            fingerprint=self.fingerprint,
+            shaping=self.shaping,
+            model=model,
+            optimizer=optimizer,
+            scheduler=scheduler,
+            train_state=train_state,
+            nan_guard=nan_guard,
+            loader=loader,
+        )
         self.last_step: int | None = None  # newest step saved (in flight or durable) or restored
         self.history: list[SaveRecord] = []
         self.restored: Restored | None = None  # set by `restore`
         self._pending: _Pending | None = None
-        self._data_state: dict[str, Any] | None = None
         self._pinned = self.cfg.async_mode == "async_with_pinned_mem" and torch.cuda.is_available()
         if self.cfg.async_mode == "async_with_pinned_mem" and not self._pinned:
             log.info("checkpoint.async_mode = async_with_pinned_mem without CUDA: staging in ordinary memory")
@@ -149,78 +134,13 @@ class CheckpointManager:
         """Tracker run ids (e.g. {"wandb": ..., "mlflow": ...}) of the resumed run; {} on a fresh start."""
         return dict(self.restored.metrics_run_ids) if self.restored is not None else {}
 
-    def restore(self, *, progress: Any, nan_guard: Any = None) -> Restored | None:
-        """Resume or warm start per the settings (collective). Call before `bind_data`."""
-        self.restored = self._restore(progress, nan_guard)
+    def restore(self) -> Restored | None:
+        """Resume or warm start per the settings (collective): model, optimizer, scheduler, train
+        state, NaN guard and data position, as given at construction. None on a fresh start."""
+        self.restored = restore_run(self.checkpointed)
+        if self.restored is not None and self.restored.kind == "resume":
+            self.last_step = self.restored.step
         return self.restored
-
-    def _restore(self, progress: Any, nan_guard: Any) -> Restored | None:
-        self.progress, self.nan_guard = progress, nan_guard
-        decision: dict[str, Any] = {}
-        if self.is_main:
-            try:
-                decision = decide_restore(self.cfg, self.root)
-            except KforgeError as exc:
-                decision = {"error": str(exc), "unsafe": isinstance(exc, UnsafeCheckpointError)}
-        decision = self.groups.broadcast(decision)
-        if "error" in decision:
-            raise (UnsafeCheckpointError if decision["unsafe"] else CheckpointError)(decision["error"])
-        if decision["kind"] is None:
-            return None
-        path, dirs = Path(decision["path"]), [Path(d) for d in decision["dirs"]]
-        if decision["kind"] == "warm_start_hf":
-            from kforge_cli.engine.checkpoint.hf_import import load_hf_weights
-
-            names = load_hf_weights(self.model, path, self.settings.model, list(self.cfg.exclude_from_loading))
-            log.info("warm start: loaded %d tensors from Hugging Face %s (fresh optimizer, step 0)", len(names), path)
-            return Restored("warm_start", path, 0, {})
-        if decision["kind"] == "warm_start":
-            names = load_model_weights(self.model, dirs, list(self.cfg.exclude_from_loading), self.groups.save)
-            log.info("warm start: loaded %d tensors from %s (fresh optimizer, step 0)", len(names), path)
-            return Restored("warm_start", path, 0, {})
-        state = decision["train_state"]
-        check_compatible(state, path, self.fingerprint, self.shaping, self.settings)
-        tensors = training_state_dict(self.model, self.optimizer)
-        missing = load_from_dirs(tensors, dirs, self.groups.save)
-        if missing:
-            raise CheckpointError(f"{path} lacks {len(missing)} tensors this run needs, e.g. {sorted(missing)[:5]}")
-        apply_training_state_dict(self.model, self.optimizer, tensors)
-        self.scheduler.load_state_dict(state["scheduler"])
-        _reapply_schedule(self.scheduler, self.optimizer)
-        progress.load_state_dict(state["progress"])
-        if nan_guard is not None and state.get("nan_guard") is not None:
-            nan_guard.load_state_dict(state["nan_guard"])
-        step = int(state["step"])
-        self._restore_rng(path, state, step)
-        self._data_state = state.get("data")
-        self.last_step = step
-        log.info("resumed from %s (step %d)", path, step)
-        return Restored("resume", path, step, dict(state.get("metrics_run_ids") or {}))
-
-    def _restore_rng(self, path: Path, state: dict[str, Any], step: int) -> None:
-        """Each rank's own generators; a file refused on any rank stops every rank (no rank waits forever)."""
-        found, error = None, None
-        if state.get("world_size") == self.groups.world_size:
-            try:
-                found = read_rank_state(path, self.groups.rank)
-            except KforgeError as exc:
-                error = exc
-        if not self.groups.all_true(error is None):
-            raise error or UnsafeCheckpointError(f"another rank refused its train state in {path} (see its log)")
-        if found is not None:
-            restore_rng(*found)
-            return
-        saved, now = state.get("world_size"), self.groups.world_size
-        why = f"saved at world size {saved}, now {now}" if saved != now else f"no RNG state for rank {self.groups.rank}"
-        log.warning("checkpoint %s: %s, so RNGs are re-seeded from train.seed + step", path, why)
-        seed_everything(self.settings.train.seed + step)
-
-    def bind_data(self, loader: Any) -> None:
-        """Register the training loader (saved from now on) and restore its position if resuming."""
-        self.loader = loader
-        if self._data_state is not None:
-            loader.load_state_dict(self._data_state)
-            self._data_state = None
 
     # ---- save ----------------------------------------------------------------------------
 
@@ -295,16 +215,10 @@ class CheckpointManager:
         return [f"pp_{s}" for s in range(n)] if n > 1 else ["."]
 
     def _frozen_params(self) -> list[str]:
-        names = []
-        for name, p in self.model.named_parameters():
-            if not p.requires_grad:
-                for token in _WRAPPER_TOKENS:
-                    name = name.replace(token, "")
-                names.append(name)
-        return names
+        return [clean_param_name(name) for name, p in self.model.named_parameters() if not p.requires_grad]
 
     def _write_global_state(self, step_dir: Path, step: int, reason: str, run_ids: dict[str, str]) -> None:
-        progress = self.progress.state_dict() if self.progress is not None else {"step": step}
+        progress = self.train_state.state_dict()
         dims = asdict(self.runtime.dims)
         state = {
             "format": FORMAT,

@@ -10,10 +10,11 @@ a changed ``load_path`` (a rollback) is honoured.
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal, Protocol
 
-from kforge_cli.engine.checkpoint.errors import CheckpointError
+from kforge_cli.engine.checkpoint.errors import CheckpointError, UnsafeCheckpointError
 from kforge_cli.engine.checkpoint.fingerprint import changed_fields
 from kforge_cli.engine.checkpoint.hf_format import is_hf_dir
 from kforge_cli.engine.checkpoint.layout import (
@@ -32,6 +33,32 @@ from kforge_cli.settings.infrastructure import CheckpointSettings
 
 log = logging.getLogger("kforge")
 
+RestoreKind = Literal["resume", "warm_start", "warm_start_hf"]
+
+
+class Stateful(Protocol):
+    """Anything whose state a checkpoint carries as JSON (train state, NaN guard, data loader)."""
+
+    def state_dict(self) -> dict[str, Any]: ...
+
+    def load_state_dict(self, state: dict[str, Any]) -> None: ...
+
+
+@dataclass
+class RestoreDecision:
+    """What this run loads, decided on rank 0. ``kind`` None: a fresh start."""
+
+    kind: RestoreKind | None = None
+    path: Path | None = None
+    dirs: list[Path] = field(default_factory=list)  # DCP directories (one per pipeline stage)
+    train_state: dict[str, Any] = field(default_factory=dict)  # the checkpoint's train_state.json (resume)
+    error: str | None = None  # rank 0 refused: every rank raises this
+    unsafe: bool = False  # ... as an UnsafeCheckpointError
+
+    def raise_error(self) -> None:
+        if self.error is not None:
+            raise (UnsafeCheckpointError if self.unsafe else CheckpointError)(self.error)
+
 
 def _own_checkpoint(root: Path, load_path: str | None) -> tuple[Path, dict[str, Any]] | None:
     """Newest complete checkpoint under `root` that belongs to this lineage (same load_path)."""
@@ -46,8 +73,8 @@ def _own_checkpoint(root: Path, load_path: str | None) -> tuple[Path, dict[str, 
     return None
 
 
-def decide_restore(cfg: CheckpointSettings, root: Path) -> dict[str, Any]:
-    """``{"kind": None | "resume" | "warm_start", "path", "dirs", "train_state"}`` (rank 0 only)."""
+def decide_restore(cfg: CheckpointSettings, root: Path) -> RestoreDecision:
+    """What this run loads (rank 0 only): its own newest checkpoint, load_path, init_from, or nothing."""
     found = _own_checkpoint(root, cfg.load_path) if cfg.resume != "never" else None
     if found is None and cfg.load_path:
         path = resolve_checkpoint(cfg.load_path)
@@ -57,7 +84,7 @@ def decide_restore(cfg: CheckpointSettings, root: Path) -> dict[str, Any]:
         latest = read_latest(root)
         if latest is not None and latest.resolve() != path.resolve() and path.parent.resolve() == root.resolve():
             log.warning("%s/latest names %s, but the newest complete checkpoint is %s", root, latest.name, path.name)
-        return {"kind": "resume", "path": str(path), "dirs": [str(d) for d in dcp_dirs(path)], "train_state": state}
+        return RestoreDecision(kind="resume", path=path, dirs=dcp_dirs(path), train_state=state)
     if cfg.resume == "require":
         raise CheckpointError(
             f"checkpoint.resume = 'require' but {root} holds no complete checkpoint; "
@@ -65,10 +92,10 @@ def decide_restore(cfg: CheckpointSettings, root: Path) -> dict[str, Any]:
         )
     if cfg.init_from:
         if is_hf_dir(cfg.init_from):  # a Hugging Face Llama directory (config.json + safetensors)
-            return {"kind": "warm_start_hf", "path": str(Path(cfg.init_from).expanduser().resolve()), "dirs": []}
+            return RestoreDecision(kind="warm_start_hf", path=Path(cfg.init_from).expanduser().resolve())
         path = resolve_checkpoint(cfg.init_from)
-        return {"kind": "warm_start", "path": str(path), "dirs": [str(d) for d in dcp_dirs(path)]}
-    return {"kind": None}
+        return RestoreDecision(kind="warm_start", path=path, dirs=dcp_dirs(path))
+    return RestoreDecision()
 
 
 def freeze_config(settings: JobSettings) -> dict[str, Any] | None:

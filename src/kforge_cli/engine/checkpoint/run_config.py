@@ -10,6 +10,7 @@ from kforge_cli.engine.checkpoint.errors import CheckpointError
 from kforge_cli.engine.checkpoint.fingerprint import changed_fields, shaping_config
 from kforge_cli.engine.checkpoint.layout import newest_complete
 from kforge_cli.settings import JobSettings
+from kforge_cli.settings.run_dir import checkpoint_root
 
 CONFIG_FILE = "config.toml"
 
@@ -41,7 +42,7 @@ def conflicts_with_saved_config(settings: JobSettings, run_dir: Path) -> list[st
     path = Path(run_dir) / CONFIG_FILE
     if settings.checkpoint.resume == "never" or not path.is_file():
         return []
-    root = Path(settings.checkpoint.dir).expanduser() if settings.checkpoint.dir else Path(run_dir) / "checkpoints"
+    root = checkpoint_root(settings, run_dir)
     if newest_complete(root)[0] is None:
         return []
     try:

@@ -14,14 +14,16 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from kforge_cli.engine.data.bundle import DataBundle, ValData, build_data
+    from kforge_cli.engine.data.bundle import DataBundle, EvalBatches, TrainData, ValData, build_data
     from kforge_cli.engine.data.loader import DataStateError, StatefulLoader
-    from kforge_cli.engine.data.prepare.pipeline import PrepareResult, prepare_data
+    from kforge_cli.engine.data.prepare import PrepareResult, prepare_data
     from kforge_cli.engine.data.tokenizer import ByteTokenizer, HFTokenizer, Tokenizer, load_tokenizer
 
 _EXPORTS = {
     "DataBundle": "bundle",
     "ValData": "bundle",
+    "TrainData": "bundle",
+    "EvalBatches": "bundle",
     "build_data": "bundle",
     "DataStateError": "loader",
     "StatefulLoader": "loader",
@@ -37,10 +39,12 @@ __all__ = [
     "ByteTokenizer",
     "DataBundle",
     "DataStateError",
+    "EvalBatches",
     "HFTokenizer",
     "PrepareResult",
     "StatefulLoader",
     "Tokenizer",
+    "TrainData",
     "ValData",
     "build_data",
     "load_tokenizer",

@@ -15,14 +15,13 @@ import logging
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 
 from kforge_cli.engine.data.builtin_corpus import builtin_tokens
-from kforge_cli.engine.data.loader import BatchFetcher, StatefulLoader
+from kforge_cli.engine.data.loader import BatchFetcher, StatefulLoader, training_loader
 from kforge_cli.engine.data.mixture import MixtureSchedule
-from kforge_cli.engine.data.sampler import SampleOrder
 from kforge_cli.engine.data.shards import load_prepared
 from kforge_cli.engine.data.tokenizer import ByteTokenizer, HFTokenizer, Tokenizer
 from kforge_cli.engine.data.tokens import ArrayTokens, ShardedTokens, TokenStream, Windows, make_batch
@@ -32,6 +31,28 @@ from kforge_cli.settings import JobSettings
 log = logging.getLogger(__name__)
 
 BUILTIN_NAME = "builtin"
+
+
+class EvalBatches(Protocol):
+    """Deterministic validation batches of one data-parallel rank."""
+
+    def iter_batches(self, num_batches: int, batch_size: int) -> Iterator[dict[str, Any]]: ...
+
+
+class TrainData(Protocol):
+    """What training needs of its data; the text `DataBundle` and the VLM bundle both satisfy it."""
+
+    @property
+    def train(self) -> StatefulLoader: ...
+
+    @property
+    def val(self) -> EvalBatches | None: ...
+
+    @property
+    def vocab_size(self) -> int: ...
+
+    @property
+    def dataset_names(self) -> list[str]: ...
 
 
 @dataclass
@@ -212,23 +233,15 @@ def build_data(settings: JobSettings, *, dp_rank: int, dp_size: int) -> DataBund
     names = [s.name for s in sources]
     weights = [d.weight for d in data.datasets] if data.datasets else [1.0]
     schedule = MixtureSchedule.build(names, weights, data.temperature, data.phases)
-    order = SampleOrder(
+    loader = training_loader(
+        settings,
         names,
         [w.num_windows for w in windows],
         schedule,
-        seed=settings.data_seed,
-        batch_size=train.batch_size,
-        dp_rank=dp_rank,
-        dp_size=dp_size,
-        grad_accum_steps=train.grad_accum_steps,
-    )
-    loader = StatefulLoader(
-        order,
         BatchFetcher(windows, tok.eos_id, data.document_masking),
         seq_len=train.seq_len,
-        num_workers=data.num_workers,
-        prefetch_factor=data.prefetch_factor,
-        pin_memory=data.pin_memory,
+        dp_rank=dp_rank,
+        dp_size=dp_size,
     )
     val = _val_data(settings, sources, tok, dp_rank, dp_size)
     return DataBundle(train=loader, val=val, vocab_size=tok.vocab_size, dataset_names=names, tokenizer=tok)

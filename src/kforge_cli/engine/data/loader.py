@@ -13,15 +13,17 @@ from __future__ import annotations
 import logging
 from collections.abc import Iterator, Sequence
 from dataclasses import asdict
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 import torch
 from torch.utils.data import DataLoader, Dataset
 
+from kforge_cli.engine.data.mixture import MixtureSchedule
 from kforge_cli.engine.data.sampler import BatchPlan, Cursor, SampleOrder
 from kforge_cli.engine.data.tokens import Windows, make_batch
 from kforge_cli.errors import KforgeError
+from kforge_cli.settings import JobSettings
 
 log = logging.getLogger(__name__)
 
@@ -30,6 +32,12 @@ STATE_VERSION = 1
 
 class DataStateError(KforgeError):
     """A checkpoint's data-loader state cannot continue this run's data order."""
+
+
+class Fetch(Protocol):
+    """Builds the batch dict of the samples a plan names (the text `BatchFetcher`, the VLM caption batcher)."""
+
+    def __call__(self, dataset_ids: np.ndarray, indices: np.ndarray, /) -> dict[str, Any]: ...
 
 
 class BatchFetcher:
@@ -63,7 +71,7 @@ class _PlanStream:
 
 
 class _FetchDataset(Dataset[tuple[dict[str, Any], Cursor]]):
-    def __init__(self, fetch: BatchFetcher) -> None:
+    def __init__(self, fetch: Fetch) -> None:
         self.fetch = fetch
 
     def __getitem__(self, plan: BatchPlan) -> tuple[dict[str, Any], Cursor]:  # type: ignore[override]
@@ -80,7 +88,7 @@ class StatefulLoader:
     def __init__(
         self,
         order: SampleOrder,
-        fetch: BatchFetcher,
+        fetch: Fetch,
         *,
         seq_len: int,
         num_workers: int = 0,
@@ -96,10 +104,6 @@ class StatefulLoader:
     def step(self) -> int:
         """Optimizer step of the next micro-batch."""
         return self.order.step_of(self.cursor)
-
-    def mixture_weights(self, step: int | None = None) -> dict[str, float]:
-        """Dataset probabilities in force at ``step`` (default: the next batch's step)."""
-        return self.order.schedule.weights_at(self.step if step is None else step)
 
     def __iter__(self) -> Iterator[dict[str, Any]]:
         if self.num_workers == 0:
@@ -175,3 +179,36 @@ class StatefulLoader:
                 state["sample"],
             )
         self.cursor = Cursor(batch, int(state["sample"]), tuple(int(c) for c in state["counts"]))
+
+
+def training_loader(
+    settings: JobSettings,
+    names: list[str],
+    sizes: list[int],
+    schedule: MixtureSchedule,
+    fetch: Fetch,
+    *,
+    seq_len: int,
+    dp_rank: int,
+    dp_size: int,
+) -> StatefulLoader:
+    """The resumable loader of one data-parallel rank over datasets of ``sizes`` samples each."""
+    train, data = settings.train, settings.data
+    order = SampleOrder(
+        names,
+        sizes,
+        schedule,
+        seed=settings.data_seed,
+        batch_size=train.batch_size,
+        dp_rank=dp_rank,
+        dp_size=dp_size,
+        grad_accum_steps=train.grad_accum_steps,
+    )
+    return StatefulLoader(
+        order,
+        fetch,
+        seq_len=seq_len,
+        num_workers=data.num_workers,
+        prefetch_factor=data.prefetch_factor,
+        pin_memory=data.pin_memory,
+    )

@@ -27,7 +27,6 @@ from kforge_cli.errors import InvalidInputError
 METADATA = "metadata.json"
 FORMAT = "kforge-tokens"
 FORMAT_VERSION = 1
-SPLITS = ("train", "val")
 _HEADER_BYTES = 128  # multiple of 64, room for any 1-D shape
 
 

@@ -34,13 +34,7 @@ def non_embedding_params(cfg: ModelSettings) -> int:
 
     The output head (``vocab * dim``) is included, once, tied or not.
     """
-    d, hd, hidden = cfg.dim, cfg.head_dim, cfg.resolved_ffn_hidden_dim
-    attention = 2 * d * cfg.n_heads * hd + 2 * d * cfg.kv_heads * hd  # wq, wo; wk, wv
-    if cfg.qk_norm:
-        attention += 2 * hd
-    mlp = (3 if cfg.activation == "swiglu" else 2) * d * hidden
-    block = attention + mlp + 2 * d  # + attention_norm, ffn_norm
-    return cfg.n_layers * block + d + cfg.vocab_size * d  # + final norm, output head
+    return cfg.non_embedding_params()
 
 
 def flops_per_token(cfg: ModelSettings, seq_len: int) -> float:

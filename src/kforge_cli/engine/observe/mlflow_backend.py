@@ -33,7 +33,7 @@ if TYPE_CHECKING:
     from mlflow import MlflowClient
     from mlflow.entities import Run
 
-    from kforge_cli.engine.observe.tracker import CheckpointMark, MetricPoints, RunInfo, TrackerStatus
+    from kforge_cli.engine.observe.tracking_types import CheckpointMark, MetricPoints, RunInfo, TrackerStatus
 
 log = logging.getLogger("kforge")
 

@@ -27,67 +27,25 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import TracebackType
-from typing import Any, Literal, Protocol, get_args
+from typing import Any
 
 from kforge_cli.engine.observe.metrics_file import MetricsFile
+from kforge_cli.engine.observe.mlflow_backend import MlflowBackend
+from kforge_cli.engine.observe.tracking_types import (
+    TRACKER_STATUSES,
+    CheckpointMark,
+    MetricPoints,
+    RunInfo,
+    TrackerBackend,
+    TrackerStatus,
+)
+from kforge_cli.engine.observe.wandb_backend import WandbBackend
 from kforge_cli.settings import JobSettings
 
 log = logging.getLogger("kforge")
 
-TrackerStatus = Literal["completed", "stopped", "failed"]
-TRACKER_STATUSES: tuple[str, ...] = get_args(TrackerStatus)
-
 _NOT_METRICS = frozenset({"step", "time"})
 _BATCH_POINTS = 1000  # MLflow's log_batch limit: one backend call per batch, never a partial one
-
-
-@dataclass(frozen=True)
-class MetricPoints:
-    """The scalar metrics of one ``metrics.jsonl`` record: one point per key at ``step``."""
-
-    step: int
-    values: dict[str, float]
-    time: float  # unix seconds
-
-
-@dataclass(frozen=True)
-class CheckpointMark:
-    """A checkpoint saved at ``step`` (counts as one metric point: ``checkpoint_step``)."""
-
-    step: int
-    path: str
-    time: float
-
-
-@dataclass(frozen=True)
-class RunInfo:
-    """What every backend needs to describe the run, computed once by :func:`build_tracker`."""
-
-    name: str
-    tags: list[str]
-    profile: str | None
-    world_size: int
-    git_commit: str | None
-    run_dir: Path
-    config: dict[str, Any]  # the resolved settings, JSON-compatible
-    config_path: Path  # RUN_DIR/config.toml
-
-
-class TrackerBackend(Protocol):
-    """One experiment tracker. Any method may raise: the caller fences it."""
-
-    name: str
-    run_id: str | None  # the run to continue before start(); the run's id once known
-
-    def start(self) -> None:
-        """Create the run or continue ``run_id``; log config, params and tags. Safe to call again."""
-        ...
-
-    def log_metrics(self, batch: Sequence[MetricPoints]) -> None: ...
-
-    def log_checkpoint(self, mark: CheckpointMark) -> None: ...
-
-    def finish(self, status: TrackerStatus) -> None: ...
 
 
 def _as_float(value: Any) -> float | None:
@@ -119,7 +77,7 @@ def metric_points(record: Mapping[str, Any], now: float) -> MetricPoints | None:
     if not values:
         return None
     t = _as_float(record.get("time"))
-    return MetricPoints(int(record["step"]), values, t if t is not None and math.isfinite(t) else now)
+    return MetricPoints(step=int(record["step"]), values=values, time=t if t is not None and math.isfinite(t) else now)
 
 
 def git_commit(directory: Path) -> str | None:
@@ -264,15 +222,20 @@ class Tracker:
     which backends are on. Records with ``eval_loss`` are metrics like any other.
     """
 
-    def __init__(self, metrics_file: MetricsFile, backends: Sequence[TrackerBackend] = (), **fence: Any) -> None:
-        self._file = metrics_file
+    def __init__(self, metrics_file: MetricsFile | None, backends: Sequence[TrackerBackend] = (), **fence: Any) -> None:
+        self._file = metrics_file  # None: the null tracker of ranks other than 0 (records go nowhere)
         self._deliveries = [_Delivery(b, **fence) for b in backends]
         self._closed = False
         self.undelivered: dict[str, int] = {}  # per backend, filled by close()
 
+    @classmethod
+    def null(cls) -> Tracker:
+        """The tracker of ranks other than 0: same calls, nothing written or sent."""
+        return cls(None)
+
     @property
-    def path(self) -> Path:
-        return self._file.path
+    def path(self) -> Path | None:
+        return self._file.path if self._file is not None else None
 
     @property
     def backend_names(self) -> list[str]:
@@ -287,6 +250,8 @@ class Tracker:
         """Append ``record`` to metrics.jsonl, then hand its numbers to every backend."""
         row = dict(record)
         row.setdefault("time", time.time())
+        if self._file is None:
+            return
         self._file.write(row)
         points = metric_points(row, time.time())
         if points is not None:
@@ -295,7 +260,7 @@ class Tracker:
 
     def log_checkpoint(self, step: int, path: str) -> None:
         """Record that a checkpoint of ``step`` was saved at ``path`` (metric ``checkpoint_step``)."""
-        mark = CheckpointMark(int(step), str(path), time.time())
+        mark = CheckpointMark(step=int(step), path=str(path), time=time.time())
         for d in self._deliveries:
             d.submit(mark)
 
@@ -314,7 +279,8 @@ class Tracker:
             for d in self._deliveries:
                 self.undelivered[d.name] = d.close(status)
         finally:
-            self._file.close()
+            if self._file is not None:
+                self._file.close()
 
     def __enter__(self) -> Tracker:
         return self
@@ -352,12 +318,8 @@ def tracker_backends(settings: JobSettings, info: RunInfo, run_ids: Mapping[str,
     m = settings.metrics
     backends: list[TrackerBackend] = []
     if "wandb" in m.backends:
-        from kforge_cli.engine.observe.wandb_backend import WandbBackend
-
         backends.append(WandbBackend(m, info, run_id=m.wandb_run_id or run_ids.get("wandb")))
     if "mlflow" in m.backends:
-        from kforge_cli.engine.observe.mlflow_backend import MlflowBackend
-
         backends.append(MlflowBackend(m, info, run_id=m.mlflow_run_id or run_ids.get("mlflow")))
     if "tensorboard" in m.backends:
         from kforge_cli.engine.observe.tensorboard_backend import TensorboardBackend
@@ -373,14 +335,14 @@ def build_tracker(
     run_dir: Path,
     world_size: int,
     run_ids: Mapping[str, str] | None = None,
-) -> Tracker | None:
-    """The run's tracker on rank 0 (None elsewhere), with every backend's run already started.
+) -> Tracker:
+    """The run's tracker on rank 0 (the null tracker elsewhere), with every backend's run already started.
 
     ``run_ids`` are the ids the checkpoint stored (``Tracker.run_ids`` of the earlier
     job), so a requeued job continues the same runs.
     """
     if not is_main:
-        return None
+        return Tracker.null()
     run_dir = Path(run_dir)
     wanted = set(settings.metrics.backends) - {"jsonl"}
     backends = tracker_backends(settings, run_info(settings, run_dir, world_size), run_ids or {}) if wanted else []

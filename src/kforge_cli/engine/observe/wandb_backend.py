@@ -29,7 +29,7 @@ from kforge_cli.errors import EXIT_FAILURE, EXIT_OK, EXIT_REQUEUE
 from kforge_cli.settings.infrastructure import MetricsSettings
 
 if TYPE_CHECKING:
-    from kforge_cli.engine.observe.tracker import CheckpointMark, MetricPoints, RunInfo, TrackerStatus
+    from kforge_cli.engine.observe.tracking_types import CheckpointMark, MetricPoints, RunInfo, TrackerStatus
 
 log = logging.getLogger("kforge")
 

@@ -35,13 +35,12 @@ from kforge_cli.engine.parallel.pipeline import (
 )
 from kforge_cli.engine.parallel.tensor_parallel import apply_tensor_parallel
 from kforge_cli.engine.runtime import RuntimeContext
+from kforge_cli.engine.runtime.dtypes import DTYPES
 from kforge_cli.errors import ConfigError, ConfigIssue
 from kforge_cli.settings import JobSettings
 from kforge_cli.settings.rules import COMPILE_TP_CPU, FLOAT8_TP_CPU
 
 log = logging.getLogger("kforge")
-
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 def compute_dtype(settings: JobSettings, device: torch.device) -> torch.dtype:

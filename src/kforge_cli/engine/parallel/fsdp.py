@@ -22,8 +22,6 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
 from kforge_cli.settings import JobSettings
 
-ZERO_BUBBLE_SCHEDULES = ("interleaved_zero_bubble", "zbv_zero_bubble", "dualpipev")
-
 
 def mixed_precision_policy(param_dtype: torch.dtype) -> MixedPrecisionPolicy:
     """Compute in ``param_dtype`` (the train's compute dtype), reduce gradients in fp32."""

@@ -23,9 +23,8 @@ from torch import nn
 
 from kforge_cli.engine.model import Transformer
 from kforge_cli.settings import JobSettings
+from kforge_cli.settings.pipeline_schedules import schedule_facts
 from kforge_cli.settings.training import ModelSettings
-
-V_SCHEDULES = ("zbv_zero_bubble", "dualpipev")
 
 
 def stage_layer_ids(n_layers: int, n_stages: int) -> list[list[int]]:
@@ -43,14 +42,14 @@ def stage_layer_ids(n_layers: int, n_stages: int) -> list[list[int]]:
 
 def stage_ids_of_rank(pp_rank: int, pp_size: int, stages_per_rank: int, schedule: str) -> list[int]:
     """The global stage indices pipeline rank ``pp_rank`` runs, in increasing order."""
-    if schedule in V_SCHEDULES:
+    if schedule_facts(schedule).v_shaped:
         return [pp_rank, 2 * pp_size - 1 - pp_rank]
     return [pp_rank + k * pp_size for k in range(stages_per_rank)]
 
 
 def stage_owner(stage_id: int, pp_size: int, schedule: str) -> int:
     """The pipeline rank that runs stage ``stage_id``."""
-    if schedule in V_SCHEDULES:
+    if schedule_facts(schedule).v_shaped:
         return stage_id if stage_id < pp_size else 2 * pp_size - 1 - stage_id
     return stage_id % pp_size
 
@@ -97,20 +96,26 @@ class PipelineModel(nn.Module):
         raise RuntimeError("a pipeline-parallel model runs through its schedule (engine.train.pipeline_step)")
 
 
-@dataclass
 class StageLoss:
-    """The schedule's loss function, filled in per step by the pipeline step function.
+    """The schedule's loss function: ``loss_sum(output, target) * scale``.
 
-    The schedule is built once, but the loss of a micro-batch depends on the step
-    (normalised by the step's global count of valid tokens), so it calls this holder.
+    The schedule is built once with this object. The loss-sum rule is bound once when the
+    training session is assembled (`bind`); only ``scale`` changes per step (the step's
+    token normaliser: ``dp_size / global valid tokens`` when training, 1 for evaluation),
+    written in place so nothing about the schedule is swapped between steps.
     """
 
-    fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None
+    def __init__(self) -> None:
+        self.loss_sum: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None
+        self.scale: torch.Tensor | float = 1.0
+
+    def bind(self, loss_sum: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]) -> None:
+        self.loss_sum = loss_sum
 
     def __call__(self, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-        if self.fn is None:
-            raise RuntimeError("the pipeline loss is set by the step function before each schedule step")
-        return self.fn(output, target)
+        if self.loss_sum is None:
+            raise RuntimeError("the pipeline loss is bound when the training session is built (engine.train)")
+        return self.loss_sum(output, target) * self.scale
 
 
 @dataclass
@@ -122,7 +127,6 @@ class PipelineBundle:
     stage_ids: list[int]
     num_stages: int
     schedule: Any
-    schedule_name: str
     loss: StageLoss = field(default_factory=StageLoss)
 
     @property
@@ -136,20 +140,10 @@ class PipelineBundle:
         return self.num_stages - 1 in self.stage_ids
 
 
-def _schedule_class(name: str) -> tuple[type, bool]:
-    """(torch schedule class, whether it takes several stages per rank)."""
-    from torch.distributed.pipelining import schedules as sch
+def _schedule_class(name: str) -> type:
+    from torch.distributed.pipelining import schedules
 
-    table: dict[str, tuple[str, bool]] = {
-        "gpipe": ("ScheduleGPipe", False),
-        "1f1b": ("Schedule1F1B", False),
-        "interleaved_1f1b": ("ScheduleInterleaved1F1B", True),
-        "interleaved_zero_bubble": ("ScheduleInterleavedZeroBubble", True),
-        "zbv_zero_bubble": ("ScheduleZBVZeroBubble", True),
-        "dualpipev": ("ScheduleDualPipeV", True),
-    }
-    cls_name, multi = table[name]
-    return getattr(sch, cls_name), multi
+    return getattr(schedules, schedule_facts(name).torch_class)
 
 
 def build_pipeline(
@@ -165,9 +159,16 @@ def build_pipeline(
         for module, sid in zip(stage_modules, stage_ids, strict=True)
     ]
     loss = StageLoss()
-    cls, multi = _schedule_class(d.pp_schedule)
+    cls, multi = _schedule_class(d.pp_schedule), schedule_facts(d.pp_schedule).multi_stage
     # Losses are sums normalised by the step's token count: gradients must not be scaled again.
     schedule = cls(
         stages if multi else stages[0], n_microbatches=settings.train.grad_accum_steps, loss_fn=loss, scale_grads=False
     )
-    return PipelineBundle(stages, stage_modules, stage_ids, n_stages, schedule, d.pp_schedule, loss)
+    return PipelineBundle(
+        stages=stages,
+        modules=stage_modules,
+        stage_ids=stage_ids,
+        num_stages=n_stages,
+        schedule=schedule,
+        loss=loss,
+    )

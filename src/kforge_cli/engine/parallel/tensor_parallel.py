@@ -33,7 +33,7 @@ from torch.distributed.tensor.parallel import (
     parallelize_module,
 )
 
-IGNORE_INDEX = -100
+from kforge_cli.engine.data.tokens import IGNORE_INDEX
 
 
 def _styles(float8: bool) -> tuple[type, type, type]:

@@ -11,10 +11,12 @@ from kforge_cli.engine.runtime.context import (
     seed_everything,
     teardown_runtime,
 )
+from kforge_cli.engine.runtime.dtypes import DTYPES, dtype_name, torch_dtype_name
 from kforge_cli.engine.runtime.launcher import LaunchInfo, detect_launch
 from kforge_cli.engine.runtime.mesh import MESH_ORDER, build_mesh, mesh_shape
 
 __all__ = [
+    "DTYPES",
     "MESH_ORDER",
     "LaunchInfo",
     "RuntimeContext",
@@ -23,10 +25,12 @@ __all__ = [
     "build_mesh",
     "choose_device",
     "detect_launch",
+    "dtype_name",
     "init_runtime",
     "mesh_shape",
     "rank_generator",
     "resolve_backend",
     "seed_everything",
     "teardown_runtime",
+    "torch_dtype_name",
 ]

@@ -11,6 +11,8 @@ from typing import Any
 import numpy as np
 import torch
 import torch.distributed as dist
+from torch.distributed import ProcessGroup
+from torch.distributed.device_mesh import DeviceMesh
 
 from kforge_cli.engine.runtime.launcher import LaunchInfo, detect_launch
 from kforge_cli.engine.runtime.mesh import build_mesh, dp_mesh, flat_dp_mesh, sub_mesh
@@ -25,7 +27,7 @@ class RuntimeContext:
     launch: LaunchInfo
     device: torch.device
     dims: ParallelDims
-    mesh: Any = None  # torch DeviceMesh, dims named pp/dp_replicate/dp_shard/tp (see engine.runtime.mesh)
+    mesh: DeviceMesh | None = None  # dims named pp/dp_replicate/dp_shard/tp (see engine.runtime.mesh)
     owns_process_group: bool = False  # init_runtime created the process group, so teardown destroys it
     extra: dict[str, Any] = field(default_factory=dict)
 
@@ -61,7 +63,7 @@ class RuntimeContext:
             return 0
         return flat_dp_mesh(self.mesh).get_local_rank()
 
-    def dp_group(self) -> Any:
+    def dp_group(self) -> ProcessGroup | None:
         """The process group over data-parallel ranks (None = single process)."""
         return None if self.mesh is None else flat_dp_mesh(self.mesh).get_group()
 
@@ -74,7 +76,7 @@ class RuntimeContext:
         pp = sub_mesh(self.mesh, "pp")
         return 0 if pp is None else pp.get_local_rank()
 
-    def pp_group(self) -> Any:
+    def pp_group(self) -> ProcessGroup | None:
         """The pipeline group of this rank (None without pipeline parallelism)."""
         pp = sub_mesh(self.mesh, "pp")
         return None if pp is None else pp.get_group()
@@ -83,11 +85,11 @@ class RuntimeContext:
     def tp_size(self) -> int:
         return self.dims.tp
 
-    def tp_mesh(self) -> Any:
+    def tp_mesh(self) -> DeviceMesh | None:
         """The 1-D tensor-parallel sub-mesh (None without tensor parallelism)."""
         return sub_mesh(self.mesh, "tp")
 
-    def fsdp_mesh(self) -> Any:
+    def fsdp_mesh(self) -> DeviceMesh | None:
         """The mesh FSDP2 shards over (2-D for HSDP), None in a single process."""
         return None if self.mesh is None else dp_mesh(self.mesh)
 

@@ -3,8 +3,10 @@
 from kforge_cli.engine.train.hooks import StepInfo, TrainHook
 from kforge_cli.engine.train.loop import TrainOutcome, run_training_loop
 from kforge_cli.engine.train.recipe import run_training
-from kforge_cli.engine.train.session import TrainingSession, TrainState
-from kforge_cli.engine.train.step import StepResult, plain_step, select_step_fn
+from kforge_cli.engine.train.session import TrainingSession
+from kforge_cli.engine.train.step import StepResult, plain_step
+from kforge_cli.engine.train.steps import select_step_fn
+from kforge_cli.engine.train.train_state import TrainState
 
 __all__ = [
     "StepInfo",

@@ -2,34 +2,57 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
 import torch
 
+from kforge_cli.engine.data.tokens import IGNORE_INDEX
 from kforge_cli.engine.runtime import all_reduce_sum
-from kforge_cli.engine.train.loss import IGNORE_INDEX
-from kforge_cli.engine.train.step import _forward_loss_sum
+from kforge_cli.engine.train.pipeline_step import pipeline_eval_loss_sum
+from kforge_cli.engine.train.step import Batch, forward_loss_sum
+from kforge_cli.settings import JobSettings
 
 if TYPE_CHECKING:
     from kforge_cli.engine.train.session import TrainingSession
 
 
-def evaluate(session: TrainingSession) -> float | None:
-    """The eval loss, averaged over every valid token of every data-parallel rank (None: no val data)."""
-    val = getattr(session.data, "val", None)
-    if val is None:
-        return None
+def eval_batches(settings: JobSettings, *, pipeline: bool) -> int:
+    """Validation batches per evaluation: eval.steps, under PP rounded up to a multiple of
+    train.grad_accum_steps (the schedule evaluates that many micro-batches at a time)."""
+    steps, group = settings.eval.steps, settings.train.grad_accum_steps
+    return -(-steps // group) * group if pipeline else steps
+
+
+def _eval_batches(session: TrainingSession) -> Iterator[Batch]:
+    """The validation batches on the device; under PP, ``grad_accum_steps`` of them at a time
+    (the schedule splits them back into its micro-batches)."""
+    val = session.data.val
+    assert val is not None
     cfg = session.settings.eval
     batch_size = cfg.batch_size or session.settings.train.batch_size
     device = session.runtime.device
-    totals = torch.zeros(2, device=device, dtype=torch.float64)
+    group = session.settings.train.grad_accum_steps if session.pipeline is not None else 1
+    pending: list[Batch] = []
+    for batch in val.iter_batches(eval_batches(session.settings, pipeline=session.pipeline is not None), batch_size):
+        pending.append({k: v.to(device, non_blocking=True) for k, v in batch.items()})
+        if len(pending) == group:
+            yield pending[0] if group == 1 else {k: torch.cat([b[k] for b in pending]) for k in pending[0]}
+            pending = []
+
+
+def evaluate(session: TrainingSession) -> float | None:
+    """The eval loss, averaged over every valid token of every data-parallel rank (None: no val data)."""
+    if session.data.val is None:
+        return None
+    forward = pipeline_eval_loss_sum if session.pipeline is not None else forward_loss_sum
+    totals = torch.zeros(2, device=session.runtime.device, dtype=torch.float64)
     was_training = session.model.training
     session.model.eval()
     try:
         with torch.no_grad():
-            for batch in val.iter_batches(cfg.steps, batch_size):
-                batch = {k: v.to(device, non_blocking=True) for k, v in batch.items()}
-                totals[0] += _forward_loss_sum(session, batch).double()
+            for batch in _eval_batches(session):
+                totals[0] += forward(session, batch).double()
                 totals[1] += (batch["labels"] != IGNORE_INDEX).sum()
     finally:
         session.model.train(was_training)

@@ -1,9 +1,9 @@
-"""Training hooks: observe (or steer) a run without editing the loop.
+"""Training hooks named in the settings: `train.hooks = ["my_pkg.hooks:LogGradNorms"]`.
 
-Subclass `TrainHook` and override what you need. Register hooks from Python
-(`run_training(settings, hooks=[MyHook()])`) or from settings by import path
-(`train.hooks = ["my_pkg.hooks:LogGradNorms"]`; the class is instantiated with no
-arguments, or with the settings when its constructor has one required argument).
+The hook interface (`TrainHook`, `HookList`, `StepInfo`) is defined next to the session in
+`engine.train.session` and re-exported here. A class named in the settings is checked to
+be a `TrainHook` subclass before it is instantiated (with no arguments, or with the
+settings when its constructor has exactly one required argument).
 """
 
 from __future__ import annotations
@@ -11,73 +11,16 @@ from __future__ import annotations
 import importlib
 import inspect
 import logging
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
+from kforge_cli.engine.train.session import HookList, StepInfo, TrainHook
 from kforge_cli.errors import InvalidInputError
-
-if TYPE_CHECKING:
-    from kforge_cli.engine.train.session import TrainingSession
+from kforge_cli.settings import JobSettings
 
 log = logging.getLogger("kforge")
 
 
-@dataclass
-class StepInfo:
-    """What a finished optimizer step produced (all values global across ranks)."""
-
-    step: int
-    loss: float
-    grad_norm: float  # before clipping (and before gradients are zeroed)
-    lr: float
-    tokens_seen: int
-    step_time_s: float
-    skipped: bool = False
-    extra: dict[str, Any] = field(default_factory=dict)
-
-
-class TrainHook:
-    """Base class: every method is a no-op."""
-
-    def on_train_begin(self, session: TrainingSession) -> None: ...
-
-    def on_step_end(self, session: TrainingSession, info: StepInfo) -> None: ...
-
-    def on_eval_end(self, session: TrainingSession, step: int, eval_loss: float) -> None: ...
-
-    def on_checkpoint_save(self, session: TrainingSession, step: int, path: str) -> None: ...
-
-    def on_train_end(self, session: TrainingSession, status: str) -> None: ...
-
-
-class HookList(TrainHook):
-    """Calls every hook in order."""
-
-    def __init__(self, hooks: list[TrainHook]) -> None:
-        self.hooks = list(hooks)
-
-    def on_train_begin(self, session: TrainingSession) -> None:
-        for h in self.hooks:
-            h.on_train_begin(session)
-
-    def on_step_end(self, session: TrainingSession, info: StepInfo) -> None:
-        for h in self.hooks:
-            h.on_step_end(session, info)
-
-    def on_eval_end(self, session: TrainingSession, step: int, eval_loss: float) -> None:
-        for h in self.hooks:
-            h.on_eval_end(session, step, eval_loss)
-
-    def on_checkpoint_save(self, session: TrainingSession, step: int, path: str) -> None:
-        for h in self.hooks:
-            h.on_checkpoint_save(session, step, path)
-
-    def on_train_end(self, session: TrainingSession, status: str) -> None:
-        for h in self.hooks:
-            h.on_train_end(session, status)
-
-
-def load_hook(spec: str, settings: Any) -> TrainHook:
+def load_hook(spec: str, settings: JobSettings) -> TrainHook:
     """Instantiate 'package.module:ClassName' (a clear error when it cannot be imported)."""
     module_name, _, attr = spec.partition(":")
     if not module_name or not attr:
@@ -89,18 +32,21 @@ def load_hook(spec: str, settings: Any) -> TrainHook:
     cls = getattr(module, attr, None)
     if cls is None:
         raise InvalidInputError(f"train.hooks: module {module_name!r} has no attribute {attr!r}")
+    if not (isinstance(cls, type) and issubclass(cls, TrainHook)):  # checked before anything of it runs
+        raise InvalidInputError(f"train.hooks: {spec} is not a kforge_cli.engine.train.TrainHook subclass")
     required = [
         p
         for p in inspect.signature(cls).parameters.values()
         if p.default is inspect.Parameter.empty and p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)
     ]
-    hook = cls(settings) if len(required) == 1 else cls()
-    if not isinstance(hook, TrainHook):
-        raise InvalidInputError(f"train.hooks: {spec} is not a kforge_cli.engine.train.TrainHook subclass")
-    return hook
+    hook_cls: Any = cls  # a TrainHook subclass whose constructor may take the settings
+    return hook_cls(settings) if len(required) == 1 else hook_cls()
 
 
-def build_hooks(settings: Any, extra: list[TrainHook] | None) -> HookList:
+def build_hooks(settings: JobSettings, extra: list[TrainHook] | None) -> HookList:
     """Hooks from settings (by import path) followed by those passed from Python."""
     hooks = [load_hook(spec, settings) for spec in settings.train.hooks]
     return HookList(hooks + list(extra or []))
+
+
+__all__ = ["HookList", "StepInfo", "TrainHook", "build_hooks", "load_hook"]

@@ -5,18 +5,16 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Literal
+from pathlib import Path
+from typing import Any, Literal
 
 import torch
 
 from kforge_cli.engine.observe import mfu, peak_memory_stats
 from kforge_cli.engine.runtime import all_reduce_max
 from kforge_cli.engine.train.evaluation import evaluate
-from kforge_cli.engine.train.hooks import StepInfo
-
-if TYPE_CHECKING:
-    from kforge_cli.engine.train.session import TrainingSession
-    from kforge_cli.engine.train.step import Batch, StepFn
+from kforge_cli.engine.train.session import StepInfo, TrainingSession
+from kforge_cli.engine.train.step import Batch, StepFn
 
 log = logging.getLogger("kforge")
 
@@ -25,8 +23,11 @@ Status = Literal["completed", "stopped"]
 
 @dataclass
 class TrainOutcome:
+    """How the loop ended; the CLI turns it into a message and an exit code."""
+
     status: Status
     step: int
+    run_dir: Path
     last_loss: float | None
     last_eval_loss: float | None
     signal: str | None = None
@@ -89,13 +90,12 @@ def _log_step(session: TrainingSession, info: StepInfo, meter: _Meter) -> None:
         record["nan_steps"] = session.nan_guard.total_bad
     record.update(peak_memory_stats(session.runtime.device))
     record.update(info.extra)  # e.g. per-dataset losses from the step function
-    names = list(getattr(session.data, "dataset_names", []))
+    names = session.data.dataset_names
     if len(names) > 1:  # tokens drawn per dataset so far (global; the loader's counters survive resumes)
         counts = session.data.train.state_dict()["counts"]
         for name, samples in zip(names, counts, strict=True):
             record[f"tokens/{name}"] = int(samples) * session.settings.train.seq_len
-    if session.metrics is not None:
-        session.metrics.write(record)
+    session.metrics.write(record)
     session.progress.update(info.step, record)
 
 
@@ -104,8 +104,7 @@ def _run_eval(session: TrainingSession) -> float | None:
     if eval_loss is None:
         return None
     step = session.state.step
-    if session.metrics is not None:
-        session.metrics.write({"step": step, "eval_loss": eval_loss})
+    session.metrics.write({"step": step, "eval_loss": eval_loss})
     session.progress.log_eval(step, eval_loss)
     session.hooks.on_eval_end(session, step, eval_loss)
     return eval_loss
@@ -117,12 +116,9 @@ def _save_checkpoint(session: TrainingSession, reason: str, *, blocking: bool | 
     `blocking` also waits for the save to be durable (signal and final saves).
     """
     ckpt = session.checkpointer
-    if ckpt is None:
-        return False
     step = session.state.step
     if ckpt.last_step != step:
-        run_ids = getattr(session.metrics, "run_ids", lambda: {})()
-        path = ckpt.save(step, reason=reason, metrics_run_ids=run_ids, blocking=blocking)
+        path = ckpt.save(step, reason=reason, metrics_run_ids=session.metrics.run_ids(), blocking=blocking)
         session.hooks.on_checkpoint_save(session, step, str(path))
     if blocking:
         ckpt.wait()
@@ -142,7 +138,15 @@ def run_training_loop(session: TrainingSession, step_fn: StepFn) -> TrainOutcome
         if _stop_requested(session):
             log.warning("stopping at step %d (%s)", state.step, session.shutdown.signal_name)
             saved = _save_checkpoint(session, "signal", blocking=True)
-            return TrainOutcome("stopped", state.step, last_loss, last_eval, session.shutdown.signal_name, saved)
+            return TrainOutcome(
+                status="stopped",
+                step=state.step,
+                run_dir=session.run_dir,
+                last_loss=last_loss,
+                last_eval_loss=last_eval,
+                signal=session.shutdown.signal_name,
+                checkpoint_saved=saved,
+            )
         t0 = time.perf_counter()
         micro = [_to_device(next(batches), device) for _ in range(s.train.grad_accum_steps)]
         result = step_fn(session, micro)
@@ -160,21 +164,29 @@ def run_training_loop(session: TrainingSession, step_fn: StepFn) -> TrainOutcome
         session.profiler.step(step)
         last_loss = result.loss
         info = StepInfo(
-            step, result.loss, result.grad_norm, lr, state.tokens_seen, elapsed, action == "skip", result.extra
+            step=step,
+            loss=result.loss,
+            grad_norm=result.grad_norm,
+            lr=lr,
+            tokens_seen=state.tokens_seen,
+            step_time_s=elapsed,
+            skipped=action == "skip",
+            extra=result.extra,
         )
         if step % s.metrics.log_interval == 0 or step == s.train.max_steps or step == 1:
             _log_step(session, info, meter)
         session.hooks.on_step_end(session, info)
         if s.eval.interval and step % s.eval.interval == 0:
             last_eval = _run_eval(session)
-        if session.checkpointer is not None:
-            session.checkpointer.poll()  # commit a finished async save
-            if session.checkpointer.due(step):
-                _save_checkpoint(session, "interval")
+        session.checkpointer.poll()  # commit a finished async save
+        if session.checkpointer.due(step):
+            _save_checkpoint(session, "interval")
     if s.eval.interval and state.step % s.eval.interval != 0:
         last_eval = _run_eval(session)
     if s.checkpoint.save_final:
         _save_checkpoint(session, "final", blocking=True)
-    elif session.checkpointer is not None:
+    else:
         session.checkpointer.wait()
-    return TrainOutcome("completed", state.step, last_loss, last_eval)
+    return TrainOutcome(
+        status="completed", step=state.step, run_dir=session.run_dir, last_loss=last_loss, last_eval_loss=last_eval
+    )

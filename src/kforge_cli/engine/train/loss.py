@@ -19,9 +19,8 @@ import torch
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
+from kforge_cli.engine.data.tokens import IGNORE_INDEX
 from kforge_cli.settings import JobSettings
-
-IGNORE_INDEX = -100
 
 
 def cross_entropy_per_token(logits: torch.Tensor, labels: torch.Tensor, z_loss_weight: float = 0.0) -> torch.Tensor:

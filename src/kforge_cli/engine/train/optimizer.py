@@ -18,6 +18,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from kforge_cli.engine.model.names import clean_param_name
+from kforge_cli.engine.runtime.dtypes import DTYPES
 from kforge_cli.engine.train.lion import Lion
 from kforge_cli.engine.train.muon import Muon
 from kforge_cli.errors import ConfigError, ConfigIssue
@@ -25,14 +27,6 @@ from kforge_cli.settings import JobSettings
 
 HEAD_PARAM_NAME = "output.weight"
 EMBEDDING_NAME_MARKER = "embeddings"
-# Segments that torch.compile, activation checkpointing and FSDP1 insert into parameter names.
-_WRAPPER_SEGMENTS = ("_orig_mod", "_checkpoint_wrapped_module", "_fsdp_wrapped_module")
-_FUSED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
-
-
-def clean_param_name(name: str) -> str:
-    """The parameter name without the segments that compile/AC/DDP wrappers add."""
-    return ".".join(part for part in name.split(".") if part not in _WRAPPER_SEGMENTS)
 
 
 def _aliases(model: nn.Module) -> dict[int, list[str]]:
@@ -104,7 +98,7 @@ def use_fused_adamw(params: list[torch.Tensor], fused: bool | None) -> bool:
     """``optimizer.fused`` if set, else True when every parameter (plain or DTensor) is a CUDA float tensor."""
     if fused is not None:
         return fused
-    return bool(params) and all(p.device.type == "cuda" and p.dtype in _FUSED_DTYPES for p in params)
+    return bool(params) and all(p.device.type == "cuda" and p.dtype in DTYPES.values() for p in params)
 
 
 def _build_adamw(groups: list[dict[str, Any]], settings: JobSettings) -> torch.optim.AdamW:

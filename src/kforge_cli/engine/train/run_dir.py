@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import logging
-import time
 from pathlib import Path
 
 import torch.distributed as dist
@@ -13,27 +12,27 @@ from kforge_cli.engine.data.run_tokenizer import record_run_tokenizer
 from kforge_cli.engine.runtime import RuntimeContext
 from kforge_cli.settings import JobSettings
 from kforge_cli.settings.explain import to_toml
+from kforge_cli.settings.run_dir import default_run_dir
 
 log = logging.getLogger("kforge")
 
 
-def default_run_dir(settings: JobSettings) -> Path:
-    stamp = time.strftime("%Y%m%d-%H%M%S")
-    return Path("runs") / f"{settings.profile or 'custom'}-{stamp}"
-
-
 def resolve_run_dir(settings: JobSettings, runtime: RuntimeContext) -> Path:
-    """RUN_DIR: train.run_dir, or runs/<profile>-<timestamp> decided by rank 0 for every rank."""
-    chosen = [str(settings.train.run_dir or default_run_dir(settings))]
+    """RUN_DIR (absolute): train.run_dir, or the default name decided by rank 0 for every rank."""
+    chosen = [str(Path(settings.train.run_dir or default_run_dir(settings)).expanduser().resolve())]
     if runtime.distributed:
         dist.broadcast_object_list(chosen, src=0)
-    run_dir = Path(chosen[0]).resolve()
+    run_dir = Path(chosen[0])
     if runtime.is_main:
         (run_dir / "logs").mkdir(parents=True, exist_ok=True)
     if runtime.distributed:
         dist.barrier()
-    settings.train.run_dir = str(run_dir)
     return run_dir
+
+
+def with_run_dir(settings: JobSettings, run_dir: Path) -> JobSettings:
+    """A copy of ``settings`` that names ``run_dir`` (what the run's config.toml records)."""
+    return settings.model_copy(update={"train": settings.train.model_copy(update={"run_dir": str(run_dir)})})
 
 
 def write_config(settings: JobSettings, run_dir: Path) -> Path:
@@ -52,6 +51,6 @@ def write_config(settings: JobSettings, run_dir: Path) -> Path:
         log.warning("keeping %s: these settings change the model's shape (%s)", path, "; ".join(conflicts))
         return path
     tmp = path.with_suffix(".toml.tmp")
-    tmp.write_text(to_toml(settings))
+    tmp.write_text(to_toml(with_run_dir(settings, run_dir)))
     tmp.replace(path)
     return path

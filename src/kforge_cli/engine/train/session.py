@@ -1,4 +1,9 @@
-"""`TrainingSession`: every piece of a run, built once by `run_training` and passed explicitly."""
+"""`TrainingSession`: every piece of a run, built once by `build_session` and passed explicitly,
+and the hook interface the loop calls on it (`TrainHook`, `HookList`, `StepInfo`).
+
+The hook interface lives here, next to the session its methods receive, so that neither
+module imports the other; `engine.train.hooks` loads hooks named in the settings.
+"""
 
 from __future__ import annotations
 
@@ -10,28 +15,75 @@ from typing import Any
 import torch
 from torch import nn
 
+from kforge_cli.engine.checkpoint import CheckpointManager
+from kforge_cli.engine.data import TrainData
 from kforge_cli.engine.observe import ProgressReporter, Tracker, TrainProfiler
 from kforge_cli.engine.parallel import PipelineBundle
 from kforge_cli.engine.resilience import NanGuard, ShutdownHandler
 from kforge_cli.engine.runtime import RuntimeContext
-from kforge_cli.engine.train.hooks import HookList
 from kforge_cli.engine.train.loss import LossFn
+from kforge_cli.engine.train.train_state import TrainState
 from kforge_cli.settings import JobSettings
 
 
 @dataclass
-class TrainState:
-    """Progress that a checkpoint must carry (JSON-serialisable)."""
+class StepInfo:
+    """What a finished optimizer step produced (all values global across ranks)."""
 
-    step: int = 0  # optimizer steps completed
-    tokens_seen: int = 0
+    step: int
+    loss: float
+    grad_norm: float  # before clipping (and before gradients are zeroed)
+    lr: float
+    tokens_seen: int
+    step_time_s: float
+    skipped: bool = False
+    extra: dict[str, Any] = field(default_factory=dict)
 
-    def state_dict(self) -> dict[str, int]:
-        return {"step": self.step, "tokens_seen": self.tokens_seen}
 
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.step = int(state["step"])
-        self.tokens_seen = int(state["tokens_seen"])
+class TrainHook:
+    """Observe (or steer) a run without editing the loop: subclass and override what you need.
+
+    Register hooks from Python (`run_training(settings, hooks=[MyHook()])`) or from settings
+    by import path (`train.hooks = ["my_pkg.hooks:LogGradNorms"]`, see `engine.train.hooks`).
+    Every method is a no-op here.
+    """
+
+    def on_train_begin(self, session: TrainingSession) -> None: ...
+
+    def on_step_end(self, session: TrainingSession, info: StepInfo) -> None: ...
+
+    def on_eval_end(self, session: TrainingSession, step: int, eval_loss: float) -> None: ...
+
+    def on_checkpoint_save(self, session: TrainingSession, step: int, path: str) -> None: ...
+
+    def on_train_end(self, session: TrainingSession, status: str) -> None: ...
+
+
+class HookList(TrainHook):
+    """Calls every hook in order."""
+
+    def __init__(self, hooks: list[TrainHook]) -> None:
+        self.hooks = list(hooks)
+
+    def on_train_begin(self, session: TrainingSession) -> None:
+        for h in self.hooks:
+            h.on_train_begin(session)
+
+    def on_step_end(self, session: TrainingSession, info: StepInfo) -> None:
+        for h in self.hooks:
+            h.on_step_end(session, info)
+
+    def on_eval_end(self, session: TrainingSession, step: int, eval_loss: float) -> None:
+        for h in self.hooks:
+            h.on_eval_end(session, step, eval_loss)
+
+    def on_checkpoint_save(self, session: TrainingSession, step: int, path: str) -> None:
+        for h in self.hooks:
+            h.on_checkpoint_save(session, step, path)
+
+    def on_train_end(self, session: TrainingSession, status: str) -> None:
+        for h in self.hooks:
+            h.on_train_end(session, status)
 
 
 @dataclass
@@ -46,17 +98,17 @@ class TrainingSession:
     optimizer: torch.optim.Optimizer
     scheduler: torch.optim.lr_scheduler.LRScheduler
     loss_fn: LossFn
-    data: Any  # engine.data.DataBundle
+    data: TrainData
     hooks: HookList
-    metrics: Tracker | None  # rank 0 only: metrics.jsonl and the experiment trackers
+    metrics: Tracker  # rank 0: metrics.jsonl and the experiment trackers; other ranks: the null tracker
     progress: ProgressReporter
     profiler: TrainProfiler
     nan_guard: NanGuard
     shutdown: ShutdownHandler
+    checkpointer: CheckpointManager
     compute_dtype: torch.dtype
     flops_per_token: float
     peak_flops: float | None
-    checkpointer: Any = None  # engine.checkpoint.CheckpointManager when built
     state: TrainState = field(default_factory=TrainState)
 
     @property
@@ -66,8 +118,7 @@ class TrainingSession:
     @property
     def tokens_per_step(self) -> int:
         """Global tokens consumed by one optimizer step (all data-parallel ranks)."""
-        t = self.settings.train
-        return t.batch_size * t.seq_len * t.grad_accum_steps * self.runtime.dp_size
+        return self.settings.train.tokens_per_step(self.runtime.dp_size)
 
     def autocast(self) -> AbstractContextManager[Any]:
         """Mixed precision for a single-device model (FSDP2 casts parameters itself)."""

@@ -1,10 +1,16 @@
-"""Step functions: one optimizer step's forward/backward over the micro-batches.
+"""The step core: one optimizer step's forward/backward over the micro-batches, written once.
 
 A step function takes the session and the step's micro-batches (already on the device)
 and returns a `StepResult`; the loop owns the optimizer update, NaN policy and logging.
 The loss is normalised by the number of valid (non-ignored) label tokens across ALL
 micro-batches of the step and all data-parallel ranks, not averaged per micro-batch, so
 gradient accumulation and data parallelism give the same update as one big batch.
+
+`TokenNormaliser` is that rule (count, all-reduce, scale); `accumulate` is the
+micro-batch loop built on it (gradient sync only on the last micro-batch). `PlainStep`
+runs it and clips; variants subclass it and override one phase (`VLMStep` drops frozen
+gradients after the backward); the pipeline step uses the same normaliser inside its
+schedule. Which variant a run uses is decided in one place, `engine.train.steps`.
 """
 
 from __future__ import annotations
@@ -12,20 +18,21 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 from torch.distributed.tensor import DTensor
 
+from kforge_cli.engine.data.tokens import IGNORE_INDEX
 from kforge_cli.engine.parallel import clip_grad_norm, vocab_parallel_loss_sum
 from kforge_cli.engine.runtime import all_reduce_sum
-from kforge_cli.engine.train.loss import IGNORE_INDEX
 
 if TYPE_CHECKING:
     from kforge_cli.engine.train.session import TrainingSession
-    from kforge_cli.settings import JobSettings
 
 Batch = dict[str, torch.Tensor]
+# Batch keys passed to the model as keyword arguments when present (VLM batches add the pixels).
+MODEL_INPUTS = ("doc_ids", "positions", "pixel_values", "frame_mask")
 
 
 @dataclass
@@ -36,9 +43,10 @@ class StepResult:
     extra: dict[str, float] = field(default_factory=dict)  # e.g. {"loss/<dataset>": ...}
 
 
-StepFn = Callable[["TrainingSession", list[Batch]], StepResult]
-# Batch keys passed to the model as keyword arguments when present (VLM batches add the pixels).
-MODEL_INPUTS = ("doc_ids", "positions", "pixel_values", "frame_mask")
+class StepFn(Protocol):
+    """What the loop calls once per optimizer step."""
+
+    def __call__(self, session: TrainingSession, micro_batches: list[Batch], /) -> StepResult: ...
 
 
 def loss_sum_from_output(session: TrainingSession, output: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
@@ -57,11 +65,8 @@ def model_computes_loss(session: TrainingSession) -> bool:
     return session.loss_fn.chunked and session.runtime.tp_size == 1
 
 
-def _forward_loss_sum(session: TrainingSession, batch: Batch) -> torch.Tensor:
-    if session.pipeline is not None:  # forward only (evaluation): the stages run in order
-        from kforge_cli.engine.train.pipeline_step import pipeline_forward_loss_sum
-
-        return pipeline_forward_loss_sum(session, batch)
+def forward_loss_sum(session: TrainingSession, batch: Batch) -> torch.Tensor:
+    """The loss summed over the valid tokens of ``batch`` (one model, no pipeline)."""
     model, loss_fn = session.model, session.loss_fn
     kwargs = {k: batch[k] for k in MODEL_INPUTS if k in batch}
     with session.autocast():
@@ -71,15 +76,7 @@ def _forward_loss_sum(session: TrainingSession, batch: Batch) -> torch.Tensor:
     return loss_sum_from_output(session, logits, batch["labels"])
 
 
-def clip_gradients(session: TrainingSession) -> float:
-    """Clip to train.grad_clip_norm (0 = only measure); returns the pre-clip total norm."""
-    max_norm = session.settings.train.grad_clip_norm or math.inf
-    params = [p for p in session.model.parameters() if p.grad is not None]
-    # The norm spans every mesh dim: shards (dp, tp) and pipeline stages (pp) all contribute.
-    return clip_grad_norm(params, max_norm, session.runtime.pp_group())
-
-
-def _forward_loss_per_token(session: TrainingSession, batch: Batch) -> torch.Tensor:
+def forward_loss_per_token(session: TrainingSession, batch: Batch) -> torch.Tensor:
     """Per-position losses [B, T] (plain data/FSDP path only), for per-dataset losses."""
     model, loss_fn = session.model, session.loss_fn
     kwargs = {k: batch[k] for k in MODEL_INPUTS if k in batch}
@@ -90,65 +87,113 @@ def _forward_loss_per_token(session: TrainingSession, batch: Batch) -> torch.Ten
     return loss_fn.per_token_from_logits(logits, batch["labels"])
 
 
-def _tracks_datasets(session: TrainingSession, micro_batches: list[Batch]) -> int:
-    """Number of mixture datasets whose losses the step reports (0 = not tracked).
+def clip_gradients(session: TrainingSession) -> float:
+    """Clip to train.grad_clip_norm (0 = only measure); returns the pre-clip total norm."""
+    max_norm = session.settings.train.grad_clip_norm or math.inf
+    params = [p for p in session.model.parameters() if p.grad is not None]
+    # The norm spans every mesh dim: shards (dp, tp) and pipeline stages (pp) all contribute.
+    return clip_grad_norm(params, max_norm, session.runtime.pp_group())
 
-    Tracked on the plain path (one process or FSDP); under TP the logits are
-    vocab-sharded and under PP the loss lives on the last stage, so only the total is kept.
+
+@dataclass
+class TokenNormaliser:
+    """The step's global count of valid label tokens and the factor every loss sum is scaled by.
+
+    Data-parallel gradient reduction averages over ranks; multiplying by ``dp_size`` undoes
+    that, so the effective loss is (global loss sum) / (global valid tokens).
     """
-    names = getattr(session.data, "dataset_names", None) or []
-    if len(names) < 2 or session.pipeline is not None or session.runtime.tp_size > 1:
-        return 0
-    return len(names) if all("dataset_ids" in mb for mb in micro_batches) else 0
+
+    n_valid: torch.Tensor  # global valid tokens (float scalar on the device)
+    scale: torch.Tensor  # dp_size / n_valid
+
+    @classmethod
+    def for_step(cls, session: TrainingSession, micro_batches: list[Batch]) -> TokenNormaliser:
+        local = sum(int((mb["labels"] != IGNORE_INDEX).sum()) for mb in micro_batches)
+        n_valid = all_reduce_sum(torch.tensor(float(local), device=session.runtime.device), session.runtime.dp_group())
+        return cls(n_valid=n_valid, scale=session.runtime.dp_size / n_valid.clamp(min=1.0))
+
+    def mean(self, global_loss_sum: torch.Tensor) -> float:
+        """The step's mean loss per valid token from the global loss sum."""
+        return float(global_loss_sum) / max(float(self.n_valid), 1.0)
+
+    @property
+    def tokens(self) -> int:
+        return int(self.n_valid)
 
 
-def plain_step(session: TrainingSession, micro_batches: list[Batch]) -> StepResult:
-    """Gradient accumulation over micro-batches with token-count normalisation."""
-    device = session.runtime.device
-    group = session.runtime.dp_group()
-    local_valid = sum(int((mb["labels"] != IGNORE_INDEX).sum()) for mb in micro_batches)
-    n_valid = all_reduce_sum(torch.tensor(float(local_valid), device=device), group)
-    # Data-parallel gradient reduction averages over ranks; multiply back so the
-    # effective loss is (global sum) / (global valid tokens).
-    scale = session.runtime.dp_size / n_valid.clamp(min=1.0)
-    total = torch.zeros((), device=device, dtype=torch.float32)
-    n_datasets = _tracks_datasets(session, micro_batches)
-    per_dataset = torch.zeros(2, max(n_datasets, 1), device=device, dtype=torch.float64)  # loss sums, tokens
+def accumulate(
+    session: TrainingSession, micro_batches: list[Batch], forward: Callable[[Batch], torch.Tensor]
+) -> tuple[torch.Tensor, TokenNormaliser]:
+    """Forward/backward every micro-batch (``forward`` returns its loss sum); gradients are
+    reduced across data-parallel ranks only with the last one. Returns the global loss sum."""
+    norm = TokenNormaliser.for_step(session, micro_batches)
+    total = torch.zeros((), device=session.runtime.device, dtype=torch.float32)
+    sync = getattr(session.model, "set_requires_gradient_sync", None)  # FSDP2 modules only
     last = len(micro_batches) - 1
     for i, batch in enumerate(micro_batches):
-        sync = getattr(session.model, "set_requires_gradient_sync", None)
         if sync is not None:
             sync(i == last)
-        if n_datasets:
-            per_token = _forward_loss_per_token(session, batch)
-            loss_sum = per_token.sum()
-            ids = batch["dataset_ids"]
-            per_dataset[0].index_add_(0, ids, per_token.detach().sum(dim=-1).double())
-            per_dataset[1].index_add_(0, ids, (batch["labels"] != IGNORE_INDEX).sum(dim=-1).double())
-        else:
-            loss_sum = _forward_loss_sum(session, batch)
-        (loss_sum * scale).backward()
+        loss_sum = forward(batch)
+        (loss_sum * norm.scale).backward()
         total += loss_sum.detach().float()
-    total = all_reduce_sum(total, group)
-    grad_norm = clip_gradients(session)
-    n = float(n_valid)
-    extra: dict[str, float] = {}
-    if n_datasets:
-        all_reduce_sum(per_dataset, group)
-        for name, loss_sum, tokens in zip(session.data.dataset_names, *per_dataset.tolist(), strict=True):
-            if tokens > 0:
-                extra[f"loss/{name}"] = loss_sum / tokens
-    return StepResult(loss=float(total) / max(n, 1.0), grad_norm=grad_norm, valid_tokens=int(n), extra=extra)
+    return all_reduce_sum(total, session.runtime.dp_group()), norm
 
 
-def select_step_fn(settings: JobSettings) -> StepFn:
-    """The step function for this configuration (pipeline and VLM variants register here)."""
-    if settings.distributed.pp > 1:
-        from kforge_cli.engine.train.pipeline_step import pipeline_step
+class DatasetLosses:
+    """Per-dataset loss sums and token counts of a mixture, gathered while the step runs."""
 
-        return pipeline_step
-    if settings.vlm is not None:
-        from kforge_cli.engine.train.vlm_step import vlm_step_fn
+    def __init__(self, session: TrainingSession, names: list[str]) -> None:
+        self.session, self.names = session, names
+        self.sums = torch.zeros(2, len(names), device=session.runtime.device, dtype=torch.float64)
 
-        return vlm_step_fn()
-    return plain_step
+    @classmethod
+    def for_step(cls, session: TrainingSession, micro_batches: list[Batch]) -> DatasetLosses | None:
+        """Tracked on the plain path (one process or FSDP) for mixtures of 2+ datasets; under TP the
+        logits are vocab-sharded and under PP the loss lives on the last stage, so only the total is kept."""
+        names = session.data.dataset_names
+        if len(names) < 2 or session.pipeline is not None or session.runtime.tp_size > 1:
+            return None
+        return cls(session, names) if all("dataset_ids" in mb for mb in micro_batches) else None
+
+    def forward(self, batch: Batch) -> torch.Tensor:
+        per_token = forward_loss_per_token(self.session, batch)
+        ids = batch["dataset_ids"]
+        self.sums[0].index_add_(0, ids, per_token.detach().sum(dim=-1).double())
+        self.sums[1].index_add_(0, ids, (batch["labels"] != IGNORE_INDEX).sum(dim=-1).double())
+        return per_token.sum()
+
+    def means(self) -> dict[str, float]:
+        all_reduce_sum(self.sums, self.session.runtime.dp_group())
+        return {
+            f"loss/{name}": loss_sum / tokens
+            for name, loss_sum, tokens in zip(self.names, *self.sums.tolist(), strict=True)
+            if tokens > 0
+        }
+
+
+class PlainStep:
+    """Token-normalised accumulation, then clipping. Subclasses override one phase."""
+
+    def __call__(self, session: TrainingSession, micro_batches: list[Batch]) -> StepResult:
+        self.before_forward(session)
+        datasets = DatasetLosses.for_step(session, micro_batches)
+        forward = datasets.forward if datasets is not None else (lambda batch: forward_loss_sum(session, batch))
+        total, norm = accumulate(session, micro_batches, forward)
+        self.after_backward(session)
+        grad_norm = clip_gradients(session)
+        extra = datasets.means() if datasets is not None else {}
+        extra.update(self.extra())
+        return StepResult(loss=norm.mean(total), grad_norm=grad_norm, valid_tokens=norm.tokens, extra=extra)
+
+    def before_forward(self, session: TrainingSession) -> None:
+        """Runs before the first micro-batch (nothing for plain training)."""
+
+    def after_backward(self, session: TrainingSession) -> None:
+        """Runs after the last backward, before clipping (nothing for plain training)."""
+
+    def extra(self) -> dict[str, float]:
+        """Step metrics of this variant, merged into `StepResult.extra`."""
+        return {}
+
+
+plain_step = PlainStep()

@@ -22,11 +22,9 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from kforge_cli.engine.model.names import clean_param_name
 from kforge_cli.engine.model.vlm import check_specs, frozen_names, frozen_specs_at
-from kforge_cli.engine.model.vlm.freeze import clean_name
-from kforge_cli.engine.runtime import all_reduce_sum
-from kforge_cli.engine.train.loss import IGNORE_INDEX
-from kforge_cli.engine.train.step import Batch, StepResult, _forward_loss_sum, clip_gradients
+from kforge_cli.engine.train.step import PlainStep
 
 if TYPE_CHECKING:
     from kforge_cli.engine.train.session import TrainingSession
@@ -77,7 +75,7 @@ class FreezeController:
         specs = frozen_specs_at(self.vlm, step)
         if specs != self._specs:
             names = frozen_names(self.params, specs)
-            by_clean = {n: p for n, p in self.params.items() if clean_name(n) in names}
+            by_clean = {n: p for n, p in self.params.items() if clean_param_name(n) in names}
             self._frozen = list(by_clean.values())
             self.frozen_numel = sum(p.numel() for p in self._frozen)
             if self.is_main and (self._specs is not None or specs):
@@ -91,41 +89,23 @@ class FreezeController:
         return self._frozen
 
 
-class VLMStep:
-    """The step function of VLM jobs (``select_step_fn`` returns one per run)."""
+class VLMStep(PlainStep):
+    """The plain step plus the freeze schedule: frozen parameters' gradients are dropped after the backward."""
 
     def __init__(self) -> None:
         self.freeze: FreezeController | None = None
+        self._frozen: list[torch.Tensor] = []
 
-    def __call__(self, session: TrainingSession, micro_batches: list[Batch]) -> StepResult:
+    def before_forward(self, session: TrainingSession) -> None:
         if self.freeze is None:
             self.freeze = FreezeController(session)
         if init_optimizer_state(session.optimizer):
             log.debug("optimizer state initialised for all %d parameters", len(self.freeze.params))
-        frozen = self.freeze.frozen_at(session.state.step)
-        device = session.runtime.device
-        group = session.runtime.dp_group()
-        local_valid = sum(int((mb["labels"] != IGNORE_INDEX).sum()) for mb in micro_batches)
-        n_valid = all_reduce_sum(torch.tensor(float(local_valid), device=device), group)
-        scale = session.runtime.dp_size / n_valid.clamp(min=1.0)  # dp reduction averages; see engine.train.step
-        total = torch.zeros((), device=device, dtype=torch.float32)
-        last = len(micro_batches) - 1
-        for i, batch in enumerate(micro_batches):
-            sync = getattr(session.model, "set_requires_gradient_sync", None)
-            if sync is not None:
-                sync(i == last)
-            loss_sum = _forward_loss_sum(session, batch)
-            (loss_sum * scale).backward()
-            total += loss_sum.detach().float()
-        total = all_reduce_sum(total, group)
-        for p in frozen:
+        self._frozen = self.freeze.frozen_at(session.state.step)
+
+    def after_backward(self, session: TrainingSession) -> None:
+        for p in self._frozen:
             p.grad = None
-        grad_norm = clip_gradients(session)
-        n = float(n_valid)
-        extra = {"frozen_params": float(self.freeze.frozen_numel)}
-        return StepResult(loss=float(total) / max(n, 1.0), grad_norm=grad_norm, valid_tokens=int(n), extra=extra)
 
-
-def vlm_step_fn() -> VLMStep:
-    """A fresh VLM step function (it keeps the run's freeze state)."""
-    return VLMStep()
+    def extra(self) -> dict[str, float]:
+        return {"frozen_params": float(self.freeze.frozen_numel if self.freeze is not None else 0)}

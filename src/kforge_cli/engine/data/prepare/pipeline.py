@@ -39,6 +39,12 @@ from kforge_cli.engine.data.prepare.inputs import InputFile, WorkUnit, collect_i
 from kforge_cli.engine.data.shards import FORMAT, FORMAT_VERSION, METADATA, SplitWriter, load_prepared
 from kforge_cli.engine.data.tokenizer import ByteTokenizer, HFTokenizer, load_tokenizer, token_dtype
 from kforge_cli.errors import InvalidInputError
+from kforge_cli.settings.data import (
+    PREPARE_SHARD_TOKENS,
+    PREPARE_TEXT_FIELD,
+    PREPARE_TOKENIZER,
+    PREPARE_VAL_FRACTION,
+)
 
 
 @dataclass
@@ -198,10 +204,10 @@ def prepare_data(
     inputs: list[Path],
     out: Path,
     *,
-    tokenizer: str = "byte",
-    val_fraction: float = 0.01,
-    shard_tokens: int = 100_000_000,
-    text_field: str = "text",
+    tokenizer: str = PREPARE_TOKENIZER,
+    val_fraction: float = PREPARE_VAL_FRACTION,
+    shard_tokens: int = PREPARE_SHARD_TOKENS,
+    text_field: str = PREPARE_TEXT_FIELD,
     skip_bad_records: bool = False,
     workers: int | None = None,
     on_progress: Callable[[int, int], None] | None = None,

@@ -28,9 +28,8 @@ from typing import Any, Protocol
 import numpy as np
 import torch
 
-from kforge_cli.engine.data.loader import StatefulLoader
+from kforge_cli.engine.data.loader import StatefulLoader, training_loader
 from kforge_cli.engine.data.mixture import MixtureSchedule
-from kforge_cli.engine.data.sampler import SampleOrder
 from kforge_cli.engine.data.tokenizer import Tokenizer, load_tokenizer
 from kforge_cli.engine.data.tokens import IGNORE_INDEX
 from kforge_cli.engine.data.vlm.media import BadSampleError
@@ -201,7 +200,7 @@ def _sources(settings: JobSettings, tok: Tokenizer) -> tuple[str, CaptionSource,
 
 def build_vlm_data(settings: JobSettings, *, dp_rank: int, dp_size: int) -> VLMDataBundle:
     """The train loader and val data of data-parallel rank ``dp_rank`` of ``dp_size`` for a VLM job."""
-    vlm, train = settings.vlm, settings.train
+    vlm = settings.vlm
     if vlm is None or settings.vision_encoder is None:
         raise InvalidInputError("build_vlm_data needs the [vlm] and [vision_encoder] sections")
     tok = load_tokenizer(settings.data.tokenizer)
@@ -214,23 +213,15 @@ def build_vlm_data(settings: JobSettings, *, dp_rank: int, dp_size: int) -> VLMD
     name, train_src, val_src = _sources(settings, tok)
     batcher = CaptionBatcher(train_src, tok, text_len=vlm.max_text_len, frames=frames, skip_bad=vlm.skip_bad_samples)
     schedule = MixtureSchedule.build([name], [1.0], settings.data.temperature, [])
-    order = SampleOrder(
+    loader = training_loader(
+        settings,
         [name],
         [len(train_src)],
         schedule,
-        seed=settings.data_seed,
-        batch_size=train.batch_size,
-        dp_rank=dp_rank,
-        dp_size=dp_size,
-        grad_accum_steps=train.grad_accum_steps,
-    )
-    loader = StatefulLoader(
-        order,
         batcher,
         seq_len=vlm.max_text_len,
-        num_workers=settings.data.num_workers,  # type: ignore[arg-type]
-        prefetch_factor=settings.data.prefetch_factor,
-        pin_memory=settings.data.pin_memory,
+        dp_rank=dp_rank,
+        dp_size=dp_size,
     )
     val = None
     if val_src is not None:

@@ -28,6 +28,7 @@ import fnmatch
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
+from kforge_cli.engine.model.names import clean_param_name
 from kforge_cli.errors import InvalidInputError
 from kforge_cli.settings.vlm import VLMSettings
 
@@ -42,14 +43,6 @@ ALIASES: dict[str, tuple[str, ...]] = {
     "head": ("output", "norm"),
     "cross_attention": ("layers.*.cross_attention", "layers.*.cross_attention_norm"),
 }
-_WRAPPER_TOKENS = ("_checkpoint_wrapped_module.", "_orig_mod.", "_fsdp_wrapped_module.")
-
-
-def clean_name(name: str) -> str:
-    """A parameter name without the segments compile/AC wrappers insert."""
-    for token in _WRAPPER_TOKENS:
-        name = name.replace(token, "")
-    return name
 
 
 def spec_patterns(spec: str) -> tuple[str, ...]:
@@ -109,7 +102,7 @@ def all_specs(cfg: VLMSettings) -> list[tuple[str, str]]:
 
 def check_specs(cfg: VLMSettings, names: Iterable[str]) -> None:
     """Every spec must match at least one parameter: a typo must not silently train everything."""
-    names = [clean_name(n) for n in names]
+    names = [clean_param_name(n) for n in names]
     for where, spec in all_specs(cfg):
         if not any(matches(n, spec) for n in names):
             raise InvalidInputError(
@@ -121,7 +114,7 @@ def check_specs(cfg: VLMSettings, names: Iterable[str]) -> None:
 
 def frozen_names(names: Iterable[str], specs: Sequence[str]) -> set[str]:
     """The (clean) parameter names any of ``specs`` freezes."""
-    return {n for n in (clean_name(x) for x in names) if any(matches(n, s) for s in specs)}
+    return {n for n in (clean_param_name(x) for x in names) if any(matches(n, s) for s in specs)}
 
 
 def freeze_record(cfg: VLMSettings | None, step: int) -> dict[str, Any] | None:

@@ -147,7 +147,7 @@ def throughput(settings: JobSettings, dims: ParallelDims, compute_dtype: str, mf
     from kforge_cli.engine.model import flops_per_token
 
     t, m = settings.train, settings.model
-    tokens = t.batch_size * t.seq_len * t.grad_accum_steps * dims.dp
+    tokens = t.tokens_per_step(dims.dp)
     fpt = flops_per_token(m, t.seq_len)
     flops = fpt * tokens
     override = settings.metrics.peak_tflops

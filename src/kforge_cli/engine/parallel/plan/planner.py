@@ -42,6 +42,7 @@ from kforge_cli.engine.parallel.plan.sharded_model import (
     fake_process_group,
     target_device,
 )
+from kforge_cli.engine.runtime.dtypes import dtype_name
 from kforge_cli.errors import InvalidInputError
 from kforge_cli.settings import JobSettings, ParallelDims, resolve_dims
 
@@ -50,7 +51,6 @@ CUDA_RUNTIME_BYTES = 2 * GIB  # CUDA context + NCCL communicators: an allowance,
 TIGHT_FRACTION = 0.9  # above this share of the GPU, allocator fragmentation may still OOM
 SMALL_MICROBATCH_TOKENS = 4096
 BUBBLE_WARNING = 0.2
-DTYPE_NAMES = {"torch.float32": "fp32", "torch.bfloat16": "bf16", "torch.float16": "fp16"}
 
 
 @dataclass(frozen=True)
@@ -263,7 +263,7 @@ def build_plan(settings: JobSettings, world_size: int, rank: int = 0, *, mfu: fl
     items, acts = _memory(settings, dims, built, cbytes)
     peak = peak_of(items)
     capacity = int(settings.slurm.gpu_memory_gb * GIB)
-    cname = DTYPE_NAMES[str(cdtype)]
+    cname = dtype_name(cdtype)
     return ParallelPlan(
         profile=settings.profile,
         world_size=world_size,
@@ -289,6 +289,4 @@ def build_plan(settings: JobSettings, world_size: int, rank: int = 0, *, mfu: fl
 
 def _full_model_params(settings: JobSettings) -> int:
     """Parameters of the whole model (a pipeline rank builds only its stages)."""
-    from kforge_cli.settings.explain import param_count
-
-    return param_count(settings)
+    return settings.model.param_count()

@@ -21,7 +21,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor, Shard
 
 from kforge_cli.engine.model import Transformer
-from kforge_cli.engine.parallel.build import DTYPES, parallelize
+from kforge_cli.engine.parallel.build import parallelize
 from kforge_cli.engine.parallel.pipeline import (
     build_stage_module,
     stage_ids_of_rank,
@@ -29,6 +29,7 @@ from kforge_cli.engine.parallel.pipeline import (
     stage_owner,
 )
 from kforge_cli.engine.runtime import LaunchInfo, RuntimeContext, build_mesh
+from kforge_cli.engine.runtime.dtypes import DTYPES
 from kforge_cli.errors import InvalidInputError
 from kforge_cli.settings import JobSettings, ParallelDims
 

@@ -1,0 +1,64 @@
+"""Running training from the CLI: the engine's outcome -> a message and an exit code.
+
+The engine returns a `TrainOutcome` and never decides how a process exits; this module
+(shared by `kforge train` and `kforge resume`) owns the user-facing messages and the exit
+codes documented in the README (0 done, 75 stopped after a checkpoint, 1 stopped without).
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING
+
+from kforge_cli.errors import EXIT_FAILURE, EXIT_OK, EXIT_REQUEUE
+
+if TYPE_CHECKING:
+    from kforge_cli.engine.train import TrainOutcome
+    from kforge_cli.settings import JobSettings
+
+log = logging.getLogger("kforge")
+
+
+def exit_code(outcome: TrainOutcome) -> int:
+    """Log how the run ended and return its exit code."""
+    if outcome.status == "completed":
+        loss = f"{outcome.last_loss:.4f}" if outcome.last_loss is not None else "n/a"
+        log.info("training complete: %d steps, final loss %s, run dir %s", outcome.step, loss, outcome.run_dir)
+        return EXIT_OK
+    if outcome.checkpoint_saved:
+        log.warning(
+            "stopped by %s at step %d after saving a checkpoint: requeue to continue", outcome.signal, outcome.step
+        )
+        return EXIT_REQUEUE
+    log.error(
+        "stopped by %s at step %d; no checkpoint was saved, so this progress is lost", outcome.signal, outcome.step
+    )
+    return EXIT_FAILURE
+
+
+def train_and_exit(settings: JobSettings) -> int:
+    """Train per ``settings`` in this process and return the exit code (a rank of a multi-process
+    job exits here at once, see `_exit_now`)."""
+    from kforge_cli.engine.runtime import detect_launch
+    from kforge_cli.engine.train import run_training
+
+    code = exit_code(run_training(settings))
+    if detect_launch().world_size > 1:
+        _exit_now(code)
+    return code
+
+
+def _exit_now(code: int) -> None:
+    """Exit a distributed rank without interpreter teardown, after flushing every output.
+
+    The process group is already destroyed and every file closed, but gloo/NCCL
+    background threads can still abort the interpreter's teardown ("terminate called
+    without an active exception"), turning a successful run into a crash exit code.
+    """
+    import os
+    import sys
+
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)

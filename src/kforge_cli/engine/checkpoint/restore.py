@@ -1,0 +1,150 @@
+"""Restoring a run: rank 0 decides what to load (`RestoreDecision`), every rank loads it.
+
+The decision is made once on rank 0 (shared filesystems disagree between nodes) and
+broadcast as a small dataclass; an error on rank 0 travels in it, so every rank raises
+the same error instead of waiting forever.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal
+
+import torch
+from torch import nn
+
+from kforge_cli.engine.checkpoint.dcp_io import (
+    apply_training_state_dict,
+    load_from_dirs,
+    load_model_weights,
+    training_state_dict,
+)
+from kforge_cli.engine.checkpoint.errors import CheckpointError, UnsafeCheckpointError
+from kforge_cli.engine.checkpoint.groups import CheckpointGroups
+from kforge_cli.engine.checkpoint.resolve import RestoreDecision, Stateful, check_compatible, decide_restore
+from kforge_cli.engine.checkpoint.train_state import read_rank_state, restore_rng
+from kforge_cli.engine.runtime import seed_everything
+from kforge_cli.errors import KforgeError
+from kforge_cli.settings import JobSettings
+
+log = logging.getLogger("kforge")
+
+
+@dataclass
+class CheckpointedState:
+    """Everything a checkpoint holds for one rank, and where the run's checkpoints live."""
+
+    settings: JobSettings
+    groups: CheckpointGroups
+    root: Path
+    fingerprint: str
+    shaping: dict[str, Any]
+    model: nn.Module
+    optimizer: torch.optim.Optimizer
+    scheduler: torch.optim.lr_scheduler.LRScheduler
+    train_state: Stateful
+    nan_guard: Stateful | None = None
+    loader: Stateful | None = None
+
+    @property
+    def is_main(self) -> bool:
+        return self.groups.rank == 0
+
+
+@dataclass
+class Restored:
+    """What `restore` loaded; `metrics_run_ids` lets trackers continue the same runs."""
+
+    kind: Literal["resume", "warm_start"]
+    path: Path
+    step: int
+    metrics_run_ids: dict[str, str]
+
+
+def _decide(manager: CheckpointedState) -> RestoreDecision:
+    decision = RestoreDecision()
+    if manager.is_main:
+        try:
+            decision = decide_restore(manager.settings.checkpoint, manager.root)
+        except KforgeError as exc:
+            decision = RestoreDecision(error=str(exc), unsafe=isinstance(exc, UnsafeCheckpointError))
+    decision = manager.groups.broadcast(decision)
+    decision.raise_error()
+    return decision
+
+
+def restore_run(manager: CheckpointedState) -> Restored | None:
+    """Load what rank 0 decided into the manager's pieces (collective)."""
+    decision = _decide(manager)
+    if decision.kind is None or decision.path is None:
+        return None
+    path, cfg = decision.path, manager.settings.checkpoint
+    if decision.kind == "warm_start_hf":
+        from kforge_cli.engine.checkpoint.hf_import import load_hf_weights
+
+        names = load_hf_weights(manager.model, path, manager.settings.model, list(cfg.exclude_from_loading))
+        log.info("warm start: loaded %d tensors from Hugging Face %s (fresh optimizer, step 0)", len(names), path)
+        return Restored(kind="warm_start", path=path, step=0, metrics_run_ids={})
+    if decision.kind == "warm_start":
+        names = load_model_weights(manager.model, decision.dirs, list(cfg.exclude_from_loading), manager.groups.save)
+        log.info("warm start: loaded %d tensors from %s (fresh optimizer, step 0)", len(names), path)
+        return Restored(kind="warm_start", path=path, step=0, metrics_run_ids={})
+    return _resume(manager, decision, path)
+
+
+def _resume(manager: CheckpointedState, decision: RestoreDecision, path: Path) -> Restored:
+    state = decision.train_state
+    check_compatible(state, path, manager.fingerprint, manager.shaping, manager.settings)
+    tensors = training_state_dict(manager.model, manager.optimizer)
+    missing = load_from_dirs(tensors, decision.dirs, manager.groups.save)
+    if missing:
+        raise CheckpointError(f"{path} lacks {len(missing)} tensors this run needs, e.g. {sorted(missing)[:5]}")
+    apply_training_state_dict(manager.model, manager.optimizer, tensors)
+    manager.scheduler.load_state_dict(state["scheduler"])
+    _reapply_schedule(manager.scheduler, manager.optimizer)
+    manager.train_state.load_state_dict(state["progress"])
+    if manager.nan_guard is not None and state.get("nan_guard") is not None:
+        manager.nan_guard.load_state_dict(state["nan_guard"])
+    step = int(state["step"])
+    _restore_rng(manager, path, state, step)
+    if manager.loader is not None and state.get("data") is not None:
+        manager.loader.load_state_dict(state["data"])  # the data order continues exactly
+    log.info("resumed from %s (step %d)", path, step)
+    return Restored(kind="resume", path=path, step=step, metrics_run_ids=dict(state.get("metrics_run_ids") or {}))
+
+
+def _reapply_schedule(scheduler: Any, optimizer: torch.optim.Optimizer) -> None:
+    """Set each group's LR from the rebuilt schedule at the restored step.
+
+    The optimizer state carries the LR the old schedule chose; recomputing it
+    (``base_lr * lambda(step)``, exactly what LambdaLR does) gives the same value when
+    nothing changed and applies a changed ``train.max_steps`` from the first resumed step.
+    """
+    lambdas = getattr(scheduler, "lr_lambdas", None)
+    if lambdas is None:
+        return
+    for group, base, fn in zip(optimizer.param_groups, scheduler.base_lrs, lambdas, strict=True):
+        group["lr"] = base * fn(scheduler.last_epoch)
+    scheduler._last_lr = [g["lr"] for g in optimizer.param_groups]
+
+
+def _restore_rng(manager: CheckpointedState, path: Path, state: dict[str, Any], step: int) -> None:
+    """Each rank's own generators; a file refused on any rank stops every rank (no rank waits forever)."""
+    groups = manager.groups
+    found, error = None, None
+    if state.get("world_size") == groups.world_size:
+        try:
+            found = read_rank_state(path, groups.rank)
+        except KforgeError as exc:
+            error = exc
+    if not groups.all_true(error is None):
+        raise error or UnsafeCheckpointError(f"another rank refused its train state in {path} (see its log)")
+    if found is not None:
+        restore_rng(*found)
+        return
+    saved, now = state.get("world_size"), groups.world_size
+    why = f"saved at world size {saved}, now {now}" if saved != now else f"no RNG state for rank {groups.rank}"
+    log.warning("checkpoint %s: %s, so RNGs are re-seeded from train.seed + step", path, why)
+    seed_everything(manager.settings.train.seed + step)
