@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any
 from kforge_cli.errors import InvalidInputError
 
 if TYPE_CHECKING:
-    from kforge_cli.engine.observe.tracker import CheckpointMark, MetricPoints, RunInfo, TrackerStatus
+    from kforge_cli.engine.observe.tracking_types import CheckpointMark, MetricPoints, RunInfo, TrackerStatus
 
 LOG_SUBDIR = "tensorboard"
 
