@@ -47,8 +47,10 @@ def run_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     from kforge_cli.engine.train import run_training
     from kforge_cli.settings import load_settings
 
-    out = tmp_path_factory.mktemp("eval") / "run"
-    settings = load_settings(overrides=[*TINY, f"--train.run_dir={out}"], use_env=False).settings
+    root = tmp_path_factory.mktemp("eval")
+    out, task = root / "run", _task_file(root)
+    overrides = [*TINY, f"--train.run_dir={out}", f'--eval.tasks=["{task}"]']  # in-loop scoring too
+    settings = load_settings(overrides=overrides, use_env=False).settings
     assert run_training(settings).status == "completed"
     return out
 
@@ -114,6 +116,13 @@ def test_cli_eval_writes_json_and_logs_at_the_checkpoint_step(
     last = read_metrics(run_dir / "metrics.jsonl")[-1]
     assert last["step"] == 3 and last["eval/heldout/loss"] == pytest.approx(saved["tasks"]["heldout"]["loss"])
     assert last["eval/tiny_mc/acc"] == saved["tasks"]["tiny_mc"]["acc"]
+
+
+def test_in_loop_eval_tasks_log_what_kforge_eval_computes_at_that_step(run_dir: Path, tmp_path: Path) -> None:
+    logged = next(r for r in read_metrics(run_dir / "metrics.jsonl") if "eval/tiny_mc/acc" in r)  # training's
+    assert logged["step"] == 3
+    offline = multiple_choice(open_for_inference(run_dir / "checkpoints" / "step_3"), _task_file(tmp_path))
+    assert (logged["eval/tiny_mc/acc"], logged["eval/tiny_mc/acc_norm"]) == (offline["acc"], offline["acc_norm"])
 
 
 def test_a_bad_task_file_names_the_line_and_field(run_dir: Path, tmp_path: Path) -> None:
