@@ -18,6 +18,7 @@ import torch
 
 from kforge_cli.engine.data.mc_tasks import MCExample, read_mc_task
 from kforge_cli.engine.runtime import all_reduce_sum
+from kforge_cli.errors import InvalidInputError
 
 if TYPE_CHECKING:
     from kforge_cli.engine.train.session import TrainingSession
@@ -33,14 +34,16 @@ def _loglik(session: TrainingSession, context: list[int], continuation: list[int
     with session.autocast():
         logits = model(tokens)
     full = getattr(logits, "full_tensor", None)  # a DTensor under TP with loss_parallel
-    logits = full() if callable(full) else logits
-    logprobs = logits[0].float().log_softmax(-1)
+    dense: torch.Tensor = full() if callable(full) else logits  # type: ignore[assignment]
+    logprobs = dense[0].float().log_softmax(-1)
     targets = torch.tensor(seq[1:], device=logprobs.device)
     return float(logprobs.gather(1, targets[:, None])[-len(continuation) :, 0].double().sum())
 
 
 def _score_task(session: TrainingSession, examples: list[MCExample]) -> dict[str, float]:
-    tok = session.data.tokenizer
+    tok = getattr(session.data, "tokenizer", None)
+    if tok is None:
+        raise InvalidInputError("eval.tasks need the training data's tokenizer; this data pipeline has none")
     pairs: list[tuple[list[int], list[int]]] = []
     for ex in examples:
         context = tok.encode(ex.context) or [tok.eos_id]
