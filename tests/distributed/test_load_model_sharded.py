@@ -186,5 +186,35 @@ def test_hf_warm_start_under_fsdp_and_pp_loads_every_shard(launched: tuple[Path,
     assert not torch.equal(hf["layers.3.feed_forward.w2.weight"], fresh["layers.3.feed_forward.w2.weight"])
 
 
+@pytest.mark.distributed
+def test_a_2_rank_fsdp_checkpoint_generates_what_its_one_process_model_generates(launched: tuple[Path, Path]) -> None:
+    """Greedy and seeded sampling from the FSDP run dir (KV cache) equal the one-process models' tokens."""
+    from kforge_cli import load_model
+    from kforge_cli.engine.inference.source import open_for_inference
+    from kforge_cli.engine.model import Transformer
+    from kforge_cli.engine.model.generation import Sampling, generate_tokens
+    from kforge_cli.settings import load_settings
+
+    root, hf_dir = launched
+    single = Transformer(load_settings(overrides=TINY, use_env=False).settings.model)
+    single.load_state_dict(_single_process_model())
+    pairs = [
+        (open_for_inference(root / "fsdp").model, single.eval()),
+        (open_for_inference(root / "fsdp_hf").model, load_model(hf_dir)),
+    ]
+    prompt = [3, 14, 15, 9, 2]
+    for sharded, reference in pairs:
+        for sampling in (Sampling(temperature=0), Sampling(temperature=1.0, top_k=8)):
+            got, want = (
+                list(
+                    generate_tokens(
+                        m, prompt, max_new_tokens=12, sampling=sampling, generator=torch.Generator().manual_seed(5)
+                    )
+                )
+                for m in (sharded, reference)
+            )
+            assert got == want and len(got) == 12
+
+
 if __name__ == "__main__":
     _worker(sys.argv[1], sys.argv[2])

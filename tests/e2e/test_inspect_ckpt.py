@@ -36,8 +36,11 @@ ARGS = [
 
 @pytest.fixture(scope="module")
 def fsdp_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A 2-rank FSDP run (dp_shard=2) with checkpoints at steps 2 and 4."""
-    run = tmp_path_factory.mktemp("fsdp") / "run"
+    """A 2-rank FSDP run (dp_shard=2) with checkpoints at steps 2 and 4, and eval.tasks scored at step 4."""
+    root = tmp_path_factory.mktemp("fsdp")
+    run = root / "run"
+    task = root / "tiny_mc.jsonl"  # 7 choices: the two ranks' shares differ, so the padding is exercised
+    task.write_text("".join(json.dumps(r) + "\n" for r in TASK))
     cmd = [
         sys.executable,
         "-m",
@@ -50,10 +53,40 @@ def fsdp_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
         "--run-dir",
         str(run),
         *ARGS,
+        "--eval.interval=4",
+        "--eval.steps=1",
+        f'--eval.tasks=["{task}"]',
     ]
     r = subprocess.run(cmd, env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
     return run
+
+
+TASK = [
+    {"context": "The cat sat on the", "choices": [" mat", " moon", " xq"], "answer": 0},
+    {"context": "one two three", "choices": [" four", " seven"], "answer": 0},
+    {"context": "", "choices": ["hello", "zzzz"], "answer": 1},
+]
+
+
+def test_in_loop_eval_tasks_over_two_ranks_equal_the_one_process_scores(fsdp_run: Path) -> None:
+    from kforge_cli.engine.data.tokenizer import ByteTokenizer
+    from kforge_cli.engine.inference.source import open_for_inference
+    from kforge_cli.engine.model.scoring import continuation_logliks
+    from kforge_cli.engine.observe.metrics_file import read_metrics
+
+    (logged,) = [r for r in read_metrics(fsdp_run / "metrics.jsonl") if "eval/tiny_mc/acc" in r]
+    assert logged["step"] == 4
+    model, tok = open_for_inference(fsdp_run / "checkpoints" / "step_4").model, ByteTokenizer()
+    right = right_norm = 0
+    for ex in TASK:
+        lls = continuation_logliks(
+            model, tok.encode(ex["context"]) or [tok.eos_id], [tok.encode(c) for c in ex["choices"]]
+        )
+        norm = [ll / len(c) for ll, c in zip(lls, ex["choices"], strict=True)]
+        right += int(lls.index(max(lls)) == ex["answer"])
+        right_norm += int(norm.index(max(norm)) == ex["answer"])
+    assert (logged["eval/tiny_mc/acc"], logged["eval/tiny_mc/acc_norm"]) == (right / 3, right_norm / 3)
 
 
 def inspect_json(*args: str) -> dict:

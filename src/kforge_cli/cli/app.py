@@ -12,7 +12,19 @@ from typing import Annotated
 import typer
 
 from kforge_cli import __version__
-from kforge_cli.cli import convert_mot, export_hf, inspect_ckpt, prepare_data, resume, train, validate
+from kforge_cli.cli import (
+    convert_mot,
+    evaluate,
+    export_hf,
+    generate,
+    inspect_ckpt,
+    plot,
+    prepare_data,
+    resume,
+    runs,
+    train,
+    validate,
+)
 
 app = typer.Typer(
     name="kforge",
@@ -39,6 +51,8 @@ def _root(
 
 
 for module in (train, resume, convert_mot, inspect_ckpt, export_hf, validate, prepare_data):
+    module.register(app)
+for module in (generate, evaluate, plot, runs):  # after training
     module.register(app)
 
 

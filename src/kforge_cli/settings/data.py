@@ -54,3 +54,6 @@ class EvalSettings(Section):
     steps: int = field(10, "Batches per evaluation.", gt=0)
     path: str | None = field(None, "Prepared eval data directory (None = the val split of data.path).")
     batch_size: int | None = field(None, "Eval micro-batch size (None = train.batch_size).", gt=0)
+    tasks: list[str] = field(
+        list, "Multiple-choice JSONL files (context, choices, answer) scored every eval.interval (not under PP)."
+    )

@@ -58,7 +58,7 @@ class MetricsSettings(Section):
     """Logging and experiment tracking (jsonl always on)."""
 
     log_interval: int = field(10, "Log metrics every N steps.", gt=0)
-    backends: list[Literal["jsonl", "wandb", "mlflow"]] = field(
+    backends: list[Literal["jsonl", "wandb", "mlflow", "tensorboard"]] = field(
         lambda: ["jsonl"], "Metrics backends; jsonl (RUN_DIR/metrics.jsonl) is always on."
     )
     run_name: str | None = field(None, "Run name in trackers (None = the run directory's name).")

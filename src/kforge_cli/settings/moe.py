@@ -6,13 +6,10 @@ in :func:`moe_issues`, which ``settings.rules`` calls; every issue names the key
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Literal
+from typing import Literal, Protocol
 
 from kforge_cli.errors import ConfigIssue
 from kforge_cli.settings.section import Section, field
-
-if TYPE_CHECKING:
-    from kforge_cli.settings.training import ModelSettings
 
 
 class MoESettings(Section):
@@ -53,12 +50,31 @@ class MoESettings(Section):
         """Whether block ``layer`` (0-based, global index) has an MoE feed-forward."""
         return layer >= self.first_dense_layers and (layer - self.first_dense_layers) % self.every_n_layers == 0
 
-    def resolved_expert_hidden_dim(self, model: ModelSettings) -> int:
+    def resolved_expert_hidden_dim(self, model: ModelShape) -> int:
         """The hidden size of one routed (and shared) expert actually built."""
         return self.expert_hidden_dim if self.expert_hidden_dim is not None else model.resolved_ffn_hidden_dim
 
 
-def moe_issues(m: ModelSettings) -> list[ConfigIssue]:
+class ModelShape(Protocol):
+    """What these rules read of `ModelSettings` (a protocol, so this module need not import it)."""
+
+    @property
+    def dim(self) -> int: ...
+
+    @property
+    def n_layers(self) -> int: ...
+
+    @property
+    def activation(self) -> str: ...
+
+    @property
+    def resolved_ffn_hidden_dim(self) -> int: ...
+
+    @property
+    def moe(self) -> MoESettings | None: ...
+
+
+def moe_issues(m: ModelShape) -> list[ConfigIssue]:
     """Cross-field rules of ``model.moe``; empty when the model is dense."""
     moe = m.moe
     if moe is None:
@@ -103,7 +119,7 @@ def moe_issues(m: ModelSettings) -> list[ConfigIssue]:
     return out
 
 
-def ffn_params(m: ModelSettings, layer: int, *, active: bool) -> int:
+def ffn_params(m: ModelShape, layer: int, *, active: bool) -> int:
     """Parameters of block ``layer``'s feed-forward: all of them, or those one token uses (``active``).
 
     The one formula behind ``param_count`` (total) and the FLOP count (active): an MoE
@@ -119,7 +135,7 @@ def ffn_params(m: ModelSettings, layer: int, *, active: bool) -> int:
     return moe.num_experts * d + (moe.num_shared_experts + routed) * expert
 
 
-def active_ffn_hidden(m: ModelSettings) -> int:
+def active_ffn_hidden(m: ModelShape) -> int:
     """The widest per-token feed-forward hidden size of any block (MoE: (top_k + shared) x expert hidden).
 
     What activation-memory estimates use for the MLP of a block; routing buffers are small next to it.

@@ -8,7 +8,8 @@ import math
 import torch
 from torch import nn
 
-from kforge_cli.engine.model.attention_mask import AttentionMask, attend
+from kforge_cli.engine.model.attention_mask import AttentionMask
+from kforge_cli.engine.model.kv_cache import KVCache, self_attention
 from kforge_cli.engine.model.layers import apply_rotary, build_norm, reset_norm
 from kforge_cli.settings.training import ModelSettings
 
@@ -18,8 +19,11 @@ class Attention(nn.Module):
 
     Heads are recovered with ``view(B, T, -1, head_dim)`` rather than the configured
     head count so that, under tensor parallelism, each rank works on its local
-    slice of heads without knowing the TP degree.
+    slice of heads without knowing the TP degree. ``kv_cache`` is set only while a
+    generation forward runs (:meth:`KVCache.bound`); training leaves it None.
     """
+
+    kv_cache: KVCache | None = None
 
     def __init__(self, cfg: ModelSettings) -> None:
         super().__init__()
@@ -67,7 +71,8 @@ class Attention(nn.Module):
         q = apply_rotary(q, cos, sin).transpose(1, 2)  # [B, H, T, hd]
         k = apply_rotary(k, cos, sin).transpose(1, 2)
         v = v.transpose(1, 2)
-        out = attend(q, k, v, mask).transpose(1, 2).reshape(bsz, seqlen, -1)
+        out = self_attention(q, k, v, mask, self.kv_cache, self)
+        out = out.transpose(1, 2).reshape(bsz, seqlen, -1)
         return self.wo(out)
 
 

@@ -19,6 +19,7 @@ from torch import nn
 
 from kforge_cli.engine.model.attention import Attention, residual_std
 from kforge_cli.engine.model.attention_mask import AttentionMask, build_attention_mask
+from kforge_cli.engine.model.kv_cache import KVCache
 from kforge_cli.engine.model.layers import build_norm, reset_norm, rope_tables
 from kforge_cli.engine.model.mlp import FeedForward
 from kforge_cli.engine.model.moe.layer import MoEFeedForward
@@ -114,6 +115,7 @@ class Transformer(nn.Module):
         positions: torch.Tensor | None = None,
         labels: torch.Tensor | None = None,
         loss_fn: HeadLossFn | None = None,
+        kv_cache: KVCache | None = None,
     ) -> torch.Tensor:
         """Logits ``[B, T, vocab]``, or the loss, or hidden states on a non-last pipeline stage.
 
@@ -125,10 +127,18 @@ class Transformer(nn.Module):
         With ``labels`` and ``loss_fn`` the
         result is ``loss_fn(normed_hidden, head_weight, labels)``, so a chunked loss
         never materialises the full logits yet still runs inside ``forward`` (where
-        FSDP2's hooks keep the head weight unsharded).
+        FSDP2's hooks keep the head weight unsharded). With ``kv_cache`` (generation) the
+        tokens continue the cached positions: RoPE starts at ``kv_cache.length`` and
+        attention reads the cache (see ``kv_cache``); training never passes one.
         """
         if (labels is None) != (loss_fn is None):
             raise ValueError("pass both labels and loss_fn to get a loss, or neither to get logits")
+        if kv_cache is not None:
+            if doc_ids is not None or positions is not None:
+                raise ValueError("KV-cache decoding takes no doc_ids or positions (they follow the cache)")
+            with kv_cache.bound(self, tokens.shape[1]) as start:
+                pos = torch.arange(start, start + tokens.shape[1], device=tokens.device)
+                return self(tokens, positions=pos, labels=labels, loss_fn=loss_fn)
         h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens
         seqlen = h.shape[1]
         if positions is None:

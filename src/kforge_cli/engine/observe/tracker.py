@@ -1,4 +1,4 @@
-"""Experiment tracking: ``metrics.jsonl`` always, plus W&B and/or MLflow (rank 0 only).
+"""Experiment tracking: ``metrics.jsonl`` always, plus W&B, MLflow and/or TensorBoard (rank 0 only).
 
 A job that is preempted and requeued five times must still be ONE run in the tracker,
 so :meth:`Tracker.run_ids` reports each backend's run id (the checkpoint stores it) and
@@ -321,6 +321,10 @@ def tracker_backends(settings: JobSettings, info: RunInfo, run_ids: Mapping[str,
         backends.append(WandbBackend(m, info, run_id=m.wandb_run_id or run_ids.get("wandb")))
     if "mlflow" in m.backends:
         backends.append(MlflowBackend(m, info, run_id=m.mlflow_run_id or run_ids.get("mlflow")))
+    if "tensorboard" in m.backends:
+        from kforge_cli.engine.observe.tensorboard_backend import TensorboardBackend
+
+        backends.append(TensorboardBackend(info, run_id=run_ids.get("tensorboard")))
     return backends
 
 

@@ -12,6 +12,7 @@ import torch
 
 from kforge_cli.engine.observe import mfu, peak_memory_stats
 from kforge_cli.engine.runtime import all_reduce_max
+from kforge_cli.engine.train.downstream import downstream_eval
 from kforge_cli.engine.train.evaluation import evaluate
 from kforge_cli.engine.train.session import StepInfo, TrainingSession
 from kforge_cli.engine.train.step import Batch, StepFn
@@ -101,9 +102,12 @@ def _log_step(session: TrainingSession, info: StepInfo, meter: _Meter) -> None:
 
 def _run_eval(session: TrainingSession) -> float | None:
     eval_loss = evaluate(session)
+    step = session.state.step
+    downstream = downstream_eval(session)  # eval.tasks (multiple choice), on every rank
+    if downstream:
+        session.metrics.write({"step": step, **downstream})
     if eval_loss is None:
         return None
-    step = session.state.step
     session.metrics.write({"step": step, "eval_loss": eval_loss})
     session.progress.log_eval(step, eval_loss)
     session.hooks.on_eval_end(session, step, eval_loss)

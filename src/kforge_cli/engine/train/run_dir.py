@@ -8,6 +8,7 @@ from pathlib import Path
 import torch.distributed as dist
 
 from kforge_cli.engine.checkpoint.run_config import conflicts_with_saved_config
+from kforge_cli.engine.data.run_tokenizer import record_run_tokenizer
 from kforge_cli.engine.runtime import RuntimeContext
 from kforge_cli.engine.train.run_lock import RunLock, acquire_run_lock, refuse_foreign_dir
 from kforge_cli.errors import InvalidInputError
@@ -72,8 +73,11 @@ def write_config(settings: JobSettings, run_dir: Path) -> Path:
     On a resume the file takes the new settings, except when they change the model's
     shape while RUN_DIR holds a checkpoint: then the original stays (the resume is refused
     when the checkpoint is opened, and `kforge resume` still finds the run's real config).
+    A Hugging Face tokenizer of the training data is copied alongside (RUN_DIR/tokenizer.json)
+    so `kforge generate` and `kforge eval` still find it if the data directory goes away.
     """
     path = run_dir / "config.toml"
+    record_run_tokenizer(settings.data, run_dir)
     conflicts = conflicts_with_saved_config(settings, run_dir)
     if conflicts:
         log.warning("keeping %s: these settings change the model's shape (%s)", path, "; ".join(conflicts))

@@ -26,6 +26,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from kforge_cli.engine.model.kv_cache import KVCache
 from kforge_cli.engine.model.layers import build_norm, rope_tables
 from kforge_cli.engine.model.transformer import HeadLossFn, TransformerBlock, decoder_head_weight, init_decoder_weights
 from kforge_cli.engine.model.vlm.adapters import build_adapter
@@ -130,12 +131,32 @@ class VisionLanguageModel(nn.Module):
         positions: torch.Tensor | None = None,
         labels: torch.Tensor | None = None,
         loss_fn: HeadLossFn | None = None,
+        kv_cache: KVCache | None = None,
     ) -> torch.Tensor:
         """Logits ``[B, L, vocab]`` for the text positions, or ``loss_fn(hidden, head, labels)``.
 
         ``tokens`` ``[B, L]`` are text ids; without ``pixel_values`` the model runs on text
-        alone (a MoT model then equals the dense model of its text weights).
+        alone (a MoT model then equals the dense model of its text weights). ``kv_cache``
+        decodes text incrementally (generation; text only).
         """
+        if kv_cache is not None:
+            if pixel_values is not None:
+                raise ValueError("KV-cache decoding of a vision-language model is text-only: pass no pixel_values")
+            with kv_cache.bound(self, tokens.shape[1]) as start:
+                return self._forward(tokens, None, None, doc_ids, positions, labels, loss_fn, start)
+        return self._forward(tokens, pixel_values, frame_mask, doc_ids, positions, labels, loss_fn, 0)
+
+    def _forward(
+        self,
+        tokens: torch.Tensor,
+        pixel_values: torch.Tensor | None,
+        frame_mask: torch.Tensor | None,
+        doc_ids: torch.Tensor | None,
+        positions: torch.Tensor | None,
+        labels: torch.Tensor | None,
+        loss_fn: HeadLossFn | None,
+        start: int,
+    ) -> torch.Tensor:
         if (labels is None) != (loss_fn is None):
             raise ValueError("pass both labels and loss_fn to get a loss, or neither to get logits")
         if doc_ids is not None or positions is not None:
@@ -147,9 +168,9 @@ class VisionLanguageModel(nn.Module):
             visual, visual_mask = self.encode_visual(pixel_values, frame_mask)
             visual = visual.to(text.dtype)
         if self.arch == "cross_attention":
-            h = self._cross_attention(text, visual, visual_mask)
+            h = self._cross_attention(text, visual, visual_mask, start)
         else:
-            h = self._joint(text, visual, visual_mask)
+            h = self._joint(text, visual, visual_mask, start)
         assert self.norm is not None
         h = self.norm(h)
         weight = self.head_weight()
@@ -158,17 +179,20 @@ class VisionLanguageModel(nn.Module):
             return loss_fn(h, weight, labels)
         return self.output(h) if self.output is not None else F.linear(h, weight)
 
-    def _rope(self, seqlen: int) -> tuple[torch.Tensor, torch.Tensor]:
-        if seqlen > self.cfg.max_seq_len:
-            raise ValueError(f"sequence length {seqlen} exceeds model.max_seq_len={self.cfg.max_seq_len}")
-        return self.rope_cos[:seqlen], self.rope_sin[:seqlen]
+    def _rope(self, seqlen: int, start: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+        """RoPE tables for positions ``start .. start + seqlen - 1`` (``start`` > 0 only when decoding)."""
+        if start + seqlen > self.cfg.max_seq_len:
+            raise ValueError(f"sequence length {start + seqlen} exceeds model.max_seq_len={self.cfg.max_seq_len}")
+        return self.rope_cos[start : start + seqlen], self.rope_sin[start : start + seqlen]
 
-    def _joint(self, text: torch.Tensor, visual: torch.Tensor | None, visual_mask: torch.Tensor | None) -> torch.Tensor:
+    def _joint(
+        self, text: torch.Tensor, visual: torch.Tensor | None, visual_mask: torch.Tensor | None, start: int = 0
+    ) -> torch.Tensor:
         """joint_decoder / mot: one causal pass over ``[visual, text]``; returns the text positions."""
         n_visual = 0 if visual is None else visual.shape[1]
         h = text if visual is None else torch.cat([visual, text], dim=1)
         bsz, seqlen = h.shape[:2]
-        cos, sin = self._rope(seqlen)
+        cos, sin = self._rope(seqlen, start)
         mask = None
         if visual_mask is not None:
             keys = torch.cat([visual_mask, visual_mask.new_ones(bsz, text.shape[1])], dim=1)
@@ -187,9 +211,9 @@ class VisionLanguageModel(nn.Module):
         return h[:, n_visual:]
 
     def _cross_attention(
-        self, text: torch.Tensor, visual: torch.Tensor | None, visual_mask: torch.Tensor | None
+        self, text: torch.Tensor, visual: torch.Tensor | None, visual_mask: torch.Tensor | None, start: int = 0
     ) -> torch.Tensor:
-        cos, sin = self._rope(text.shape[1])
+        cos, sin = self._rope(text.shape[1], start)
         h = text
         for block in self.layers.values():
             h = block(h, cos, sin, None, visual, visual_mask)

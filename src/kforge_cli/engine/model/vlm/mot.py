@@ -17,9 +17,9 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
+from kforge_cli.engine.model.kv_cache import KVCache, self_attention
 from kforge_cli.engine.model.layers import apply_rotary
 from kforge_cli.engine.model.transformer import TransformerBlock
 from kforge_cli.settings.training import ModelSettings
@@ -60,7 +60,12 @@ def _per_route(
 
 
 class MoTBlock(nn.Module):
-    """One MoT layer; see the module docstring for names and semantics."""
+    """One MoT layer; see the module docstring for names and semantics.
+
+    ``kv_cache`` is bound only during a generation forward (text-only decoding).
+    """
+
+    kv_cache: KVCache | None = None
 
     def __init__(self, cfg: ModelSettings, modalities: Sequence[str]) -> None:
         super().__init__()
@@ -117,11 +122,7 @@ class MoTBlock(nn.Module):
         q = apply_rotary(q.view(bsz, seqlen, -1, self.head_dim), cos, sin).transpose(1, 2)
         k = apply_rotary(k.view(bsz, seqlen, -1, self.head_dim), cos, sin).transpose(1, 2)
         v = v.view(bsz, seqlen, -1, self.head_dim).transpose(1, 2)
-        gqa = q.shape[1] != k.shape[1]
-        if mask is None:
-            att = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
-        else:
-            att = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa)
+        att = self_attention(q, k, v, mask, self.kv_cache, self)
         experts = dict(self.experts.items())
         att = att.transpose(1, 2).reshape(-1, self.q_dim)
         h = x + _per_route(att, routes, dim, experts, "attention.wo").view(bsz, seqlen, dim)

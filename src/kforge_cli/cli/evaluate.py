@@ -1,0 +1,46 @@
+"""`kforge eval`: held-out loss / perplexity and multiple-choice accuracy of a checkpoint."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+
+def register(app: typer.Typer) -> None:
+    app.command("eval")(evaluate)
+
+
+def evaluate(
+    ckpt: Annotated[Path, typer.Argument(help="A run dir, RUN_DIR/checkpoints/step_N, or an HF Llama dir.")],
+    task: Annotated[
+        list[str],
+        typer.Option("--task", "-t", help="heldout, heldout:PREPARED_DIR, FILE.jsonl (multiple choice), lm-eval:NAME."),
+    ],
+    steps: Annotated[int | None, typer.Option("--steps", min=1, help="Held-out batches (default eval.steps).")] = None,
+    limit: Annotated[int | None, typer.Option("--limit", min=1, help="At most this many task examples.")] = None,
+    tokenizer: Annotated[str | None, typer.Option("--tokenizer", help="'byte' or a tokenizer.json.")] = None,
+    device: Annotated[str, typer.Option("--device", help="cpu or cuda.")] = "cpu",
+    no_log: Annotated[bool, typer.Option("--no-log", help="Do not write to the run's metrics/trackers.")] = False,
+    as_json: Annotated[bool, typer.Option("--json", help="Print the results as JSON.")] = False,
+) -> None:
+    """Score the checkpoint on each --task; results go to RUN_DIR/eval/step_N.json and the run's trackers."""
+    from kforge_cli.engine.inference.evaluate import log_to_trackers, run_task, task_name, write_results
+    from kforge_cli.engine.inference.source import open_for_inference
+
+    loaded = open_for_inference(ckpt, device=device, tokenizer=tokenizer)
+    results = {task_name(spec): run_task(loaded, spec, steps=steps, limit=limit) for spec in task}
+    path = write_results(loaded, results)
+    backends = [] if no_log else log_to_trackers(loaded, results)
+    if as_json:
+        typer.echo(json.dumps({"checkpoint": str(loaded.path), "step": loaded.step, "tasks": results}))
+        return
+    typer.echo(f"{'task':<24} {'metric':<12} {'value':>12}")
+    for name, metrics in results.items():
+        for metric, value in metrics.items():
+            typer.echo(f"{name:<24} {metric:<12} {value:>12.6g}")
+    if path is not None:
+        logged = f"; logged at step {loaded.step} to metrics.jsonl" + "".join(f", {b}" for b in backends)
+        typer.echo(f"wrote {path}{logged if not no_log else ''}")

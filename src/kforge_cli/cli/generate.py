@@ -1,0 +1,95 @@
+"""`kforge generate`: sample text from any checkpoint, streamed to the terminal (KV cache, CPU or one GPU)."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+
+def register(app: typer.Typer) -> None:
+    app.command("generate")(generate)
+
+
+def _prompts(prompt: list[str] | None, prompt_file: Path | None) -> list[str]:
+    """--prompt values, then one prompt per non-empty line of --prompt-file; stdin when neither is given."""
+    from kforge_cli.errors import InvalidInputError
+
+    prompts = list(prompt or [])
+    if prompt_file is not None:
+        try:
+            lines = prompt_file.read_text(encoding="utf-8").splitlines()
+        except (OSError, UnicodeDecodeError) as exc:
+            raise InvalidInputError(f"--prompt-file {prompt_file} is unreadable ({exc})") from exc
+        prompts += [line for line in lines if line.strip()]
+    if not prompts and prompt_file is None:
+        if sys.stdin.isatty():
+            raise InvalidInputError("no prompt: pass --prompt TEXT, --prompt-file FILE, or pipe text on stdin")
+        text = sys.stdin.read()
+        if text.strip():
+            prompts.append(text.rstrip("\n"))
+    if not prompts:
+        raise InvalidInputError("no prompt: every prompt given is empty")
+    return prompts
+
+
+def generate(
+    ckpt: Annotated[Path, typer.Argument(help="A run dir, RUN_DIR/checkpoints/step_N, or an HF Llama dir.")],
+    prompt: Annotated[list[str] | None, typer.Option("--prompt", "-p", help="A prompt (repeatable).")] = None,
+    prompt_file: Annotated[Path | None, typer.Option("--prompt-file", help="One prompt per line.")] = None,
+    max_new_tokens: Annotated[int, typer.Option("--max-new-tokens", min=1, help="Tokens to add per prompt.")] = 64,
+    temperature: Annotated[float, typer.Option("--temperature", min=0.0, help="0 = greedy.")] = 0.8,
+    top_k: Annotated[int, typer.Option("--top-k", min=0, help="Sample from the k likeliest (0 = all).")] = 0,
+    top_p: Annotated[float, typer.Option("--top-p", help="Nucleus sampling mass in (0, 1].")] = 1.0,
+    seed: Annotated[int | None, typer.Option("--seed", help="Seed for reproducible sampling.")] = None,
+    stop: Annotated[list[str] | None, typer.Option("--stop", help="Stop before this string (repeatable).")] = None,
+    tokenizer: Annotated[
+        str | None, typer.Option("--tokenizer", help="'byte' or a tokenizer.json (default: the run's own).")
+    ] = None,
+    device: Annotated[str, typer.Option("--device", help="cpu or cuda.")] = "cpu",
+    dtype: Annotated[str, typer.Option("--dtype", help="fp32, bf16 or fp16.")] = "fp32",
+    no_cache: Annotated[bool, typer.Option("--no-cache", help="Recompute every step (no KV cache).")] = False,
+    as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object per prompt, no streaming.")] = False,
+) -> None:
+    """Continue each prompt with the checkpoint's model and its own tokenizer; stops at EOS or --stop."""
+    from kforge_cli.errors import InvalidInputError
+
+    prompts = _prompts(prompt, prompt_file)
+    from kforge_cli.engine.inference.generate import generate_text
+    from kforge_cli.engine.inference.source import open_for_inference
+    from kforge_cli.engine.model.generation import Sampling
+
+    try:
+        sampling = Sampling(temperature=temperature, top_k=top_k, top_p=top_p)
+    except ValueError as exc:
+        raise InvalidInputError(str(exc)) from None
+    loaded = open_for_inference(ckpt, dtype=dtype, device=device, tokenizer=tokenizer)
+
+    def stream(index: int, piece: str) -> None:
+        sys.stdout.write(piece)
+        sys.stdout.flush()
+
+    results = []
+    for index, text in enumerate(prompts):
+        if not as_json:
+            if index:
+                typer.echo("\n")
+            sys.stdout.write(text)
+        (done,) = generate_text(
+            loaded,
+            [text],
+            sampling=sampling,
+            max_new_tokens=max_new_tokens,
+            seed=None if seed is None else seed + index,
+            stop=stop,
+            use_cache=not no_cache,
+            on_text=None if as_json else stream,
+        )
+        results.append(done)
+        if as_json:
+            typer.echo(json.dumps({**done.as_dict(), "checkpoint": str(loaded.path), "step": loaded.step}))
+    if not as_json:
+        typer.echo("")

@@ -1,0 +1,164 @@
+"""`kforge eval`: held-out loss and multiple-choice accuracy of one checkpoint, on one process.
+
+Task specs: ``heldout`` (the run's own validation data, the batches training evaluated
+on with one data-parallel rank), ``heldout:DIR`` (a prepared directory's val split),
+``PATH.jsonl`` (a multiple-choice task, named after the file), ``lm-eval:NAME`` (an
+lm-evaluation-harness task through :mod:`lm_eval_adapter`; the optional extra).
+Results go to the terminal, to ``RUN_DIR/eval/step_N.json`` and to the run's trackers as
+``eval/<task>/<metric>`` at the checkpoint's step.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import tomllib
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from kforge_cli.engine.data.bundle import build_data
+from kforge_cli.engine.data.mc_tasks import read_mc_task
+from kforge_cli.engine.inference.source import LoadedCheckpoint, check_tokenizer_fits
+from kforge_cli.engine.model.scoring import continuation_logliks
+from kforge_cli.engine.train.loss import IGNORE_INDEX, build_loss_fn
+from kforge_cli.errors import InvalidInputError
+from kforge_cli.settings import JobSettings
+
+Results = dict[str, dict[str, float]]
+
+
+def run_settings(loaded: LoadedCheckpoint) -> JobSettings:
+    """The settings the run was trained with (its config.toml), needed for held-out data."""
+    if loaded.run_dir is None or not (loaded.run_dir / "config.toml").is_file():
+        raise InvalidInputError(
+            f"{loaded.path} is not inside a run directory with config.toml: the heldout task needs the run's data"
+        )
+    try:
+        raw = tomllib.loads((loaded.run_dir / "config.toml").read_text())
+        return JobSettings.model_validate(raw)
+    except Exception as exc:  # tomllib / pydantic errors: the file is the user's to fix
+        raise InvalidInputError(f"{loaded.run_dir / 'config.toml'} does not load as kforge settings ({exc})") from None
+
+
+def heldout_loss(loaded: LoadedCheckpoint, data_dir: str | None = None, steps: int | None = None) -> dict[str, float]:
+    """Mean loss per valid token over the eval batches training uses (``eval.steps`` of them), and perplexity.
+
+    The same windows, the same loss function (z-loss included) and a token-weighted mean
+    over all batches, as ``engine.train.evaluation`` computes it on one data-parallel rank.
+    """
+    settings = run_settings(loaded)
+    if data_dir is not None:
+        settings.eval.path = data_dir
+    bundle = build_data(settings, dp_rank=0, dp_size=1)
+    if bundle.val is None:
+        raise InvalidInputError("the run has no validation data; give one: --task heldout:PREPARED_DIR")
+    loss_fn = build_loss_fn(settings)
+    batch_size = settings.eval.batch_size or settings.train.batch_size
+    device = next(loaded.model.parameters()).device
+    total, tokens = torch.zeros((), dtype=torch.float64), 0
+    with torch.no_grad():
+        for batch in bundle.val.iter_batches(steps or settings.eval.steps, batch_size):
+            kwargs = {k: batch[k].to(device) for k in ("doc_ids", "positions") if k in batch}
+            logits = loaded.model(batch["input_ids"].to(device), **kwargs)
+            labels = batch["labels"].to(device)
+            total += loss_fn.from_logits(logits.float(), labels).double().cpu()
+            tokens += int((labels != IGNORE_INDEX).sum())
+    loss = float(total / max(tokens, 1))
+    return {"loss": loss, "perplexity": math.exp(min(loss, 700.0)), "tokens": float(tokens)}
+
+
+def multiple_choice(loaded: LoadedCheckpoint, path: str | Path, limit: int | None = None) -> dict[str, float]:
+    """``acc`` (highest log-likelihood) and ``acc_norm`` (log-likelihood per character of the choice)."""
+    check_tokenizer_fits(loaded)
+    tok = loaded.tokenizer
+    examples = read_mc_task(path)[:limit]
+    correct = correct_norm = 0
+    for ex in examples:
+        context = tok.encode(ex.context) or [tok.eos_id]
+        logliks = continuation_logliks(loaded.model, context, [tok.encode(c) for c in ex.choices])
+        norm = [ll / len(c) for ll, c in zip(logliks, ex.choices, strict=True)]
+        correct += int(max(range(len(logliks)), key=logliks.__getitem__) == ex.answer)
+        correct_norm += int(max(range(len(norm)), key=norm.__getitem__) == ex.answer)
+    n = len(examples)
+    return {"acc": correct / n, "acc_norm": correct_norm / n, "examples": float(n)}
+
+
+def task_name(spec: str) -> str:
+    if spec == "heldout" or spec.startswith("heldout:"):
+        return "heldout" if spec == "heldout" else f"heldout_{Path(spec[8:]).name}"
+    if spec.startswith("lm-eval:"):
+        return spec[8:]
+    return Path(spec).stem
+
+
+def run_task(
+    loaded: LoadedCheckpoint, spec: str, *, steps: int | None = None, limit: int | None = None
+) -> dict[str, float]:
+    """One task spec (see the module docstring) -> its metrics."""
+    if spec == "heldout":
+        return heldout_loss(loaded, None, steps)
+    if spec.startswith("heldout:"):
+        return heldout_loss(loaded, spec[len("heldout:") :], steps)
+    if spec.startswith("lm-eval:"):
+        from kforge_cli.engine.inference.lm_eval_adapter import run_lm_eval
+
+        return run_lm_eval(loaded, spec[len("lm-eval:") :], limit=limit)
+    if spec.endswith(".jsonl"):
+        if not Path(spec).is_file():
+            raise InvalidInputError(f"task file {spec} does not exist")
+        return multiple_choice(loaded, spec, limit)
+    raise InvalidInputError(
+        f"unknown task {spec!r}: give heldout, heldout:PREPARED_DIR, a multiple-choice FILE.jsonl, or lm-eval:NAME"
+    )
+
+
+def write_results(loaded: LoadedCheckpoint, results: Results) -> Path | None:
+    """RUN_DIR/eval/step_N.json (merged with earlier tasks of that step); None outside a run dir."""
+    if loaded.run_dir is None:
+        return None
+    out_dir = loaded.run_dir / "eval"
+    if out_dir.is_symlink():
+        raise InvalidInputError(f"{out_dir} is a symlink; kforge does not write through links in a run directory")
+    out_dir.mkdir(exist_ok=True)
+    path = out_dir / f"step_{loaded.step if loaded.step is not None else 'unknown'}.json"
+    merged: dict[str, Any] = {}
+    if path.is_file() and not path.is_symlink():
+        try:
+            merged = json.loads(path.read_text()).get("tasks", {})
+        except (OSError, json.JSONDecodeError, AttributeError):
+            merged = {}
+    merged.update(results)
+    tmp = path.with_suffix(".json.tmp")
+    tmp.write_text(json.dumps({"checkpoint": str(loaded.path), "step": loaded.step, "tasks": merged}, indent=2) + "\n")
+    tmp.replace(path)
+    return path
+
+
+def log_to_trackers(loaded: LoadedCheckpoint, results: Results) -> list[str]:
+    """Append ``eval/<task>/<metric>`` at the checkpoint's step to metrics.jsonl and the run's backends."""
+    if loaded.run_dir is None or loaded.step is None:
+        return []
+    from kforge_cli.engine.checkpoint.reader import open_checkpoint
+    from kforge_cli.engine.observe.metrics_file import MetricsFile
+    from kforge_cli.engine.observe.tensorboard_backend import TensorboardBackend
+    from kforge_cli.engine.observe.tracker import Tracker, run_info, tracker_backends
+
+    settings = run_settings(loaded)
+    run_ids = open_checkpoint(loaded.path).train_state.get("metrics_run_ids") or {}
+    wanted = set(settings.metrics.backends) - {"jsonl"}
+    backends = tracker_backends(settings, run_info(settings, loaded.run_dir, 1), run_ids) if wanted else []
+    for backend in backends:
+        if isinstance(backend, TensorboardBackend):
+            backend.purge = False  # an old step: add points, never drop the training curve after it
+    tracker = Tracker(MetricsFile(loaded.run_dir / "metrics.jsonl"), backends)
+    tracker.start()
+    record: dict[str, Any] = {"step": loaded.step}
+    for task, metrics in results.items():
+        record.update({f"eval/{task}/{name}": value for name, value in metrics.items()})
+    try:
+        tracker.write(record)
+    finally:
+        tracker.close("completed")
+    return tracker.backend_names

@@ -1,0 +1,59 @@
+"""A checkpoint argument -> the model, its tokenizer, its run directory and its step."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from kforge_cli.engine.checkpoint.hf_format import is_hf_dir
+from kforge_cli.engine.checkpoint.load_model import LoadedModel, load_model
+from kforge_cli.engine.checkpoint.reader import open_checkpoint
+from kforge_cli.engine.data.run_tokenizer import run_tokenizer
+from kforge_cli.engine.data.tokenizer import ByteTokenizer, HFTokenizer
+from kforge_cli.errors import InvalidInputError
+
+
+@dataclass
+class LoadedCheckpoint:
+    """What generation and evaluation need from ``CKPT_OR_RUN_DIR``."""
+
+    model: LoadedModel
+    tokenizer: ByteTokenizer | HFTokenizer
+    path: Path  # the step dir (or HF dir) actually loaded
+    run_dir: Path | None  # None: not inside a kforge run directory
+    step: int | None
+
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def open_for_inference(
+    checkpoint: str | Path, *, dtype: str = "fp32", device: str = "cpu", tokenizer: str | None = None
+) -> LoadedCheckpoint:
+    """Load `checkpoint` (a step dir, a run dir or an HF Llama dir) with the tokenizer it was trained with."""
+    if dtype not in DTYPES:
+        raise InvalidInputError(f"--dtype {dtype!r} is not one of {', '.join(DTYPES)}")
+    path = Path(checkpoint)
+    if not path.exists():
+        raise InvalidInputError(f"{path} does not exist; give a run directory or RUN_DIR/checkpoints/step_N")
+    if is_hf_dir(path):
+        hf_tok = path / "tokenizer.json"
+        tok = run_tokenizer(None, tokenizer or (str(hf_tok) if hf_tok.is_file() else None))
+        return LoadedCheckpoint(load_model(path, dtype=DTYPES[dtype], device=device), tok, path, None, None)
+    view = open_checkpoint(path)
+    run_dir = view.path.parent.parent if view.kforge and view.path.parent.name == "checkpoints" else None
+    tok = run_tokenizer(run_dir, tokenizer)
+    model = load_model(view.path, dtype=DTYPES[dtype], device=device)
+    return LoadedCheckpoint(model, tok, view.path, run_dir, view.step)
+
+
+def check_tokenizer_fits(loaded: LoadedCheckpoint) -> None:
+    """Refuse a tokenizer with more ids than the model's vocabulary (checked before any text is encoded)."""
+    vocab = int(loaded.model.cfg.vocab_size)
+    if loaded.tokenizer.vocab_size > vocab:
+        raise InvalidInputError(
+            f"tokenizer {loaded.tokenizer.name} has {loaded.tokenizer.vocab_size} ids but the model's vocabulary is "
+            f"{vocab}: pass the tokenizer this checkpoint was trained with (--tokenizer)"
+        )

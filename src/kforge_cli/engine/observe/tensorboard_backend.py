@@ -1,0 +1,74 @@
+"""TensorBoard backend: scalar event files under ``RUN_DIR/tensorboard``, one run across requeues.
+
+Every job of a run writes into the same directory, so TensorBoard shows one run. A
+requeued job redoes the steps after its checkpoint; its writer is opened at the first
+step it logs with ``purge_step`` set to that step, which tells TensorBoard to drop the
+earlier job's events from that step on, so each step is shown once (with the value of
+the job that went on). The writer comes from ``torch.utils.tensorboard`` and needs the
+``tensorboard`` package (``pip install 'kforge[tensorboard]'``), imported only when the
+backend starts.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
+
+from kforge_cli.errors import InvalidInputError
+
+if TYPE_CHECKING:
+    from kforge_cli.engine.observe.tracking_types import CheckpointMark, MetricPoints, RunInfo, TrackerStatus
+
+LOG_SUBDIR = "tensorboard"
+
+
+class TensorboardBackend:
+    """Scalars per step; the "run id" is the event directory (constant for a run dir)."""
+
+    name = "tensorboard"
+
+    def __init__(self, info: RunInfo, run_id: str | None = None, *, purge: bool = True) -> None:
+        self.info = info
+        self.purge = purge  # False: only add points (kforge eval logging at an old step must not purge)
+        self.logdir = info.run_dir / LOG_SUBDIR
+        self.run_id: str | None = run_id or LOG_SUBDIR
+        self._writer: Any = None
+        self._writer_cls: Any = None
+
+    def start(self) -> None:
+        try:
+            from torch.utils.tensorboard import SummaryWriter
+        except ImportError:
+            raise InvalidInputError(
+                "metrics.backends includes 'tensorboard' but the tensorboard package is not installed: "
+                "pip install 'kforge[tensorboard]'"
+            ) from None
+        if self.logdir.is_symlink():
+            raise InvalidInputError(f"{self.logdir} is a symlink; kforge does not write through links in a run dir")
+        self._writer_cls = SummaryWriter
+
+    def _open(self, first_step: int) -> Any:
+        if self._writer is None:
+            self.logdir.mkdir(parents=True, exist_ok=True)
+            purge_step = first_step if self.purge else None
+            self._writer = self._writer_cls(log_dir=str(self.logdir), purge_step=purge_step, flush_secs=30)
+        return self._writer
+
+    def log_metrics(self, batch: Sequence[MetricPoints]) -> None:
+        if not batch:
+            return
+        writer = self._open(min(p.step for p in batch))
+        for points in batch:
+            for key, value in points.values.items():
+                writer.add_scalar(key, value, global_step=points.step, walltime=points.time)
+        writer.flush()
+
+    def log_checkpoint(self, mark: CheckpointMark) -> None:
+        writer = self._open(mark.step)
+        writer.add_scalar("checkpoint_step", float(mark.step), global_step=mark.step, walltime=mark.time)
+
+    def finish(self, status: TrackerStatus) -> None:
+        if self._writer is not None:
+            self._writer.flush()
+            self._writer.close()
+            self._writer = None
