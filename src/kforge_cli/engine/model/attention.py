@@ -6,6 +6,7 @@ from __future__ import annotations
 import math
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from kforge_cli.engine.model.attention_mask import AttentionMask
