@@ -48,6 +48,11 @@ class VerifyReport:
         return {**asdict(self), "ok": self.ok}
 
 
+def _weights_only(state: dict[str, Any]) -> bool:
+    """convert-mot's output (and any weights-only checkpoint): complete without optimizer or RNG state."""
+    return bool(state.get("weights_only")) or state.get("kind") == "convert-mot"
+
+
 def kforge_file_problems(step_dir: Path, *, strict: bool = False) -> list[str]:
     """The commit marker, train_state.json's schema, metadata.json and every rank's RNG files.
 
@@ -64,9 +69,10 @@ def kforge_file_problems(step_dir: Path, *, strict: bool = False) -> list[str]:
             continue
         if name == TRAIN_STATE_FILE:
             state = data
-            problems += train_state_problems(data, step_dir / name)
+            if not _weights_only(data):  # a weights-only checkpoint warm-starts; it has no resume state
+                problems += train_state_problems(data, step_dir / name)
     world = state.get("world_size")
-    if state.get("weights_only") or state.get("kind") == "convert-mot":
+    if _weights_only(state):
         world = 0  # weights only (convert-mot's output): complete without optimizer or RNG state
     if isinstance(world, int) and not isinstance(world, bool) and world > 0:
         problems += rank_state_problems(step_dir, world, strict=strict)

@@ -6,7 +6,6 @@ from __future__ import annotations
 import math
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from kforge_cli.engine.model.attention_mask import AttentionMask
@@ -54,19 +53,6 @@ class Attention(nn.Module):
             if norm is not None:
                 reset_norm(norm)
 
-    def project_qkv(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """``(wq x, wk x, wv x)``; as one matmul over the concatenated weights when all three are
-        plain ``nn.Linear`` s holding plain tensors (one GEMM and one input-gradient GEMM instead
-        of three each plus two adds: the same numbers up to float rounding). Tensor-parallel
-        (DTensor) and float8 projections keep their own modules, which shard or cast them."""
-        linears = (self.wq, self.wk, self.wv)
-        if all(type(m) is nn.Linear and type(m.weight) in (torch.Tensor, nn.Parameter) for m in linears):
-            sizes = [m.weight.shape[0] for m in linears]
-            fused = F.linear(x, torch.cat([m.weight for m in linears]))
-            q, k, v = fused.split(sizes, dim=-1)
-            return q, k, v
-        return self.wq(x), self.wk(x), self.wv(x)
-
     def forward(
         self,
         x: torch.Tensor,
@@ -76,7 +62,9 @@ class Attention(nn.Module):
     ) -> torch.Tensor:
         """``x`` ``[B, T, D]`` -> ``[B, T, D]``; causal, or per ``mask`` (an AttentionMask, or bool: True = attend)."""
         bsz, seqlen, _ = x.shape
-        q, k, v = (t.view(bsz, seqlen, -1, self.head_dim) for t in self.project_qkv(x))
+        q = self.wq(x).view(bsz, seqlen, -1, self.head_dim)
+        k = self.wk(x).view(bsz, seqlen, -1, self.head_dim)
+        v = self.wv(x).view(bsz, seqlen, -1, self.head_dim)
         if self.q_norm is not None and self.k_norm is not None:
             q = self.q_norm(q)
             k = self.k_norm(k)
