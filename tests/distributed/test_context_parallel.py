@@ -2,8 +2,9 @@
 
 Training: one 2-rank launch runs cp=2 (dp=1) with and without document masking (with
 evaluation) and resumes the first run from its step-5 checkpoint at cp=2 (bit for bit)
-and, in this process, at cp=1; one 4-rank launch runs cp=2 x FSDP dp_shard=2. Every
-run's 10 losses equal a single process's on the same global batch within 1e-5 relative.
+and, in this process, at cp=1; one 4-rank launch runs cp=2 composed with FSDP dp_shard=2,
+with TP=2 (+ sequence parallelism) and with PP=2. Every run's 10 losses equal a single
+process's on the same global batch within 1e-5 relative, and tokens_seen is not scaled by cp.
 
 The model-level check: 2 gloo ranks, each holding a load-balanced half of every sequence
 (head + tail chunk) and gathering K/V per layer, give the single-process loss sum and, summed
@@ -162,13 +163,44 @@ def test_cp2_resume_is_bit_exact_and_a_cp2_checkpoint_resumes_at_cp1(
         assert got == pytest.approx(want, rel=REL, abs=0)
 
 
-def test_cp2_times_fsdp2_on_four_ranks_trains_like_one_process(tmp_path_factory: pytest.TempPathFactory) -> None:
-    res = launch(4, {"cp2_fsdp2_docs": [*CP2, "--data.document_masking=true"]}, tmp_path_factory.mktemp("cp4"))
-    want = reference(("--train.batch_size=4", "--data.document_masking=true"))["losses"]
-    results = completed(res["cp2_fsdp2_docs"], "cp2_fsdp2_docs")
+PP2 = ["--distributed.pp=2", "--train.grad_accum_steps=2"]
+DOCS = ["--data.document_masking=true"]
+# One 4-rank launch: case -> (cp settings, the one-process reference with the same global batch).
+FOUR_RANKS: dict[str, tuple[list[str], list[str]]] = {
+    "cp2_fsdp2_docs": ([*CP2, *DOCS], ["--train.batch_size=4", *DOCS]),
+    # TP with sequence parallelism and QK-norm: each CP rank's T/2 tokens split again over tp.
+    "cp2_tp2_sp_docs_eval": (
+        [*CP2, "--distributed.tp=2", "--model.qk_norm=true", *DOCS_EVAL],
+        ["--model.qk_norm=true", *DOCS_EVAL],
+    ),
+    "cp2_pp2_docs_eval": ([*CP2, *PP2, *DOCS_EVAL], [*PP2[1:], *DOCS_EVAL]),
+}
+
+
+@pytest.fixture(scope="module")
+def four_ranks(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict[str, list[dict]], Path]:
+    out = tmp_path_factory.mktemp("cp4")
+    return launch(4, {name: case[0] for name, case in FOUR_RANKS.items()}, out), out
+
+
+@pytest.mark.parametrize("name", list(FOUR_RANKS))
+def test_cp2_composed_on_four_ranks_trains_like_one_process(
+    four_ranks: tuple[dict[str, list[dict]], Path], name: str
+) -> None:
+    """cp=2 x FSDP dp_shard=2, cp=2 x TP=2 (+SP) and cp=2 x PP=2 on 4 ranks equal one process:
+    per-step losses (every rank), eval loss, and tokens_seen (each token counted once)."""
+    res, out = four_ranks
+    ref = reference(tuple(FOUR_RANKS[name][1]))
+    results = completed(res[name], name)
     for r in results:
-        assert_close_losses(r["losses"], want, REL, "cp=2 x dp_shard=2 vs one process (global batch 4)")
-    assert sum(r["local_param_numel"] for r in results) == results[0]["full_param_numel"]
+        assert_close_losses(r["losses"], ref["losses"], REL, f"{name} vs one process")
+        if ref["eval_loss"] is not None:
+            assert r["eval_loss"] == pytest.approx(ref["eval_loss"], rel=REL)
+    tokens = [r["tokens_seen"] for r in read_metrics(out / name / "metrics.jsonl") if "loss" in r]
+    batch = 4 if name == "cp2_fsdp2_docs" else 2 * (2 if "pp2" in name else 1)  # sequences per step
+    assert tokens[-1] == 10 * batch * 32
+    if name == "cp2_fsdp2_docs":  # FSDP shards over dp_shard x cp = 4 ranks
+        assert sum(r["local_param_numel"] for r in results) == results[0]["full_param_numel"]
 
 
 @pytest.mark.gpu

@@ -24,12 +24,17 @@ def test_long_context_profile_fits_with_cp4_and_its_sequence_does_not_at_cp1() -
     assert plan.item("activations").bytes < 0.35 * one.item("activations").bytes
 
 
-def test_cp_rules_name_seq_len_and_unsupported_dims() -> None:
+def test_cp_rules_name_seq_len_and_accept_tp_and_pp() -> None:
     s = load_settings("cpu-debug", overrides=["--distributed.cp=2", "--train.seq_len=254"]).settings
     issues = {i.path: i.message for i in world_size_issues(s, 2)}
     assert "2 * distributed.cp = 4" in issues["train.seq_len"]
-    s = load_settings("cpu-debug", overrides=["--distributed.cp=2", "--distributed.tp=2"]).settings
-    assert "distributed.tp" in {i.path for i in world_size_issues(s, 4)}
+    for composed in (["--distributed.tp=2"], ["--distributed.pp=2", "--train.grad_accum_steps=2"]):
+        s = load_settings("cpu-debug", overrides=["--distributed.cp=2", *composed]).settings
+        assert not world_size_issues(s, 4), composed
+    # Sequence parallelism splits each CP rank's seq_len / cp tokens again over tp: 36 / 2 = 18, not / 4.
+    s = load_settings("cpu-debug", overrides=["--distributed.cp=2", "--distributed.tp=4", "--train.seq_len=36"])
+    issues = {i.path: i.message for i in world_size_issues(s.settings, 8)}
+    assert "18 tokens per CP rank are not divisible by distributed.tp (4)" in issues["train.seq_len"]
     s = load_settings("cpu-debug", overrides=["--distributed.cp=2"]).settings
     assert not world_size_issues(s, 4)
     dims = resolve_dims(s, 4)

@@ -377,13 +377,15 @@ def _context_parallel_issues(s: JobSettings) -> list[ConfigIssue]:
                 "and a tail chunk of every sequence)",
             )
         )
-    for name, value, why in (
-        ("distributed.pp", d.pp, "pipeline stages would need their micro-batches sharded too"),
-        ("distributed.tp", d.tp, "tensor parallelism with CP is not tested yet"),
-    ):
-        if value > 1:
-            out.append(ConfigIssue(name, f"must be 1 with distributed.cp > 1 ({why}); use cp with FSDP/HSDP"))
-    if s.vlm is not None:
+    elif d.tp > 1 and d.sequence_parallel and (t.seq_len // d.cp) % d.tp:
+        out.append(
+            ConfigIssue(
+                "train.seq_len",
+                f"{t.seq_len} / distributed.cp = {t.seq_len // d.cp} tokens per CP rank are not divisible by "
+                f"distributed.tp ({d.tp}) (sequence parallelism splits each CP rank's tokens over the TP ranks)",
+            )
+        )
+    if s.vlm is not None:  # image tokens are spliced into the sequence inside the model, after sharding
         out.append(ConfigIssue("distributed.cp", "context parallelism is not supported for VLM models"))
     return out
 

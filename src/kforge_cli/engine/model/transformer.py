@@ -149,7 +149,10 @@ class Transformer(nn.Module):
             cos, sin = self.rope_cos[:seqlen], self.rope_sin[:seqlen]
         else:
             cos, sin = self.rope_cos[positions], self.rope_sin[positions]
-        mask = build_attention_mask(self.cfg.attention, (h.shape[0], seqlen), h.device, doc_ids, self.sequence_shard)
+        # Attention sees every position this rank holds: under sequence parallelism ``h`` is only
+        # the TP rank's part of them (attention's input is gathered over TP), ``positions`` all.
+        q_len = seqlen if positions is None else positions.shape[-1]
+        mask = build_attention_mask(self.cfg.attention, (h.shape[0], q_len), h.device, doc_ids, self.sequence_shard)
         for block in self.layers.values():
             h = block(h, cos, sin, mask)
         if self.norm is None:

@@ -4,8 +4,9 @@ The same scoring as ``kforge eval`` (:func:`continuation_logliks`, ``acc`` and `
 split over the data-parallel ranks: rank ``r`` scores the choices ``i`` with
 ``i % dp == r`` and one all-reduce gives every rank every log-likelihood. Under FSDP
 every rank must run the same number of forwards, so the shorter shares are padded with a
-repeat whose result is thrown away. Pipeline parallelism is not supported (no rank holds
-the whole model); the tasks are then skipped with a warning.
+repeat whose result is thrown away. Pipeline parallelism (no rank holds the whole model)
+and context parallelism (no rank holds a whole sequence) are not supported; the tasks are
+then skipped with a warning.
 """
 
 from __future__ import annotations
@@ -77,6 +78,9 @@ def downstream_eval(session: TrainingSession) -> dict[str, float]:
         return {}
     if session.pipeline is not None:
         log.warning("eval.tasks are not run under pipeline parallelism (no rank holds the whole model)")
+        return {}
+    if session.runtime.cp_size > 1:
+        log.warning("eval.tasks are not run under context parallelism (each rank holds part of every sequence)")
         return {}
     out: dict[str, float] = {}
     was_training = session.model.training

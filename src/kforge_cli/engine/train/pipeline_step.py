@@ -4,11 +4,17 @@ The loop hands the step its ``grad_accum_steps`` micro-batches; they are concate
 given to the schedule, which splits them back into the same micro-batches and runs
 forward/backward per its plan (GPipe, 1F1B, interleaved, zero bubble). The loss of a
 micro-batch is its *sum* over valid tokens times the step's `TokenNormaliser` scale
-(``dp_size / global valid tokens``), as in the plain step, so the gradients equal those
+(``loss_ranks / global valid tokens``), as in the plain step, so the gradients equal those
 of one process on the global batch. The loss sums are known only on the last stage; they
 are summed over the ``pp`` group (other stages add zero) and then over data-parallel
 ranks, so every rank reports the same loss. Evaluation runs the same schedule forward
 only (``schedule.eval``) with scale 1.
+
+Under context parallelism every micro-batch is first cut to this rank's sequence shard
+(input ids, labels, positions and document ids together), so the schedule carries the
+shard's positions and document ids to every stage as keyword inputs, and each stage's
+attention gathers K/V over the CP group. The loss sums then span dp x cp
+(`RuntimeContext.loss_group`).
 """
 
 from __future__ import annotations
@@ -17,7 +23,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from kforge_cli.engine.parallel import PipelineBundle
+from kforge_cli.engine.parallel import PipelineBundle, shard_batch
 from kforge_cli.engine.runtime import all_reduce_sum
 from kforge_cli.engine.train.step import (
     Batch,
@@ -86,12 +92,14 @@ def _run_schedule(session: TrainingSession, batch: Batch, *, train: bool) -> tor
 
 def _reduce_over_stages_and_dp(session: TrainingSession, local: torch.Tensor) -> torch.Tensor:
     all_reduce_sum(local, session.runtime.pp_group())
-    return all_reduce_sum(local, session.runtime.dp_group())
+    return all_reduce_sum(local, session.runtime.loss_group())  # dp (x cp) ranks: their tokens differ
 
 
 def pipeline_step(session: TrainingSession, micro_batches: list[Batch]) -> StepResult:
     """One optimizer step's forward/backward through the pipeline schedule."""
     bundle = _bundle(session)
+    runtime = session.runtime
+    micro_batches = [shard_batch(mb, runtime.cp_rank, runtime.cp_size) for mb in micro_batches]
     norm = TokenNormaliser.for_step(session, micro_batches)
     batch = {k: torch.cat([mb[k] for mb in micro_batches]) for k in micro_batches[0]}
     bundle.loss.scale = norm.scale
@@ -99,8 +107,8 @@ def pipeline_step(session: TrainingSession, micro_batches: list[Batch]) -> StepR
         local = _run_schedule(session, batch, train=True)
     finally:
         bundle.loss.scale = 1.0
-    # sum over micro-batches, stages and dp ranks of (loss sum * scale) = dp_size * mean loss
-    mean = _reduce_over_stages_and_dp(session, local) / session.runtime.dp_size
+    # sum over micro-batches, stages and dp x cp ranks of (loss sum * scale) = loss_ranks * mean loss
+    mean = _reduce_over_stages_and_dp(session, local) / runtime.loss_ranks
     grad_norm = clip_gradients(session)
     return StepResult(loss=float(mean), grad_norm=grad_norm, valid_tokens=norm.tokens)
 
