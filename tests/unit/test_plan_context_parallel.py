@@ -49,3 +49,25 @@ def test_hsdp_with_cp_shards_over_dp_shard_x_cp_and_replicates_over_dp_replicate
     assert plan.mesh == {"pp": 1, "dp_replicate": 2, "dp_shard": 2, "cp": 2, "tp": 1}
     assert plan.coordinates == {"pp": 0, "dp_replicate": 1, "dp_shard": 0, "cp": 1, "tp": 0}
     assert plan.local_params == s.model.param_count() // 4  # sharded 4 ways, replicated twice
+
+
+def test_plan_counts_cp_traffic_and_buffers_of_the_local_shard_under_tp_and_pp() -> None:
+    """CP x TP: K/V of the TP rank's own heads; CP x PP: the layers of this rank's stage; both: the
+    TP/PP activation buffers hold seq_len / cp tokens."""
+    gib, mib, tokens, dim = 2**30, 2**20, 32768 // 2, 4096  # cp=2: 16k local tokens of the 8B's 32k, bf16
+    cp2 = load_settings("h100x8-32k-cp", overrides=["--distributed.cp=2"]).settings
+    tp = build_plan(load_settings("h100x8-32k-cp", overrides=["--distributed.cp=2", "--distributed.tp=2"]).settings, 8)
+    assert tp.mesh == {"pp": 1, "dp_replicate": 1, "dp_shard": 2, "cp": 2, "tp": 2}
+    assert tp.item("CP K/V gradients").bytes == 2 * 32768 * 4 * 128 * 2  # 4 of the 8 KV heads per TP rank
+    assert tp.item("TP/PP buffers").bytes == tokens * dim * 2
+    note = next(n for n in tp.notes if "context parallel" in n)
+    assert "K/V of its 4 KV heads (64.0 MiB gathered, 32.0 MiB from peers)" in note
+    assert "2.00 GiB in and out per rank per micro-batch over its 32 layers" in note
+    # TP splits what CP leaves per rank (heads, MLP, with SP the stream), not the row-parallel outputs
+    # op-level AC keeps at full width: 0.82 of cp=2 alone.
+    assert tp.item("activations").bytes < 0.85 * build_plan(cp2, 4).item("activations").bytes
+    pp_overrides = ["--distributed.cp=2", "--distributed.pp=2", "--train.grad_accum_steps=8"]
+    pp = build_plan(load_settings("h100x8-32k-cp", overrides=pp_overrides).settings, 8)
+    assert pp.item("TP/PP buffers").bytes == 2 * tokens * dim * 2  # send + receive of one stage
+    note = next(n for n in pp.notes if "context parallel" in n)
+    assert f"{2 * 16 * 128 * mib * 0.5 / gib:.2f} GiB in and out per rank per micro-batch over its 16 layers" in note

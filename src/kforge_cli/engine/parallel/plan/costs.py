@@ -121,7 +121,8 @@ def comm_buffers(
     reduce_bytes = compute_bytes + (FP32 if compute_bytes < FP32 else 0)
     reduce = root * compute_bytes + max(blocks) * reduce_bytes
     t = settings.train
-    tokens_dim = t.batch_size * t.seq_len * settings.model.dim * compute_bytes
+    # One micro-batch's activation as it crosses TP ranks or pipeline stages: the local 1/cp of its tokens.
+    tokens_dim = t.batch_size * t.seq_len // dims.cp * settings.model.dim * compute_bytes
     tp = tokens_dim if dims.tp > 1 else 0
     pp = 2 * tokens_dim * n_stages_here if dims.pp > 1 else 0
     cp = kv_gather_bytes(settings, dims, compute_bytes) if dims.cp > 1 else 0

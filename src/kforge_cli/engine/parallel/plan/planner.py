@@ -203,12 +203,14 @@ def _notes(settings: JobSettings, built: MetaBuild, dims: ParallelDims) -> list[
     if dims.cp > 1:
         cbytes = compute_dtype(settings, target_device(settings)).itemsize
         kv = kv_gather_bytes(settings, dims, cbytes)
-        n, share = settings.model.n_layers, (dims.cp - 1) / dims.cp  # the part of a gathered tensor from peers
+        # Layers of this rank's pipeline stages; K/V of its TP rank's heads; the part of a gathered tensor from peers.
+        n, heads, share = len(built.block_ids), settings.model.kv_heads // dims.tp, (dims.cp - 1) / dims.cp
         out.append(
             f"context parallel cp={dims.cp}: each rank holds 1/{dims.cp} of every sequence; per layer it all-gathers "
-            f"K/V ({kv / 2**20:.1f} MiB gathered, {kv * share / 2**20:.1f} MiB from peers) and reduce-scatters their "
-            f"gradients in the backward: {2 * n * kv * share / 2**30:.2f} GiB in and out per rank per micro-batch "
-            "(an activation-checkpointed block gathers again in its recompute)"
+            f"K/V of its {heads} KV heads ({kv / 2**20:.1f} MiB gathered, {kv * share / 2**20:.1f} MiB from peers) "
+            f"and reduce-scatters their gradients in the backward: {2 * n * kv * share / 2**30:.2f} GiB in and out "
+            f"per rank per micro-batch over its {n} layers (an activation-checkpointed block gathers again in its "
+            "recompute)"
         )
     if dims.pp > 1:
         out.append("pipeline stages differ in memory: check the first and last stage's ranks with --rank")
