@@ -4,7 +4,8 @@ Both run kforge's Transformer (bf16 weights) on the same packed batch (``--seq-l
 tokens per sequence, documents of random lengths) for forward + backward, in one process,
 alternating the backends; plain causal SDPA (``is_causal``, flash, no document mask) is the
 reference ceiling. Compile time and warm-up steps are excluded. Prints a table and writes
-bench/results/attention_speed.json (``tokens_per_s`` per backend, ``flex_over_dense``).
+bench/results/attention_speed.json (``tokens_per_s`` and, on CUDA, ``peak_mem_gib`` per
+backend (the three models' weights included), ``flex_over_dense``); exits non-zero without CUDA unless ``--smoke``.
 The GPU acceptance script calls it as
 
     python bench/attention_speed.py [--seq-len 8192] [--steps 20] [--out PATH]
@@ -96,23 +97,31 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         for _ in range(args.warmup):
             _step(models[b], batch, b, train)
     times: dict[str, list[float]] = {b: [] for b in BACKENDS}
+    peaks: dict[str, int] = dict.fromkeys(BACKENDS, 0)  # the step's peak allocation (CUDA only)
     for _ in range(args.steps):
         for b in BACKENDS:  # alternate, so drifts in clocks hit every backend alike
             if device.type == "cuda":
                 torch.cuda.synchronize()
+                torch.cuda.reset_peak_memory_stats()
             t0 = time.perf_counter()
             _step(models[b], batch, b, train)
             if device.type == "cuda":
                 torch.cuda.synchronize()
+                peaks[b] = max(peaks[b], torch.cuda.max_memory_allocated())
             times[b].append(time.perf_counter() - t0)
     tokens_per_step = args.batch * args.seq_len
     rows = {
-        b: {"step_s": statistics.median(ts), "tokens_per_s": tokens_per_step / statistics.median(ts)}
+        b: {
+            "step_s": statistics.median(ts),
+            "tokens_per_s": tokens_per_step / statistics.median(ts),
+            "peak_mem_gib": peaks[b] / 2**30 if device.type == "cuda" else None,
+        }
         for b, ts in times.items()
     }
     n_docs = int((docs[:, 1:] != docs[:, :-1]).sum()) + args.batch
     result = {
         "device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu (smoke)",
+        "torch": torch.__version__,
         "mode": "forward+backward" if train else "forward (smoke)",
         "seq_len": args.seq_len,
         "batch": args.batch,
@@ -122,9 +131,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "flex_over_dense": rows["flex"]["tokens_per_s"] / rows["sdpa_dense"]["tokens_per_s"],
     }
     print(f"attention speed: {result['device']}, {result['mode']}, {args.batch} x {args.seq_len} tokens, {n_docs} docs")
-    print(f"{'backend':<14}{'step (ms)':>12}{'tokens/s':>14}")
+    print(f"{'backend':<14}{'step (ms)':>12}{'tokens/s':>14}{'peak GiB':>10}")
     for b, r in rows.items():
-        print(f"{b:<14}{r['step_s'] * 1e3:12.2f}{r['tokens_per_s']:14,.0f}")
+        peak = "-" if r["peak_mem_gib"] is None else f"{r['peak_mem_gib']:.2f}"
+        print(f"{b:<14}{r['step_s'] * 1e3:12.2f}{r['tokens_per_s']:14,.0f}{peak:>10}")
     print(f"flex / dense-mask SDPA tokens/s: {result['flex_over_dense']:.2f}x")
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=2))

@@ -149,3 +149,8 @@ def test_flex_forward_and_backward_equal_dense_mask_sdpa_on_cuda() -> None:
     torch.testing.assert_close(outs[1], outs[0], rtol=0, atol=2e-4)
     for a, b in zip(grads[1], grads[0], strict=True):
         torch.testing.assert_close(a, b, rtol=0, atol=2e-3)
+    # The next batch's documents: the once-compiled create_block_mask reads the new ids, not the first ones.
+    docs = torch.cat([torch.zeros(700), torch.ones(324)]).long().to(dev)[None].repeat(2, 1)
+    with torch.no_grad():
+        want, got = (attend(q, k, v, build_attention_mask(b, (2, 1024), dev, docs)) for b in ("sdpa", "flex"))
+    torch.testing.assert_close(got, want, rtol=0, atol=2e-4)

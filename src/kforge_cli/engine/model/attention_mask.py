@@ -34,6 +34,7 @@ AttentionBackend = Literal["sdpa", "flex", "auto"]
 MaskKind = Literal["causal", "dense", "flex"]
 
 _compiled_flex: Callable[..., Any] | None = None
+_compiled_block_mask: Callable[..., Any] | None = None
 
 
 @dataclass
@@ -93,8 +94,20 @@ def _flex_block_mask(
     k_len: int,
     device: torch.device,
 ) -> Any:
-    """A BlockMask for causal (within-document) attention; indices map local to global positions."""
+    """A BlockMask for causal (within-document) attention; indices map local to global positions.
+
+    On CUDA ``create_block_mask`` is compiled once per process (torch 2.13 deprecates its
+    ``_compile`` flag, which wraps a fresh ``torch.compile`` on every call): eager, it would
+    materialise the full ``B x Tq x Tk`` mask of every batch to find the blocks.
+    """
     from torch.nn.attention.flex_attention import create_block_mask
+
+    global _compiled_block_mask
+    make = create_block_mask
+    if device.type == "cuda":
+        if _compiled_block_mask is None:
+            _compiled_block_mask = torch.compile(create_block_mask)
+        make = _compiled_block_mask
 
     def mask_mod(b: Any, h: Any, q: Any, kv: Any) -> Any:
         gq = q if q_index is None else q_index[q]
@@ -105,9 +118,7 @@ def _flex_block_mask(
         return keep
 
     docs = q_docs is not None
-    return create_block_mask(
-        mask_mod, batch if docs else None, None, q_len, k_len, device=device, _compile=device.type == "cuda"
-    )
+    return make(mask_mod, batch if docs else None, None, q_len, k_len, device=device)
 
 
 def build_attention_mask(
