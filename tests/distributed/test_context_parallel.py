@@ -203,13 +203,25 @@ def test_cp2_composed_on_four_ranks_trains_like_one_process(
         assert sum(r["local_param_numel"] for r in results) == results[0]["full_param_numel"]
 
 
-@pytest.mark.gpu
-def test_cp2_with_flex_document_mask_on_nccl_trains_like_one_gpu(tmp_path_factory: pytest.TempPathFactory) -> None:
-    """On CUDA `auto` runs FlexAttention for the CP shard (local queries x gathered keys)."""
+CUDA = ["--train.device=cuda", "--train.mixed_precision=fp32"]
+TWO_GPUS: dict[str, tuple[list[str], list[str]]] = {
+    # `auto` runs FlexAttention for the CP shard on CUDA (local queries x gathered keys).
+    "cp2_flex_docs": ([*CUDA, *CP2, *DOCS], [*CUDA, *DOCS]),
+    # torch's ring SDPA (fp32: the memory-efficient kernel), plain causal, GQA heads repeated.
+    "cp2_ring": ([*CUDA, *CP2, "--distributed.cp_attention=ring"], CUDA),
+}
+
+
+@pytest.fixture(scope="module")
+def two_gpus(tmp_path_factory: pytest.TempPathFactory) -> dict[str, list[dict]]:
     if torch.cuda.device_count() < 2:
         pytest.skip(f"needs 2 GPUs, found {torch.cuda.device_count()}")
-    cuda = ["--train.device=cuda", "--train.mixed_precision=fp32", "--data.document_masking=true"]
-    res = launch(2, {"cp2_cuda": [*cuda, *CP2]}, tmp_path_factory.mktemp("cp2cuda"))
-    want = reference(tuple(cuda))["losses"]
-    for r in completed(res["cp2_cuda"], "cp2_cuda"):
-        assert_close_losses(r["losses"], want, 1e-4, "cp=2 flex (nccl) vs one GPU")
+    return launch(2, {name: case[0] for name, case in TWO_GPUS.items()}, tmp_path_factory.mktemp("cp2cuda"))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", list(TWO_GPUS))
+def test_cp2_on_nccl_trains_like_one_gpu(two_gpus: dict[str, list[dict]], name: str) -> None:
+    want = reference(tuple(TWO_GPUS[name][1]))["losses"]
+    for r in completed(two_gpus[name], name):
+        assert_close_losses(r["losses"], want, 1e-4, f"{name} (nccl) vs one GPU")

@@ -61,7 +61,7 @@ def test_plan_counts_cp_traffic_and_buffers_of_the_local_shard_under_tp_and_pp()
     assert tp.item("CP K/V gradients").bytes == 2 * 32768 * 4 * 128 * 2  # 4 of the 8 KV heads per TP rank
     assert tp.item("TP/PP buffers").bytes == tokens * dim * 2
     note = next(n for n in tp.notes if "context parallel" in n)
-    assert "K/V of its 4 KV heads (64.0 MiB gathered, 32.0 MiB from peers)" in note
+    assert "all-gathers K/V of its 4 KV heads (64.0 MiB gathered, 32.0 MiB from peers)" in note
     assert "2.00 GiB in and out per rank per micro-batch over its 32 layers" in note
     # TP splits what CP leaves per rank (heads, MLP, with SP the stream), not the row-parallel outputs
     # op-level AC keeps at full width: 0.82 of cp=2 alone.
@@ -71,3 +71,25 @@ def test_plan_counts_cp_traffic_and_buffers_of_the_local_shard_under_tp_and_pp()
     assert pp.item("TP/PP buffers").bytes == 2 * tokens * dim * 2  # send + receive of one stage
     note = next(n for n in pp.notes if "context parallel" in n)
     assert f"{2 * 16 * 128 * mib * 0.5 / gib:.2f} GiB in and out per rank per micro-batch over its 16 layers" in note
+
+
+def test_ring_attention_is_validated_and_planned_without_gathered_kv_activations() -> None:
+    ring = ["--distributed.cp=2", "--distributed.cp_attention=ring"]
+    bad = load_settings("cpu-debug", overrides=[*ring, "--data.document_masking=true"]).settings
+    messages = [i.message for i in world_size_issues(bad, 2) if i.path == "distributed.cp_attention"]
+    assert any("plain causal attention only" in m for m in messages)
+    assert any("need CUDA" in m for m in messages)  # cpu-debug trains on the CPU
+    flex = load_settings("cpu-debug", overrides=[*ring, "--train.device=cuda", "--model.attention=flex"]).settings
+    assert any("runs SDPA" in i.message for i in world_size_issues(flex, 2))
+    plain = ["--distributed.cp=2", "--data.document_masking=false", "--train.activation_checkpointing=none"]
+    allgather = build_plan(load_settings("h100x8-32k-cp", overrides=plain).settings, 8)
+    ringed = build_plan(
+        load_settings("h100x8-32k-cp", overrides=[*plain, "--distributed.cp_attention=ring"]).settings, 8
+    )
+    assert not world_size_issues(load_settings("h100x8-32k-cp", overrides=[*plain, *ring[1:]]).settings, 8)
+    # K/V repeated to the 32 query heads (of 8 KV heads): 4x the all-gathered K/V of one layer.
+    assert ringed.item("CP K/V gradients").bytes == 4 * allgather.item("CP K/V gradients").bytes
+    assert any("ring SDPA" in n and "32 query heads" in n for n in ringed.notes)
+    # Saved per layer (no AC): local K/V at query width (2 x 16k x 4096) instead of gathered (2 x 32k x 1024).
+    per_layer = (2 * 16384 * 4096 - 2 * 32768 * 1024) * 2
+    assert ringed.item("activations").bytes - allgather.item("activations").bytes == 32 * per_layer

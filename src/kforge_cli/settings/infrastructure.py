@@ -18,6 +18,11 @@ class DistributedSettings(Section):
     cp: int = field(
         1, "Context-parallel degree: each sequence is split over this many ranks (train.seq_len % (2*cp) == 0).", gt=0
     )
+    cp_attention: Literal["allgather", "ring"] = field(
+        "allgather",
+        "Attention under cp > 1: all-gather K/V (any mask, gloo or NCCL) or torch's ring SDPA (CUDA, causal, no "
+        "document masking).",
+    )
     pp_schedule: PipelineSchedule = field("1f1b", "Pipeline schedule.")
     pp_stages_per_rank: int = field(1, "Pipeline stages per rank (> 1 for interleaved schedules).", gt=0)
     sequence_parallel: bool = field(True, "Shard norms/activations along the sequence under TP.")

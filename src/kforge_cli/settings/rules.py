@@ -10,6 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from kforge_cli.errors import ConfigError, ConfigIssue
+from kforge_cli.settings.context_parallel import context_parallel_issues
 from kforge_cli.settings.job import JobSettings
 from kforge_cli.settings.moe import moe_issues
 from kforge_cli.settings.pipeline_schedules import schedule_facts
@@ -265,7 +266,7 @@ def world_size_issues(s: JobSettings, world_size: int) -> list[ConfigIssue]:
             )
         out += _pipeline_schedule_issues(s)
     out += _combination_issues(s)
-    out += _context_parallel_issues(s)
+    out += context_parallel_issues(s)
     if d.tp > s.slurm.gpus_per_node and s.slurm.nodes > 1:
         out.append(
             ConfigIssue(
@@ -360,33 +361,6 @@ def _combination_issues(s: JobSettings) -> list[ConfigIssue]:
         out.append(ConfigIssue("train.compile_model", COMPILE_TP_CPU))
     if d.tp > 1 and t.float8 and t.device == "cpu":
         out.append(ConfigIssue("train.float8", FLOAT8_TP_CPU))
-    return out
-
-
-def _context_parallel_issues(s: JobSettings) -> list[ConfigIssue]:
-    """What context parallelism needs: sequences in 2*cp equal chunks; the combinations it supports."""
-    d, t = s.distributed, s.train
-    if d.cp == 1:
-        return []
-    out: list[ConfigIssue] = []
-    if t.seq_len % (2 * d.cp):
-        out.append(
-            ConfigIssue(
-                "train.seq_len",
-                f"{t.seq_len} is not divisible by 2 * distributed.cp = {2 * d.cp} (each CP rank holds a head "
-                "and a tail chunk of every sequence)",
-            )
-        )
-    elif d.tp > 1 and d.sequence_parallel and (t.seq_len // d.cp) % d.tp:
-        out.append(
-            ConfigIssue(
-                "train.seq_len",
-                f"{t.seq_len} / distributed.cp = {t.seq_len // d.cp} tokens per CP rank are not divisible by "
-                f"distributed.tp ({d.tp}) (sequence parallelism splits each CP rank's tokens over the TP ranks)",
-            )
-        )
-    if s.vlm is not None:  # image tokens are spliced into the sequence inside the model, after sharding
-        out.append(ConfigIssue("distributed.cp", "context parallelism is not supported for VLM models"))
     return out
 
 

@@ -28,10 +28,15 @@ from typing import Any, Literal
 import torch
 import torch.nn.functional as F
 
-from kforge_cli.engine.model.sequence_shard import SequenceShard, gather_sequence, gather_sequence_ids
+from kforge_cli.engine.model.sequence_shard import (
+    SequenceShard,
+    gather_sequence,
+    gather_sequence_ids,
+    ring_attention,
+)
 
 AttentionBackend = Literal["sdpa", "flex", "auto"]
-MaskKind = Literal["causal", "dense", "flex"]
+MaskKind = Literal["causal", "dense", "flex", "ring"]  # ring: torch's context-parallel SDPA
 
 _compiled_flex: Callable[..., Any] | None = None
 _compiled_block_mask: Callable[..., Any] | None = None
@@ -130,6 +135,10 @@ def build_attention_mask(
 ) -> AttentionMask:
     """The mask of one batch ``[B, T_local]``: document-causal when ``doc_ids`` is given, else causal."""
     batch, q_len = tokens_shape
+    if shard is not None and shard.ring_mesh is not None:  # validated: causal only, SDPA, CUDA
+        if doc_ids is not None:
+            raise ValueError("ring attention (distributed.cp_attention = 'ring') takes no document mask")
+        return AttentionMask("ring", shard=shard)
     kernel = resolve_backend(backend, device, doc_ids is not None, shard is not None)
     if shard is None:
         if kernel == "flex":
@@ -163,6 +172,8 @@ def attend(
         return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
     if isinstance(mask, torch.Tensor):
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa)
+    if mask.kind == "ring" and mask.shard is not None:
+        return ring_attention(q, k, v, mask.shard)
     if mask.shard is not None:
         k = gather_sequence(k, mask.shard, dim=2)
         v = gather_sequence(v, mask.shard, dim=2)

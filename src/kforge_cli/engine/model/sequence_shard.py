@@ -11,6 +11,11 @@ Attention over the full sequence gathers K/V from every rank of the group
 gathered K/V and hands every rank its own slice). The gathered keys stay in gathered order
 (rank 0's chunks, then rank 1's, ...); the masks use :meth:`SequenceShard.key_index`, the
 global index of each gathered key, so nothing is reordered.
+
+With ``distributed.cp_attention = "ring"`` (CUDA, plain causal attention) attention instead
+runs torch's context-parallel SDPA (:func:`ring_attention`): the same head + tail layout is
+the one torch's ring kernels expect for load-balanced causal attention, so the shards need
+no reordering.
 """
 
 from __future__ import annotations
@@ -20,6 +25,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 
 
 def load_balanced_indices(seqlen: int, size: int, rank: int, device: torch.device | str | None = None) -> torch.Tensor:
@@ -40,6 +46,7 @@ class SequenceShard:
     group: Any  # the process group of the CP ranks
     size: int
     rank: int
+    ring_mesh: Any = None  # the 1-D cp DeviceMesh when attention runs torch's ring SDPA (cp_attention = ring)
 
     def query_index(self, local_len: int, device: torch.device) -> torch.Tensor:
         """Global positions of this rank's ``local_len`` tokens."""
@@ -84,3 +91,41 @@ def gather_sequence_ids(x: torch.Tensor, shard: SequenceShard) -> torch.Tensor:
     parts = [torch.empty_like(x) for _ in range(shard.size)]
     dist.all_gather(parts, x.contiguous(), group=shard.group)
     return torch.cat(parts, dim=1)
+
+
+_ring_dispatcher_on = False
+
+
+def enable_ring_attention() -> None:
+    """Route DTensor SDPA calls to torch's ring kernels, once per process and for good: the
+    backward of a ring SDPA runs after its forward returned, and must be routed the same way.
+    Only :func:`ring_attention` makes SDPA calls on DTensors, so nothing else changes."""
+    global _ring_dispatcher_on
+    if _ring_dispatcher_on:
+        return
+    from torch.distributed.tensor.experimental._attention import _cp_options, _enable_context_parallel_dispatcher
+
+    _cp_options.enable_load_balance = True  # the shards are head + tail chunks (load_balanced_indices)
+    _enable_context_parallel_dispatcher()
+    _ring_dispatcher_on = True
+
+
+def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, shard: SequenceShard) -> torch.Tensor:
+    """Causal attention of this rank's queries over the whole sequence with torch's ring SDPA.
+
+    ``q`` ``[B, H, T_local, hd]``, ``k``/``v`` ``[B, Hkv, T_local, hd]``: local tensors of this
+    rank's head + tail chunks, wrapped as DTensors sharded on the sequence dim of the cp
+    mesh; torch's kernels pass K/V around the group and merge the partial results by their
+    log-sum-exp. K/V heads are repeated to the query heads first (the ring kernels are
+    called per head group without SDPA's ``enable_gqa``).
+    """
+    from torch.distributed.tensor import DTensor, Shard
+
+    if shard.ring_mesh is None:
+        raise RuntimeError("ring attention needs the cp mesh (distributed.cp_attention = 'ring')")
+    if q.shape[1] != k.shape[1]:
+        repeat = q.shape[1] // k.shape[1]
+        k, v = k.repeat_interleave(repeat, dim=1), v.repeat_interleave(repeat, dim=1)
+    q, k, v = (DTensor.from_local(t.contiguous(), shard.ring_mesh, [Shard(2)], run_check=False) for t in (q, k, v))
+    out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+    return out.to_local() if isinstance(out, DTensor) else out

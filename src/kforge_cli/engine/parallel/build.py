@@ -76,7 +76,7 @@ def parallelize(module: nn.Module, settings: JobSettings, runtime: RuntimeContex
         apply_tensor_parallel(
             module, tp_mesh, sequence_parallel=d.sequence_parallel, loss_parallel_on=d.loss_parallel, float8=t.float8
         )
-    if apply_context_parallel(module, runtime):
+    if apply_context_parallel(module, runtime, ring=d.cp_attention == "ring"):
         log.info("context parallel: cp rank %d of %d", runtime.cp_rank, runtime.cp_size)
     n_ac = apply_activation_checkpointing(module, t)
     if n_ac:

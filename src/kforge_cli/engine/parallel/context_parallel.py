@@ -10,7 +10,8 @@ and NCCL); everything else in a block is per token, so it runs on the local shar
 Memory: activations scale with the local tokens, ``T / cp``, except the gathered K/V that
 attention keeps for its backward (``2 x T x kv_dim`` per layer). Communication: per layer,
 an all-gather of K and V in the forward and a reduce-scatter of their gradients in the
-backward.
+backward. With ``distributed.cp_attention = "ring"`` (CUDA, causal only) attention runs
+torch's ring SDPA on the same shards instead (:func:`..model.sequence_shard.ring_attention`).
 
 The loss side: CP ranks' label tokens are disjoint parts of one batch, so the step sums
 valid tokens and loss over dp x cp (``RuntimeContext.loss_group``) and FSDP2, sharding
@@ -24,17 +25,31 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from kforge_cli.engine.model.sequence_shard import SequenceShard, load_balanced_indices
+from kforge_cli.engine.model.sequence_shard import SequenceShard, enable_ring_attention, load_balanced_indices
 from kforge_cli.engine.runtime import RuntimeContext
+from kforge_cli.engine.runtime.mesh import sub_mesh
+from kforge_cli.errors import ConfigError, ConfigIssue
+from kforge_cli.settings.context_parallel import RING_CPU
 
 SEQUENCE_KEYS = ("input_ids", "labels", "positions", "doc_ids")  # batch entries of shape [B, T]
 
 
-def apply_context_parallel(module: nn.Module, runtime: RuntimeContext) -> bool:
-    """Tell the model it runs on a sequence shard of this rank's CP group; False without CP."""
+def apply_context_parallel(module: nn.Module, runtime: RuntimeContext, *, ring: bool = False) -> bool:
+    """Tell the model it runs on a sequence shard of this rank's CP group; False without CP.
+
+    ``ring`` (``distributed.cp_attention = "ring"``): attention runs torch's ring SDPA over
+    the cp mesh instead of gathering K/V (CUDA only; train.device=auto may have resolved to CPU).
+    """
     if runtime.cp_size == 1:
         return False
-    module.sequence_shard = SequenceShard(runtime.cp_group(), runtime.cp_size, runtime.cp_rank)  # type: ignore[assignment]
+    ring_mesh = None
+    if ring:
+        if runtime.device.type != "cuda":
+            raise ConfigError([ConfigIssue("distributed.cp_attention", RING_CPU)], header="unsupported on CPU")
+        ring_mesh = sub_mesh(runtime.mesh, "cp")
+        enable_ring_attention()
+    shard = SequenceShard(runtime.cp_group(), runtime.cp_size, runtime.cp_rank, ring_mesh=ring_mesh)
+    module.sequence_shard = shard  # type: ignore[assignment]
     return True
 
 

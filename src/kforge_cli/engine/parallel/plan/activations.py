@@ -20,7 +20,8 @@ without activation checkpointing keeps (``/t`` = split over tensor-parallel rank
 
 Under context parallelism (``cp`` ranks per sequence) ``N`` is the local ``B*T/cp`` tokens,
 except ``k`` and ``v``, which attention keeps gathered over the whole sequence (``N*cp``),
-and a dense document mask, ``B x T/cp x T``.
+and a dense document mask, ``B x T/cp x T``. With torch's ring attention
+(``cp_attention = ring``) ``k`` and ``v`` stay local, repeated to the query heads.
 
 Full AC keeps only each block's input; selective/block does so on every k-th block;
 selective/op keeps the block input plus the outputs of the matmuls and of SDPA. The
@@ -64,6 +65,7 @@ class ActivationInputs:
     ac_mode: str  # "none" | "full" | "selective_block" | "selective_op"
     ac_every_n_blocks: int = 2
     cp: int = 1  # context-parallel degree: each rank holds seq_len / cp tokens of every sequence
+    ring: bool = False  # cp_attention = ring: K/V saved local (N tokens) at the query heads' width
 
     @property
     def stream_bytes(self) -> int:
@@ -96,7 +98,8 @@ def _norm_saved(a: ActivationInputs, width: int, tokens: int) -> int:
 
 def _attention_saved(a: ActivationInputs) -> int:
     n, c, t = a.tokens, a.compute_bytes, a.tp
-    saved = c * (n * 2 * a.q_dim + a.kv_tokens * 2 * a.kv_dim) // t + FP32 * n * a.n_heads // t
+    kv = n * 2 * a.q_dim if a.ring else a.kv_tokens * 2 * a.kv_dim
+    saved = c * (n * 2 * a.q_dim + kv) // t + FP32 * n * a.n_heads // t
     if a.qk_norm:
         head_dim = a.q_dim // a.n_heads
         saved += _norm_saved(a, head_dim, n * (a.q_dim + a.kv_dim) // head_dim // t)

@@ -130,9 +130,14 @@ def comm_buffers(
 
 
 def kv_gather_bytes(settings: JobSettings, dims: ParallelDims, compute_bytes: int) -> int:
-    """K and V of one layer over a whole micro-batch sequence (local KV heads): what CP gathers per layer."""
+    """K and V of one layer over a whole micro-batch sequence (local KV heads): what CP gathers per layer.
+
+    Ring attention (``cp_attention = ring``) passes K/V repeated to the query heads (torch's ring
+    kernels run without SDPA's GQA), and its default rotation all-gathers them too.
+    """
     m, t = settings.model, settings.train
-    return 2 * t.batch_size * t.seq_len * m.kv_heads * m.head_dim // dims.tp * compute_bytes
+    heads = m.n_heads if settings.distributed.cp_attention == "ring" else m.kv_heads
+    return 2 * t.batch_size * t.seq_len * heads * m.head_dim // dims.tp * compute_bytes
 
 
 @dataclass(frozen=True)

@@ -148,13 +148,15 @@ def _activation_inputs(settings: JobSettings, dims: ParallelDims, compute_bytes:
         ac_mode=ac,
         ac_every_n_blocks=t.ac_every_n_blocks,
         cp=dims.cp,
+        ring=dims.cp > 1 and d.cp_attention == "ring",
     )
 
 
 def dense_attention_mask(settings: JobSettings, cuda: bool) -> bool:
     """Attention runs with a dense SDPA mask (not is_causal, nor FlexAttention's block mask):
     document masking or context parallelism (local queries, gathered keys) with the sdpa kernel."""
-    docs, sharded = settings.data.document_masking, settings.distributed.cp > 1
+    d = settings.distributed
+    docs, sharded = settings.data.document_masking, d.cp > 1 and d.cp_attention == "allgather"
     device = torch.device("cuda" if cuda else "cpu")
     return (docs or sharded) and resolve_backend(settings.model.attention, device, docs, sharded) == "sdpa"
 
@@ -204,10 +206,13 @@ def _notes(settings: JobSettings, built: MetaBuild, dims: ParallelDims) -> list[
         cbytes = compute_dtype(settings, target_device(settings)).itemsize
         kv = kv_gather_bytes(settings, dims, cbytes)
         # Layers of this rank's pipeline stages; K/V of its TP rank's heads; the part of a gathered tensor from peers.
-        n, heads, share = len(built.block_ids), settings.model.kv_heads // dims.tp, (dims.cp - 1) / dims.cp
+        m, n, share = settings.model, len(built.block_ids), (dims.cp - 1) / dims.cp
+        how = f"all-gathers K/V of its {m.kv_heads // dims.tp} KV heads"
+        if settings.distributed.cp_attention == "ring":  # K/V repeated to the query heads (kv_gather_bytes)
+            how = f"runs torch's ring SDPA, which gathers K/V repeated to its {m.n_heads // dims.tp} query heads"
         out.append(
-            f"context parallel cp={dims.cp}: each rank holds 1/{dims.cp} of every sequence; per layer it all-gathers "
-            f"K/V of its {heads} KV heads ({kv / 2**20:.1f} MiB gathered, {kv * share / 2**20:.1f} MiB from peers) "
+            f"context parallel cp={dims.cp}: each rank holds 1/{dims.cp} of every sequence; per layer it {how} "
+            f"({kv / 2**20:.1f} MiB gathered, {kv * share / 2**20:.1f} MiB from peers) "
             f"and reduce-scatters their gradients in the backward: {2 * n * kv * share / 2**30:.2f} GiB in and out "
             f"per rank per micro-batch over its {n} layers (an activation-checkpointed block gathers again in its "
             "recompute)"
