@@ -196,9 +196,11 @@ def test_cp2_composed_on_four_ranks_trains_like_one_process(
         assert_close_losses(r["losses"], ref["losses"], REL, f"{name} vs one process")
         if ref["eval_loss"] is not None:
             assert r["eval_loss"] == pytest.approx(ref["eval_loss"], rel=REL)
-    tokens = [r["tokens_seen"] for r in read_metrics(out / name / "metrics.jsonl") if "loss" in r]
+    steps = [r for r in read_metrics(out / name / "metrics.jsonl") if "loss" in r]
     batch = 4 if name == "cp2_fsdp2_docs" else 2 * (2 if "pp2" in name else 1)  # sequences per step
-    assert tokens[-1] == 10 * batch * 32
+    assert steps[-1]["tokens_seen"] == 10 * batch * 32
+    for r in steps:  # tokens/s: the step's global tokens over its time (log_interval 1), not x cp
+        assert r["tokens_per_sec"] * r["step_time_s"] == pytest.approx(batch * 32, rel=1e-6)
     if name == "cp2_fsdp2_docs":  # FSDP shards over dp_shard x cp = 4 ranks
         assert sum(r["local_param_numel"] for r in results) == results[0]["full_param_numel"]
 
