@@ -3,7 +3,7 @@
 Training: one 2-rank launch runs cp=2 (dp=1) with and without document masking (with
 evaluation) and resumes the first run from its step-5 checkpoint at cp=2 (bit for bit)
 and, in this process, at cp=1; one 4-rank launch runs cp=2 composed with FSDP dp_shard=2,
-with TP=2 (+ sequence parallelism) and with PP=2. Every run's 10 losses equal a single
+with TP=2 (with and without sequence parallelism) and with PP=2. Every run's 10 losses equal a single
 process's on the same global batch within 1e-5 relative, and tokens_seen is not scaled by cp.
 
 The model-level check: 2 gloo ranks, each holding a load-balanced half of every sequence
@@ -172,6 +172,11 @@ FOUR_RANKS: dict[str, tuple[list[str], list[str]]] = {
     "cp2_tp2_sp_docs_eval": (
         [*CP2, "--distributed.tp=2", "--model.qk_norm=true", *DOCS_EVAL],
         ["--model.qk_norm=true", *DOCS_EVAL],
+    ),
+    # TP without SP and without the vocab-parallel loss: replicated stream, gathered logits.
+    "cp2_tp2_no_sp": (
+        [*CP2, "--distributed.tp=2", "--distributed.sequence_parallel=false", "--distributed.loss_parallel=false"],
+        [],
     ),
     "cp2_pp2_docs_eval": ([*CP2, *PP2, *DOCS_EVAL], [*PP2[1:], *DOCS_EVAL]),
 }
