@@ -113,3 +113,32 @@ def test_hooks_are_type_checked_before_instantiation_and_resume_names_them(
     (tmp_path / "config.toml").write_text(to_toml(saved))
     resolve_resume(tmp_path, [])
     assert "train.hooks, which will be imported and run: evil.module:Payload" in capsys.readouterr().err
+
+
+def test_a_symlinked_checkpoints_root_is_refused_before_anything_is_read_written_or_deleted(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from tests.unit.test_checkpoint_manager import make_run, train
+
+    precious = make_run(tmp_path / "precious")
+    precious.manager.restore()
+    for step in (1, 2):
+        train(precious, 1)
+        precious.manager.save(step)
+    elsewhere = tmp_path / "precious" / "checkpoints"
+    before = sorted(p.name for p in elsewhere.iterdir())
+    run = tmp_path / "run"
+    run.mkdir()
+    os.symlink(elsewhere, run / "checkpoints")
+    with pytest.raises(KforgeError, match=r"checkpoints is a symbolic link \(to .*precious/checkpoints\)") as err:
+        make_run(run, ["--checkpoint.keep_last_n=1"])
+    assert err.value.exit_code == 2
+    code = 0
+    try:
+        main(["train", "--run-dir", str(run), "--train.device=cpu", "--train.max_steps=1", "--model.dim=32"])
+    except SystemExit as exc:
+        code = int(exc.code or 0)
+    shutdown_logging()
+    message = capsys.readouterr().err
+    assert code == 2 and "is a symbolic link" in message and "Traceback" not in message, message
+    assert sorted(p.name for p in elsewhere.iterdir()) == before and (elsewhere / "step_1").is_dir()
