@@ -186,14 +186,25 @@ def auto_workers(total_bytes: int, byte_level: bool) -> int:
 
 
 def _replace_dir(tmp: Path, out: Path) -> None:
-    """Move the finished ``tmp`` to ``out``, replacing an older prepared directory."""
-    if out.exists():
-        old = out.with_name(f".{out.name}.old-{secrets.token_hex(4)}")
-        out.rename(old)
-        tmp.rename(out)
-        shutil.rmtree(old, ignore_errors=True)
-    else:
-        tmp.rename(out)
+    """Move the finished ``tmp`` to ``out``, replacing an older prepared directory.
+
+    SIGTERM is held back for the two renames (delivered right after): a stop between them
+    would otherwise leave neither the old directory nor the new one at ``out``.
+    """
+    in_main = threading.current_thread() is threading.main_thread()
+    if in_main:
+        signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})
+    try:
+        if out.exists():
+            old = out.with_name(f".{out.name}.old-{secrets.token_hex(4)}")
+            out.rename(old)
+            tmp.rename(out)
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            tmp.rename(out)
+    finally:
+        if in_main:
+            signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGTERM})
 
 
 def _check_out(out: Path) -> None:
@@ -228,7 +239,11 @@ def _fsync_tree(root: Path) -> None:
 
 
 def _sigterm_cleans_up() -> Callable[[], None]:
-    """Turn SIGTERM into SystemExit (exit 143) so `finally` removes the temporary directory; returns the undo."""
+    """Turn SIGTERM into SystemExit(143) so `finally` removes the temporary directory; returns the undo.
+
+    `kforge prepare-data` stopped by SIGTERM exits 143 (128 + 15) and leaves ``--out`` as it
+    was (no temporary directory, no half-written output); Ctrl-C does the same with exit 130.
+    """
     if threading.current_thread() is not threading.main_thread():
         return lambda: None
 
@@ -302,9 +317,9 @@ def prepare_data(
     _check_out(out)
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}-{secrets.token_hex(4)}")
-    tmp.mkdir()
-    restore_sigterm = _sigterm_cleans_up()
+    restore_sigterm = _sigterm_cleans_up()  # before the directory exists: no moment leaves it behind
     try:
+        tmp.mkdir()
         with ThreadPoolExecutor(1) as hasher:
             sums: list[Future[str]] = [hasher.submit(_source_sha256, f) for f in files]
             writers = {s: SplitWriter(tmp, s, dtype, shard_tokens, tok.eos_id) for s in ("train", "val")}
