@@ -25,6 +25,7 @@ from kforge_cli.cli import (
     train,
     validate,
 )
+from kforge_cli.cli.help_text import apply_readable_help
 
 app = typer.Typer(
     name="kforge",
@@ -54,6 +55,7 @@ for module in (train, resume, convert_mot, inspect_ckpt, export_hf, validate, pr
     module.register(app)
 for module in (generate, evaluate, plot, runs):  # after training
     module.register(app)
+apply_readable_help(app)  # docstrings -> whole paragraphs, brackets kept, no literal backticks
 
 
 def main(argv: list[str] | None = None) -> None:

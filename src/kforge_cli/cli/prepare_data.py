@@ -49,7 +49,11 @@ def prepare_data(
 
     A Hugging Face dataset is tokenized like JSONL (one document per record); training then
     reads the output like any other prepared directory, sharded exactly and resumably across
-    ranks and loader workers. Needs `pip install 'kforge[hf]'`.
+    ranks and loader workers. Hugging Face inputs need `pip install 'kforge[hf]'`.
+
+    Exit codes: 0 done (or already up to date), 2 invalid input (the file and line named),
+    130 Ctrl-C, 143 SIGTERM. A stopped run leaves --out as it was: the output is written
+    to a temporary directory, made durable, then renamed into place.
     """
     from rich.console import Console
     from rich.progress import BarColumn, DownloadColumn, Progress, TimeRemainingColumn, TransferSpeedColumn
