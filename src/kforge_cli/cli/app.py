@@ -20,6 +20,7 @@ from kforge_cli.cli import (
     inspect_ckpt,
     plot,
     prepare_data,
+    profiles,
     resume,
     runs,
     train,
@@ -53,7 +54,7 @@ def _root(
 
 for module in (train, resume, convert_mot, inspect_ckpt, export_hf, validate, prepare_data):
     module.register(app)
-for module in (generate, evaluate, plot, runs):  # after training
+for module in (generate, evaluate, plot, runs, profiles):  # after training
     module.register(app)
 apply_readable_help(app)  # docstrings -> whole paragraphs, brackets kept, no literal backticks
 

@@ -56,5 +56,10 @@ def apply_readable_help(app: typer.Typer) -> None:
         source = info.help if info.help is not None else inspect.getdoc(info.callback) or ""
         info.help = readable_help(source)
     for group in app.registered_groups:
-        if group.typer_instance is not None:
-            apply_readable_help(group.typer_instance)
+        sub = group.typer_instance
+        if sub is None:
+            continue
+        callback = sub.registered_callback
+        if callback is not None and callback.callback is not None:  # a group's help is its callback's docstring
+            group.help = readable_help(inspect.getdoc(callback.callback) or "")
+        apply_readable_help(sub)
