@@ -60,7 +60,7 @@ def prepare_data(
 
     from kforge_cli.engine.data.prepare.pipeline import prepare_data as run
 
-    err = Console(stderr=True)
+    err = Console(stderr=True, soft_wrap=True)  # lines printed above the bar keep paths whole
     columns = (
         "[progress.description]{task.description}",
         BarColumn(),
