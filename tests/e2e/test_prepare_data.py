@@ -89,3 +89,25 @@ def test_sigterm_mid_run_removes_the_temporary_directory_and_keeps_the_old_outpu
             assert json.loads((out / "metadata.json").read_text())["older"] is True
         else:
             assert not out.exists()
+
+
+def test_documents_are_defined_per_input_kind_and_metadata_summary_and_eos_ids_agree(kforge, tmp_path: Path) -> None:
+    text = tmp_path / "a.txt"
+    text.write_text("".join(f"line {i} of a text file with some words\n" for i in range(1500)))
+    records = tmp_path / "b.jsonl"
+    records.write_text("".join(json.dumps({"text": f"record {i} " * 5}) + "\n" for i in range(500)))
+    out = tmp_path / "out"
+    r = kforge("prepare-data", str(text), str(records), "--out", str(out), "-q")
+    assert r.returncode == 0, r.stderr
+    meta = json.loads((out / "metadata.json").read_text())
+    assert set(meta["documents"]) == {"text", "jsonl", "hf"} and meta["text_files"] == 1
+    for split, info in meta["splits"].items():
+        eos = sum(int((np.load(out / s["file"]) == meta["eos_id"]).sum()) for s in info["shards"])
+        assert eos == info["documents"] == sum(info["documents_by_kind"].values()), split
+    # the one text file loses lines from its middle to val: 2 pieces in train, 1 in val, each a document
+    assert meta["splits"]["train"]["documents_by_kind"] == {"text": 2, "jsonl": 500, "hf": 0}
+    assert meta["splits"]["val"]["documents_by_kind"] == {"text": 1, "jsonl": 0, "hf": 0}
+    assert (
+        "documents (each ends with EOS): 502 train + 1 val = 500 JSONL records + 1 text file in 3 pieces "
+        "(the val split takes lines out of text files; a piece is a document)"
+    ) in r.stdout.splitlines()

@@ -198,7 +198,7 @@ def test_every_output_file_and_directory_is_fsynced_before_the_rename_publishes_
     from kforge_cli.engine.data.prepare import pipeline
 
     events: list[tuple[str, str]] = []
-    real_fsync, real_replace = os.fsync, pipeline._replace_dir
+    real_fsync, real_replace = os.fsync, pipeline.replace_dir
 
     def recording_fsync(fd: int) -> None:
         events.append(("fsync", os.readlink(f"/proc/self/fd/{fd}")))
@@ -209,7 +209,7 @@ def test_every_output_file_and_directory_is_fsynced_before_the_rename_publishes_
         real_replace(tmp, out)
 
     monkeypatch.setattr(os, "fsync", recording_fsync)
-    monkeypatch.setattr(pipeline, "_replace_dir", recording_replace)
+    monkeypatch.setattr(pipeline, "replace_dir", recording_replace)
     src = _write(tmp_path / "in.txt", "hello world\n" * 2000)
     out = tmp_path / "out"
     prepare_data([src], out, val_fraction=0.1, shard_tokens=5000, workers=1)
