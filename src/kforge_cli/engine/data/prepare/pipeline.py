@@ -285,7 +285,9 @@ def prepare_data(
                 if on_progress:
                     on_progress(done, total)
             asm.finish()
-            splits = {s: w.close() | {"documents_by_kind": asm.by_kind[s]} for s, w in writers.items()}
+            splits: dict[str, dict[str, Any]] = {
+                s: w.close() | {"documents_by_kind": asm.by_kind[s]} for s, w in writers.items()
+            }
             parts.rmdir()
             sources = [
                 {"path": str(f.path), "kind": f.kind, "bytes": f.size, "sha256": s.result()}
