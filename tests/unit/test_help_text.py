@@ -77,3 +77,11 @@ def test_readable_help_escapes_only_what_rich_would_eat() -> None:
         "Needs [bold]pip install 'kforge\\[hf]'[/bold]. Second line [0, 1) and [HF]."
     )
     assert readable_help("Items:\n- one\n- two") == "Items:\n- one\n- two"
+
+
+def test_the_command_list_shows_each_commands_first_paragraph_whole() -> None:
+    lines = render()
+    for argv, callback in ALL:
+        if len(argv) == 1:
+            first = paragraphs(inspect.getdoc(callback) or "")[0]
+            assert any(first in line for line in lines), f"{argv[0]}: {first!r}"
