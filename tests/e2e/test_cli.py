@@ -26,7 +26,16 @@ def test_help_lists_subcommands_and_version(kforge) -> None:
         assert h.returncode == 0 and "Usage" in h.stdout, name
 
 
-@pytest.mark.parametrize("argv", [["--help"], ["validate-config", "--profile", "h100x64"], ["train", "--help"]])
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["--help"],
+        ["validate-config", "--profile", "h100x64"],
+        ["train", "--help"],
+        ["profiles"],
+        ["profiles", "show", "h100x64"],
+    ],
+)
 def test_cheap_commands_do_not_import_torch(argv: list[str]) -> None:
     code = (
         "import sys\nfrom kforge_cli.cli.app import main\n"

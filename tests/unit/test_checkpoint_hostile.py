@@ -271,3 +271,13 @@ def test_a_full_disk_during_save_says_so_and_keeps_the_previous_checkpoint(
     resumed = make_run(tmp_path)
     restored = resumed.manager.restore()
     assert restored is not None and restored.step == 1
+
+
+def test_convert_mot_to_an_existing_file_is_a_clear_error(
+    honest: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    a_file = tmp_path / "out.bin"
+    a_file.write_bytes(b"x")
+    code, err = cli(capsys, "convert-mot", str(honest), str(a_file))
+    assert code == 2 and "is a file, not a directory" in err and "Traceback" not in err, err
+    assert a_file.read_bytes() == b"x"

@@ -188,3 +188,37 @@ def test_an_error_in_a_worker_process_reaches_the_caller(tmp_path: Path) -> None
     with pytest.raises(InvalidInputError, match=r"b\.jsonl line 2: invalid JSON"):
         prepare_data([good, bad], tmp_path / "out", workers=2)
     assert not (tmp_path / "out").exists() and not list(tmp_path.glob(".out.*"))
+
+
+def test_every_output_file_and_directory_is_fsynced_before_the_rename_publishes_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import os
+
+    from kforge_cli.engine.data.prepare import pipeline
+
+    events: list[tuple[str, str]] = []
+    real_fsync, real_replace = os.fsync, pipeline.replace_dir
+
+    def recording_fsync(fd: int) -> None:
+        events.append(("fsync", os.readlink(f"/proc/self/fd/{fd}")))
+        real_fsync(fd)
+
+    def recording_replace(tmp: Path, out: Path) -> None:
+        events.append(("rename", str(tmp)))
+        real_replace(tmp, out)
+
+    monkeypatch.setattr(os, "fsync", recording_fsync)
+    monkeypatch.setattr(pipeline, "replace_dir", recording_replace)
+    src = _write(tmp_path / "in.txt", "hello world\n" * 2000)
+    out = tmp_path / "out"
+    prepare_data([src], out, val_fraction=0.1, shard_tokens=5000, workers=1)
+    [rename_at] = [i for i, (kind, _) in enumerate(events) if kind == "rename"]
+    tmp = Path(events[rename_at][1])
+    synced_before = {
+        Path(p).relative_to(tmp) for kind, p in events[:rename_at] if kind == "fsync" and p.startswith(str(tmp))
+    }
+    published = {p.relative_to(out) for p in out.rglob("*")}
+    assert len(published) >= 5 and {Path("metadata.json"), Path("train-00000.npy"), Path("val-00000.npy")} <= published
+    assert published | {Path(".")} <= synced_before  # every file, and the directory's own entries
+    assert ("fsync", str(out.parent)) in events[rename_at:]  # the rename itself made durable

@@ -246,6 +246,27 @@ def test_progress_bar_mode_keeps_lines_out_of_the_console(caplog: pytest.LogCapt
     assert records == [("step 1/10", True)]
 
 
+def test_log_lines_above_a_live_bar_keep_a_long_run_dir_path_on_one_line(monkeypatch: pytest.MonkeyPatch) -> None:
+    import io
+    import sys
+
+    monkeypatch.setenv("FORCE_COLOR", "1")  # a terminal, as far as rich is concerned: the bar redirects stderr
+    monkeypatch.setenv("COLUMNS", "80")
+    terminal = io.StringIO()
+    monkeypatch.setattr(sys, "stderr", terminal)
+    logger = setup_logging(0, 1, None)
+    run_dir = "/scratch/" + "/".join(["a_long_project_directory"] * 6) + "/runs/cpu-debug-20260101-000000-2"
+    try:
+        with ProgressReporter(10, 0, "on", True, logger) as progress:
+            assert progress.uses_bar
+            logger.info("checkpoint step 5 -> %s", run_dir)
+            progress.update(5, {"loss": 1.0})
+    finally:
+        shutdown_logging()
+    shown = re.sub(r"\x1b\[[0-9;?]*[A-Za-z]", "", terminal.getvalue()).splitlines()
+    assert any(f"checkpoint step 5 -> {run_dir}" in line for line in shown), shown
+
+
 def test_progress_rejects_unknown_mode() -> None:
     with pytest.raises(ValueError, match="sometimes"):
         ProgressReporter(10, 0, "sometimes", True, logging.getLogger("kforge_test.progress"))

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 from pathlib import Path
 
@@ -113,3 +114,53 @@ def test_hooks_are_type_checked_before_instantiation_and_resume_names_them(
     (tmp_path / "config.toml").write_text(to_toml(saved))
     resolve_resume(tmp_path, [])
     assert "train.hooks, which will be imported and run: evil.module:Payload" in capsys.readouterr().err
+
+
+def test_a_symlinked_checkpoints_root_is_refused_before_anything_is_read_written_or_deleted(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from tests.unit.test_checkpoint_manager import make_run, train
+
+    precious = make_run(tmp_path / "precious")
+    precious.manager.restore()
+    for step in (1, 2):
+        train(precious, 1)
+        precious.manager.save(step)
+    elsewhere = tmp_path / "precious" / "checkpoints"
+    before = sorted(p.name for p in elsewhere.iterdir())
+    run = tmp_path / "run"
+    run.mkdir()
+    os.symlink(elsewhere, run / "checkpoints")
+    with pytest.raises(KforgeError, match=r"checkpoints is a symbolic link \(to .*precious/checkpoints\)") as err:
+        make_run(run, ["--checkpoint.keep_last_n=1"])
+    assert err.value.exit_code == 2
+    code = 0
+    try:
+        main(["train", "--run-dir", str(run), "--train.device=cpu", "--train.max_steps=1", "--model.dim=32"])
+    except SystemExit as exc:
+        code = int(exc.code or 0)
+    shutdown_logging()
+    message = capsys.readouterr().err
+    assert code == 2 and "is a symbolic link" in message and "Traceback" not in message, message
+    assert sorted(p.name for p in elsewhere.iterdir()) == before and (elsewhere / "step_1").is_dir()
+
+
+def test_eval_results_are_never_written_through_a_planted_link(tmp_path: Path, target: Path) -> None:
+    from types import SimpleNamespace
+
+    from kforge_cli.engine.inference.evaluate import write_results
+
+    run = tmp_path / "run"
+    (run / "eval").mkdir(parents=True)
+    os.symlink(target, run / "eval" / "step_3.json.tmp")
+    os.symlink(target, run / "eval" / f".step_3.json.tmp{os.getpid()}")
+    loaded = SimpleNamespace(run_dir=run, step=3, path=run / "checkpoints" / "step_3")
+    path = write_results(loaded, {"heldout": {"loss": 1.5}})  # type: ignore[arg-type]
+    assert path == run / "eval" / "step_3.json" and not path.is_symlink()
+    assert json.loads(path.read_text())["tasks"] == {"heldout": {"loss": 1.5}} and target.read_text() == SECRET
+    other = tmp_path / "other"
+    other.mkdir()
+    os.symlink(target.parent, other / "eval")
+    with pytest.raises(KforgeError, match="this directory is a symbolic link"):
+        write_results(SimpleNamespace(run_dir=other, step=1, path=other), {})  # type: ignore[arg-type]
+    assert sorted(p.name for p in target.parent.iterdir()) == ["authorized_keys"]

@@ -358,3 +358,26 @@ def test_a_newline_in_any_value_of_the_script_is_refused_and_nothing_is_written(
     with pytest.raises(ConfigError, match=r"python executable: .*control character"):
         write_job(settings, python="/opt/py\nthon", workdir=tmp_path)
     assert not evil.exists() and not (tmp_path / "run" / "job.sbatch").exists()
+
+
+def test_sbatch_claims_default_run_dirs_like_train_and_refuses_a_foreign_dir(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr("time.strftime", lambda fmt: "20260101-000000")  # two jobs written in the same second
+    first, second = (write_job(load_settings(use_env=False).settings, python=PY) for _ in range(2))
+    assert (first.run_dir.name, second.run_dir.name) == ("cpu-debug-20260101-000000", "cpu-debug-20260101-000000-2")
+    for files in (first, second):
+        assert f"--run-dir {files.run_dir}" in files.script.read_text()
+        assert load_settings(profile=str(files.config)).settings.train.run_dir == str(files.run_dir)
+    project = tmp_path / "my_project"
+    project.mkdir()
+    (project / "config.toml").write_text("[tool.black]\nline-length = 100\n")
+    code, out, err = run_cli(["train", "--sbatch", "--run-dir", str(project)], capsys)
+    assert code == 2 and "is not a kforge run directory" in err and "Traceback" not in err and out == ""
+    assert sorted(p.name for p in project.iterdir()) == ["config.toml"]
+    assert (project / "config.toml").read_text() == "[tool.black]\nline-length = 100\n"
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    assert run_cli(["train", "--sbatch", "--run-dir", str(empty)], capsys)[0] == 0  # empty or a kforge run: fine
+    assert run_cli(["train", "--sbatch", "--run-dir", str(empty)], capsys)[0] == 0

@@ -20,11 +20,13 @@ from kforge_cli.cli import (
     inspect_ckpt,
     plot,
     prepare_data,
+    profiles,
     resume,
     runs,
     train,
     validate,
 )
+from kforge_cli.cli.help_text import apply_readable_help
 
 app = typer.Typer(
     name="kforge",
@@ -52,8 +54,9 @@ def _root(
 
 for module in (train, resume, convert_mot, inspect_ckpt, export_hf, validate, prepare_data):
     module.register(app)
-for module in (generate, evaluate, plot, runs):  # after training
+for module in (generate, evaluate, plot, runs, profiles):  # after training
     module.register(app)
+apply_readable_help(app)  # docstrings -> whole paragraphs, brackets kept, no literal backticks
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -7,7 +7,9 @@ from typing import Annotated
 
 import typer
 
-from kforge_cli.cli.options import OVERRIDES, ConfigOpt, ProfileOpt, resolve
+from kforge_cli.cli.options import OVERRIDES, ConfigOpt, resolve
+
+MOT_PROFILE = "vlm-mot-debug"
 
 
 def register(app: typer.Typer) -> None:
@@ -18,20 +20,23 @@ def convert_mot(
     ctx: typer.Context,
     src: Annotated[Path, typer.Argument(help="Dense text checkpoint (kforge DCP step dir or HF Llama dir).")],
     out: Annotated[Path, typer.Argument(help="Output directory for the MoT checkpoint.")],
-    profile: ProfileOpt = None,
+    profile: Annotated[
+        str | None,
+        typer.Option("--profile", "-p", help=f"The MoT model: a profile name or a .toml path. Default: {MOT_PROFILE}."),
+    ] = None,
     config: ConfigOpt = None,
 ) -> None:
     """Copy each text layer's weights into every modality of a MoT model (works on CPU).
 
-    The MoT shape comes from the profile/config (default vlm-mot-debug when none given);
-    its [model] must be the dense model's. SRC is a kforge checkpoint (step dir or run
-    dir) or a Hugging Face Llama directory. OUT becomes a kforge checkpoint: start a MoT
-    run from it with --checkpoint.init_from=OUT (or skip this step and set
+    The MoT model comes from --profile (default vlm-mot-debug) and --config; its [model]
+    table must describe the dense model. SRC is a kforge checkpoint (step dir or run dir)
+    or a Hugging Face Llama directory. OUT becomes a kforge checkpoint: start a MoT run
+    from it with --checkpoint.init_from=OUT (or skip this step and set
     --vlm.mot_warm_start_from=SRC on a fresh run).
     """
     from kforge_cli.engine.checkpoint.mot_convert import convert_mot as run_convert
 
-    settings = resolve(profile or "vlm-mot-debug", config, list(ctx.args)).settings
+    settings = resolve(profile or MOT_PROFILE, config, list(ctx.args)).settings
     result = run_convert(settings, src, out)
     typer.echo(
         f"wrote MoT checkpoint {result.path}: {result.tensors} tensors from {src}, "

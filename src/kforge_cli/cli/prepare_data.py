@@ -49,14 +49,18 @@ def prepare_data(
 
     A Hugging Face dataset is tokenized like JSONL (one document per record); training then
     reads the output like any other prepared directory, sharded exactly and resumably across
-    ranks and loader workers. Needs `pip install 'kforge[hf]'`.
+    ranks and loader workers. Hugging Face inputs need `pip install 'kforge[hf]'`.
+
+    Exit codes: 0 done (or already up to date), 2 invalid input (the file and line named),
+    130 Ctrl-C, 143 SIGTERM. A stopped run leaves --out as it was: the output is written
+    to a temporary directory, made durable, then renamed into place.
     """
     from rich.console import Console
     from rich.progress import BarColumn, DownloadColumn, Progress, TimeRemainingColumn, TransferSpeedColumn
 
     from kforge_cli.engine.data.prepare.pipeline import prepare_data as run
 
-    err = Console(stderr=True)
+    err = Console(stderr=True, soft_wrap=True)  # lines printed above the bar keep paths whole
     columns = (
         "[progress.description]{task.description}",
         BarColumn(),
@@ -82,13 +86,41 @@ def prepare_data(
         typer.echo(f"{result.out} is up to date with its inputs: nothing to do")
         return
     typer.echo(
-        f"wrote {result.out}: {result.tokens['train']:,} train + {result.tokens['val']:,} val tokens "
-        f"({result.documents['train']:,} + {result.documents['val']:,} documents), {result.dtype}, "
-        f"vocab {result.vocab_size}"
+        f"wrote {result.out}: {result.tokens['train']:,} train + {result.tokens['val']:,} val tokens, "
+        f"{result.dtype}, vocab {result.vocab_size}"
     )
+    typer.echo(documents_line(result.documents, result.documents_by_kind, result.text_files))
     typer.echo(
         f"{result.input_bytes / 1e6:,.1f} MB in {result.seconds:.2f} s with {result.workers} worker(s): "
         f"{result.tokens_per_second:,.0f} tokens/s"
     )
     if result.skipped_records or result.skipped_files:
         typer.echo(f"skipped {result.skipped_records} bad record(s) and {result.skipped_files} empty file(s)")
+
+
+def _count(n: int, one: str, many: str) -> str:
+    return f"{n:,} {one if n == 1 else many}"
+
+
+def documents_line(documents: dict[str, int], by_kind: dict[str, dict[str, int]] | None, text_files: int | None) -> str:
+    """``documents (each ends with EOS): 502 train + 1 val = 500 JSONL records + 1 text file in 3 pieces ...``.
+
+    The same definitions as metadata.json's ``documents``: a JSONL record, a dataset row,
+    a text file (each contiguous piece of it within a split, when the val split cuts it).
+    """
+    line = f"documents (each ends with EOS): {documents['train']:,} train + {documents['val']:,} val"
+    if by_kind is None:
+        return line
+    total = {kind: sum(split[kind] for split in by_kind.values()) for kind in ("jsonl", "hf", "text")}
+    parts = []
+    if total["jsonl"]:
+        parts.append(_count(total["jsonl"], "JSONL record", "JSONL records"))
+    if total["hf"]:
+        parts.append(_count(total["hf"], "dataset row", "dataset rows"))
+    if total["text"]:
+        files = text_files or total["text"]
+        text = _count(files, "text file", "text files")
+        if total["text"] > files:
+            text += f" in {total['text']:,} pieces (the val split takes lines out of text files; a piece is a document)"
+        parts.append(text)
+    return f"{line} = {' + '.join(parts)}" if parts else line

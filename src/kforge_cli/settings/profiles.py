@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import tomllib
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -13,28 +14,70 @@ DEFAULT_PROFILE = "cpu-debug"
 PROFILE_ONLY_KEYS = ("extends", "description")
 
 
-def profile_dirs() -> list[Path]:
-    """Where profiles are looked up, first match wins.
+SHIPPED = "shipped"
+PROJECT = "./profiles"
+ENV_PATH = "$KFORGE_PROFILE_PATH"
+
+
+def profile_sources() -> list[tuple[Path, str]]:
+    """Where profiles are looked up, first match wins, each with where it comes from.
 
     ``$KFORGE_PROFILE_PATH`` (colon-separated), ``./profiles`` (a project's own), then
     the profiles shipped with kforge (the repository's ``profiles/`` in a source checkout,
     ``kforge_cli/_profiles`` in an installed wheel).
     """
-    dirs = [Path(p) for p in os.environ.get("KFORGE_PROFILE_PATH", "").split(os.pathsep) if p]
-    dirs.append(Path.cwd() / "profiles")
+    found = [(Path(p), ENV_PATH) for p in os.environ.get("KFORGE_PROFILE_PATH", "").split(os.pathsep) if p]
+    found.append((Path.cwd() / "profiles", PROJECT))
     package_dir = Path(__file__).resolve().parent.parent
-    dirs.append(package_dir / "_profiles")
-    dirs.append(package_dir.parent.parent / "profiles")
-    seen: list[Path] = []
-    for d in dirs:
-        if d not in seen:
-            seen.append(d)
-    return seen
+    found.append((package_dir / "_profiles", SHIPPED))
+    found.append((package_dir.parent.parent / "profiles", SHIPPED))
+    unique: list[tuple[Path, str]] = []
+    for d, source in found:
+        if all(d != seen for seen, _ in unique):
+            unique.append((d, source))
+    return unique
+
+
+def profile_dirs() -> list[Path]:
+    """The directories of :func:`profile_sources`, in lookup order."""
+    return [d for d, _ in profile_sources()]
 
 
 def available_profiles() -> list[str]:
     names = {p.stem for d in profile_dirs() if d.is_dir() for p in d.glob("*.toml")}
     return sorted(names)
+
+
+@dataclass(frozen=True)
+class ProfileEntry:
+    """One profile `--profile NAME` finds: its file, where that comes from, and what it says it is."""
+
+    name: str
+    path: Path
+    source: str  # SHIPPED, PROJECT or ENV_PATH
+    description: str
+    extends: str | None
+    shadows: tuple[Path, ...]  # files of the same name further down the lookup order (not used)
+
+
+def list_profiles() -> list[ProfileEntry]:
+    """Every profile name kforge can find, with the file that wins; a file that does not parse says so."""
+    files: dict[str, list[tuple[Path, str]]] = {}
+    for d, source in profile_sources():
+        if d.is_dir():
+            for path in sorted(d.glob("*.toml")):
+                files.setdefault(path.stem, []).append((path, source))
+    entries = []
+    for name in sorted(files):
+        (path, source), *rest = files[name]
+        try:
+            data = read_toml(path, "profile")
+            description, parent = str(data.get("description", "")), data.get("extends")
+        except InvalidInputError as exc:
+            description, parent = f"(unreadable: {exc})", None
+        extends = parent if isinstance(parent, str) else None
+        entries.append(ProfileEntry(name, path, source, description, extends, tuple(p for p, _ in rest)))
+    return entries
 
 
 def find_profile(name: str) -> Path:
@@ -79,8 +122,26 @@ def load_profile(name: str, _chain: tuple[str, ...] = ()) -> tuple[dict[str, Any
         return data, path
     if not isinstance(parent, str):
         raise InvalidInputError(f"profile {path}: 'extends' must be a profile name")
+    try:
+        find_profile(parent)
+    except InvalidInputError as exc:  # a typo in `extends =`: say which file holds it
+        raise InvalidInputError(f"profile {path}: extends = {parent!r}: {exc}") from None
     base, _ = load_profile(parent, (*_chain, name))
     return deep_merge(base, data), path
+
+
+def extends_chain(name: str) -> list[Path]:
+    """The files profile NAME is built from, itself first, then what it extends (a cycle is an error)."""
+    chain: list[Path] = []
+    while True:
+        path = find_profile(name)
+        if path in chain:
+            raise InvalidInputError(f"profile inheritance cycle through {path}")
+        chain.append(path)
+        parent = read_toml(path, "profile").get("extends")
+        if not isinstance(parent, str):
+            return chain
+        name = parent
 
 
 def deep_merge(base: dict[str, Any], top: dict[str, Any]) -> dict[str, Any]:

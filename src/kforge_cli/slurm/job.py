@@ -18,7 +18,7 @@ from kforge_cli.errors import EXIT_OK, InvalidInputError
 from kforge_cli.files import atomic_write, check_run_dir, real_dir
 from kforge_cli.settings import JobSettings
 from kforge_cli.settings.explain import to_toml
-from kforge_cli.settings.run_dir import default_run_dir
+from kforge_cli.settings.run_dir import claim_default_run_dir, default_run_dir, refuse_foreign_dir
 from kforge_cli.slurm.sbatch import CONFIG_FILE, SCRIPT_FILE, render_sbatch, task_python
 from kforge_cli.slurm.submit import submit_script
 
@@ -55,16 +55,26 @@ def write_job(settings: JobSettings, *, python: str | None = None, workdir: Path
     environment slurm.setup activates, else this one by absolute path: compute nodes share
     the filesystem); `workdir` is the job's working directory (default: the
     current one), where relative paths in the settings are resolved.
+    RUN_DIR follows `kforge train`'s rules: a default name is claimed atomically (two jobs
+    written in the same second get two directories), and a given directory must be new,
+    empty or a kforge run. Everything is checked before anything is created.
     """
     workdir = (workdir or Path.cwd()).resolve()
-    run_dir = Path(settings.train.run_dir or default_run_dir(settings)).expanduser()
+    given = settings.train.run_dir
+    run_dir = Path(given or default_run_dir(settings)).expanduser()
     run_dir = (run_dir if run_dir.is_absolute() else workdir / run_dir).resolve()
     settings = settings.model_copy(deep=True)
     settings.train.run_dir = str(run_dir)
     interpreter = python or task_python(settings.slurm, sys.executable)
-    script = render_sbatch(settings, run_dir, python=interpreter, workdir=workdir)
-    _refuse_shape_change(settings, run_dir)
-    real_dir(check_run_dir(run_dir) / "logs")
+    script = render_sbatch(settings, run_dir, python=interpreter, workdir=workdir)  # refuses before creating
+    if given:
+        refuse_foreign_dir(check_run_dir(run_dir))
+        _refuse_shape_change(settings, run_dir)
+    else:  # the name checked above, or the next free one: render again with the name claimed
+        run_dir = claim_default_run_dir(settings, base=workdir).resolve()
+        settings.train.run_dir = str(run_dir)
+        script = render_sbatch(settings, run_dir, python=interpreter, workdir=workdir)
+    real_dir(run_dir / "logs")
     files = JobFiles(run_dir, run_dir / CONFIG_FILE, run_dir / SCRIPT_FILE)
     _atomic_write(files.config, to_toml(settings))
     _atomic_write(files.script, script, 0o755)

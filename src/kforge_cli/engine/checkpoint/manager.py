@@ -54,6 +54,7 @@ from kforge_cli.engine.checkpoint.train_state import FORMAT, write_rank_state
 from kforge_cli.engine.model.names import clean_param_name
 from kforge_cli.engine.model.vlm.freeze import freeze_record
 from kforge_cli.engine.runtime import RuntimeContext
+from kforge_cli.files import real_dir
 from kforge_cli.settings import JobSettings
 from kforge_cli.settings.run_dir import checkpoint_root
 
@@ -141,7 +142,7 @@ class CheckpointManager:
         self._stager: ReusableStager | None = None  # built at the first async save, reused after
         self.report: Callable[[dict[str, Any]], None] | None = None  # receives SaveRecord.metrics() at commit
         if self.is_main:
-            self.root.mkdir(parents=True, exist_ok=True)
+            real_dir(self.root)  # never created or used through a planted link
 
     @property
     def is_main(self) -> bool:

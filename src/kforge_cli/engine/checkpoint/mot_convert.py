@@ -197,6 +197,8 @@ def convert_mot(settings: JobSettings, source: str | Path, out: str | Path) -> C
             "convert-mot needs a MoT configuration (vlm.arch = 'mot'); e.g. --profile vlm-mot-debug"
         )
     src, dst = Path(source).expanduser().resolve(), Path(out).expanduser().resolve()
+    if dst.exists() and not dst.is_dir():
+        raise InvalidInputError(f"{dst} is a file, not a directory; give a new output directory")
     if dst.exists() and any(dst.iterdir()):
         raise InvalidInputError(f"{dst} exists and is not empty; give a new output directory")
     torch.manual_seed(settings.train.seed)
@@ -204,6 +206,8 @@ def convert_mot(settings: JobSettings, source: str | Path, out: str | Path) -> C
         model = build_vlm(settings)
     names = load_dense_into_mot(model, src, settings)
     tmp = dst.with_name(f".{dst.name}.partial")
+    if tmp.is_symlink():  # a planted link: removed, never written through
+        tmp.unlink()
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
     with quiet_single_process():

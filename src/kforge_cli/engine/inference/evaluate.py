@@ -24,6 +24,7 @@ from kforge_cli.engine.inference.source import LoadedCheckpoint, check_tokenizer
 from kforge_cli.engine.model.scoring import continuation_logliks
 from kforge_cli.engine.train.loss import IGNORE_INDEX, build_loss_fn
 from kforge_cli.errors import InvalidInputError
+from kforge_cli.files import atomic_write, real_dir
 from kforge_cli.settings import JobSettings
 
 Results = dict[str, dict[str, float]]
@@ -118,10 +119,7 @@ def write_results(loaded: LoadedCheckpoint, results: Results) -> Path | None:
     """RUN_DIR/eval/step_N.json (merged with earlier tasks of that step); None outside a run dir."""
     if loaded.run_dir is None:
         return None
-    out_dir = loaded.run_dir / "eval"
-    if out_dir.is_symlink():
-        raise InvalidInputError(f"{out_dir} is a symlink; kforge does not write through links in a run directory")
-    out_dir.mkdir(exist_ok=True)
+    out_dir = real_dir(loaded.run_dir / "eval")  # a link is refused
     path = out_dir / f"step_{loaded.step if loaded.step is not None else 'unknown'}.json"
     merged: dict[str, Any] = {}
     if path.is_file() and not path.is_symlink():
@@ -130,9 +128,8 @@ def write_results(loaded: LoadedCheckpoint, results: Results) -> Path | None:
         except (OSError, json.JSONDecodeError, AttributeError):
             merged = {}
     merged.update(results)
-    tmp = path.with_suffix(".json.tmp")
-    tmp.write_text(json.dumps({"checkpoint": str(loaded.path), "step": loaded.step, "tasks": merged}, indent=2) + "\n")
-    tmp.replace(path)
+    record = {"checkpoint": str(loaded.path), "step": loaded.step, "tasks": merged}
+    atomic_write(path, (json.dumps(record, indent=2) + "\n").encode())  # never through a planted link
     return path
 
 

@@ -18,6 +18,7 @@ import torch
 from torch.profiler import ProfilerAction, ProfilerActivity
 
 from kforge_cli.engine.observe.logs import get_logger
+from kforge_cli.files import real_dir
 from kforge_cli.settings.infrastructure import ProfilingSettings
 
 _RECORDING = (ProfilerAction.RECORD, ProfilerAction.RECORD_AND_SAVE)
@@ -118,7 +119,7 @@ class WindowProfiler(TrainProfiler):
         steps, self._recorded_in_window = self._recorded_in_window, []
         if not steps:  # recorded only steps outside the window (started at the wrong step): nothing to keep
             return
-        self._trace_dir.mkdir(parents=True, exist_ok=True)
+        real_dir(self._trace_dir)  # never a link in the run directory
         path = self._trace_dir / f"rank{self._rank}_step{steps[-1]}.json"
         prof.export_chrome_trace(str(path))
         self.trace_paths.append(path)

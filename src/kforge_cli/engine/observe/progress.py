@@ -91,7 +91,9 @@ class ProgressReporter:
                 BarColumn(),
                 MofNCompleteColumn(),
                 TextColumn("{task.fields[info]}"),
-                console=Console(stderr=True),
+                # Log lines printed above the bar go through this console: soft_wrap leaves
+                # wrapping to the terminal, so a run-dir path is never split by a newline.
+                console=Console(stderr=True, soft_wrap=True),
                 redirect_stderr=True,
             )
             self._task_id = self._progress.add_task("train", total=total_steps, completed=start_step, info="")

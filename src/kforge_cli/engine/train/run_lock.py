@@ -10,7 +10,8 @@ filesystem has no ``flock`` (some Lustre mounts), the record alone decides: a li
 on this host blocks, anything else is taken over with a warning.
 
 A directory that exists, is not empty and holds nothing kforge wrote is refused rather
-than written into (its ``config.toml`` would be replaced).
+than written into (its ``config.toml`` would be replaced): that rule lives in
+``settings.run_dir`` so `--sbatch` applies it too.
 """
 
 from __future__ import annotations
@@ -24,43 +25,23 @@ import logging
 import os
 import socket
 import time
-import tomllib
 from pathlib import Path
 from typing import IO, Any
 
 from kforge_cli.errors import InvalidInputError
 from kforge_cli.files import open_append
+from kforge_cli.settings.run_dir import LOCK_FILE, is_kforge_run, refuse_foreign_dir
+
+__all__ = ["LOCK_FILE", "RunDirInUseError", "RunLock", "acquire_run_lock", "is_kforge_run", "refuse_foreign_dir"]
 
 log = logging.getLogger("kforge")
 
-LOCK_FILE = ".kforge-lock"
 REQUEUE_WAIT_S = 120.0  # how long a requeued SLURM job waits for the old holder's lock to expire
-_KFORGE_ENTRIES = ("checkpoints", "metrics.jsonl", "logs", "job.sbatch", LOCK_FILE)
 _NO_FLOCK = {errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOSYS, errno.EINVAL}
 
 
 class RunDirInUseError(InvalidInputError):
     """Another live kforge process holds the run directory (exit 2)."""
-
-
-def is_kforge_run(run_dir: Path) -> bool:
-    """True when `run_dir` holds something kforge writes (a config with model/train tables, logs, checkpoints)."""
-    if any((run_dir / name).exists() for name in _KFORGE_ENTRIES):
-        return True
-    try:
-        config = tomllib.loads((run_dir / "config.toml").read_text())
-    except (OSError, ValueError):
-        return False
-    return isinstance(config.get("model"), dict) and isinstance(config.get("train"), dict)
-
-
-def refuse_foreign_dir(run_dir: Path) -> None:
-    """Refuse an existing, non-empty directory that is not a kforge run (it would be written into)."""
-    if run_dir.is_dir() and any(run_dir.iterdir()) and not is_kforge_run(run_dir):
-        raise InvalidInputError(
-            f"{run_dir} exists, is not empty and is not a kforge run directory (no config.toml, logs/ or "
-            "checkpoints/ written by kforge): refusing to write into it. Pass a new or empty --run-dir"
-        )
 
 
 def _record() -> dict[str, Any]:

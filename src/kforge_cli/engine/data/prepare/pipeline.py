@@ -5,8 +5,8 @@ processes, at most ``2 * workers`` in flight, each into a raw part file; the mai
 process copies the parts in input order into the shards of their split and deletes
 them, so memory and scratch space stay flat however large the input.
 Source checksums are computed by a thread alongside. Everything is written to a
-hidden temporary directory next to ``--out`` and renamed into place at the end: an
-interrupted run never leaves a directory that looks complete. Re-running with the
+hidden temporary directory next to ``--out``, fsynced and renamed into place at the end
+(:mod:`output_dir`): an interrupted run never leaves a directory that looks complete. Re-running with the
 same inputs (path, size, mtime), tokenizer and options finds the finished directory
 and does nothing. A local Hugging Face dataset is one more kind of input
 (:mod:`hf_source`): its records become documents exactly like JSONL records, and
@@ -22,8 +22,6 @@ import multiprocessing as mp
 import os
 import secrets
 import shutil
-import signal
-import threading
 import time
 from collections import deque
 from collections.abc import Callable, Iterator
@@ -38,6 +36,7 @@ import numpy as np
 from kforge_cli.engine.data.prepare import hf_source
 from kforge_cli.engine.data.prepare.encode_worker import SegmentResult, UnitResult, encode_unit, init_worker
 from kforge_cli.engine.data.prepare.inputs import InputFile, WorkUnit, collect_inputs, plan_units
+from kforge_cli.engine.data.prepare.output_dir import check_out, fsync_tree, replace_dir, sigterm_cleans_up
 from kforge_cli.engine.data.shards import FORMAT, FORMAT_VERSION, METADATA, SplitWriter, load_prepared
 from kforge_cli.engine.data.tokenizer import ByteTokenizer, HFTokenizer, load_tokenizer, token_dtype
 from kforge_cli.errors import InvalidInputError
@@ -63,10 +62,22 @@ class PrepareResult:
     skipped_files: int
     dtype: str
     vocab_size: int
+    documents_by_kind: dict[str, dict[str, int]] | None = None  # split -> DOCUMENT_KINDS key -> documents
+    text_files: int | None = None  # text files that hold at least one document
 
     @property
     def tokens_per_second(self) -> float:
         return sum(self.tokens.values()) / self.seconds if self.seconds > 0 else 0.0
+
+
+# What one document (one EOS-terminated run of tokens) is, per input kind: metadata.json
+# records this, and the summary line counts by it.
+DOCUMENT_KINDS = {
+    "text": "a text file, whole; when the val split takes lines from it, each contiguous piece of "
+    "the file within one split is one document",
+    "jsonl": "one JSONL record (its text field; blank lines and empty texts are not documents)",
+    "hf": "one dataset row (its text column; empty texts are not documents)",
+}
 
 
 class _Assembler:
@@ -74,8 +85,10 @@ class _Assembler:
 
     A text file is one document whose segments may alternate between splits: a split
     closes its open document (EOS) when the next piece comes from another file, or when
-    the file's preceding piece went to the other split (a discontinuity). JSONL and
-    dataset pieces are whole records that already end with EOS.
+    the file's preceding piece went to the other split (a discontinuity), so each
+    contiguous piece of a file within a split is one document (see DOCUMENT_KINDS).
+    JSONL and dataset pieces are whole records that already end with EOS. Documents are
+    counted per split and kind as they are closed: the counts equal the EOS ids written.
     """
 
     def __init__(self, writers: dict[str, SplitWriter], eos_id: int, dtype: np.dtype[Any]) -> None:
@@ -83,10 +96,13 @@ class _Assembler:
         self.open_doc: dict[str, int | None] = dict.fromkeys(writers)
         self.last_split: str | None = None
         self.records = 0
+        self.by_kind = {split: dict.fromkeys(DOCUMENT_KINDS, 0) for split in writers}
+        self.text_files: set[int] = set()
 
     def _close(self, split: str) -> None:
         if self.open_doc[split] is not None:
             self.writers[split].append(self.eos)
+            self.by_kind[split]["text"] += 1
             self.open_doc[split] = None
 
     def add(self, seg: SegmentResult, part_fd: int, itemsize: int) -> None:
@@ -101,6 +117,9 @@ class _Assembler:
         self.writers[seg.split].copy_from(part_fd, seg.start * itemsize, seg.length, seg.documents)
         if seg.kind == "text":
             self.open_doc[seg.split] = seg.file_index
+            self.text_files.add(seg.file_index)
+        else:
+            self.by_kind[seg.split][seg.kind] += seg.documents
         self.last_split = seg.split
 
     def finish(self) -> None:
@@ -185,64 +204,6 @@ def auto_workers(total_bytes: int, byte_level: bool) -> int:
     return max(1, min(len(os.sched_getaffinity(0)), total_bytes // per_worker))
 
 
-def _replace_dir(tmp: Path, out: Path) -> None:
-    """Move the finished ``tmp`` to ``out``, replacing an older prepared directory."""
-    if out.exists():
-        old = out.with_name(f".{out.name}.old-{secrets.token_hex(4)}")
-        out.rename(old)
-        tmp.rename(out)
-        shutil.rmtree(old, ignore_errors=True)
-    else:
-        tmp.rename(out)
-
-
-def _check_out(out: Path) -> None:
-    """`out` may be missing, empty, or a directory prepare-data wrote (its format marker); nothing else is replaced."""
-    if out.is_symlink():
-        raise InvalidInputError(f"--out {out} is a symbolic link: pass the real directory (or a new path)")
-    if out.exists() and not out.is_dir():
-        raise InvalidInputError(f"--out {out} is a file, not a directory: choose another path")
-    if not out.exists() or not any(out.iterdir()):
-        return
-    try:
-        marker = json.loads((out / METADATA).read_text(encoding="utf-8")).get("format")
-    except (OSError, ValueError, AttributeError):
-        marker = None
-    if marker != FORMAT:
-        raise InvalidInputError(
-            f"--out {out} exists and was not written by `kforge prepare-data` (no {METADATA} with format "
-            f"{FORMAT!r}): refusing to replace it. Choose another path, or remove it yourself"
-        )
-
-
-def _fsync_tree(root: Path) -> None:
-    """Every file and directory under `root` durable before the final rename publishes it."""
-    for dirpath, _, names in os.walk(root):
-        for name in names:
-            fd = os.open(os.path.join(dirpath, name), os.O_RDONLY)
-            try:
-                os.fsync(fd)
-            finally:
-                os.close(fd)
-        fsync_dir(Path(dirpath))
-
-
-def _sigterm_cleans_up() -> Callable[[], None]:
-    """Turn SIGTERM into SystemExit (exit 143) so `finally` removes the temporary directory; returns the undo."""
-    if threading.current_thread() is not threading.main_thread():
-        return lambda: None
-
-    def stop(signum: int, frame: Any) -> None:
-        raise SystemExit(128 + signum)
-
-    previous = signal.signal(signal.SIGTERM, stop)
-
-    def undo() -> None:
-        signal.signal(signal.SIGTERM, previous)
-
-    return undo
-
-
 def prepare_data(
     inputs: list[Path],
     out: Path,
@@ -299,12 +260,12 @@ def prepare_data(
             meta["dtype"],
             meta["vocab_size"],
         )
-    _check_out(out)
+    check_out(out)
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}-{secrets.token_hex(4)}")
-    tmp.mkdir()
-    restore_sigterm = _sigterm_cleans_up()
+    restore_sigterm = sigterm_cleans_up()  # before the directory exists: no moment leaves it behind
     try:
+        tmp.mkdir()
         with ThreadPoolExecutor(1) as hasher:
             sums: list[Future[str]] = [hasher.submit(_source_sha256, f) for f in files]
             writers = {s: SplitWriter(tmp, s, dtype, shard_tokens, tok.eos_id) for s in ("train", "val")}
@@ -324,7 +285,9 @@ def prepare_data(
                 if on_progress:
                     on_progress(done, total)
             asm.finish()
-            splits = {s: w.close() for s, w in writers.items()}
+            splits: dict[str, dict[str, Any]] = {
+                s: w.close() | {"documents_by_kind": asm.by_kind[s]} for s, w in writers.items()
+            }
             parts.rmdir()
             sources = [
                 {"path": str(f.path), "kind": f.kind, "bytes": f.size, "sha256": s.result()}
@@ -343,7 +306,9 @@ def prepare_data(
             "vocab_size": tok.vocab_size,
             "eos_id": tok.eos_id,
             "dtype": dtype.name,
-            "document_separator": "the EOS id follows every document (a text file, a JSONL record or a dataset record)",
+            "document_separator": "the EOS id follows every document",
+            "documents": DOCUMENT_KINDS,
+            "text_files": len(asm.text_files),
             "splits": splits,
             "sources": sources,
             "records": asm.records,
@@ -354,8 +319,8 @@ def prepare_data(
             "inputs_key": key,
         }
         (tmp / METADATA).write_text(json.dumps(meta, indent=2) + "\n", encoding="utf-8")
-        _fsync_tree(tmp)
-        _replace_dir(tmp, out)
+        fsync_tree(tmp)
+        replace_dir(tmp, out)
         fsync_dir(out.parent)
     finally:
         if tmp.exists():
@@ -373,4 +338,6 @@ def prepare_data(
         len(skipped_files),
         dtype.name,
         tok.vocab_size,
+        {s: v["documents_by_kind"] for s, v in splits.items()},
+        len(asm.text_files),
     )
