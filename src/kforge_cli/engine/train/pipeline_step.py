@@ -102,7 +102,7 @@ def pipeline_step(session: TrainingSession, micro_batches: list[Batch]) -> StepR
     # sum over micro-batches, stages and dp ranks of (loss sum * scale) = dp_size * mean loss
     mean = _reduce_over_stages_and_dp(session, local) / session.runtime.dp_size
     grad_norm = clip_gradients(session)
-    return StepResult(loss=float(mean), grad_norm=grad_norm, valid_tokens=norm.tokens)
+    return StepResult(loss=mean, grad_norm=grad_norm, valid_tokens=norm.n_valid)
 
 
 @torch.no_grad()
