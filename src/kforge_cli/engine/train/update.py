@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import logging
 import math
+import warnings
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -56,7 +57,11 @@ class LossScaler:
         return self.scaler.scale(value)
 
     def unscale_(self, optimizer: torch.optim.Optimizer) -> None:
-        self.scaler.unscale_(optimizer)
+        with warnings.catch_warnings():
+            # ShardedGradScaler's found_inf / inv_scale have shape (1,); DTensor replicates them as
+            # intended and warns that a 0-d tensor would be tidier: noise, once per rank.
+            warnings.filterwarnings("ignore", message="Found a non-scalar tensor with numel=1")
+            self.scaler.unscale_(optimizer)
 
     def step(self, optimizer: torch.optim.Optimizer, grad_norm: torch.Tensor) -> torch.Tensor:
         """Apply the update unless the (unscaled) gradients overflowed; returns that flag (device bool)."""
