@@ -77,5 +77,5 @@ def clip_grad_norm(params: Sequence[torch.Tensor], max_norm: float, pp_group: An
             by_kind.setdefault((local.device, local.dtype), []).append(local)
     with torch.no_grad():
         for (device, _), grads in by_kind.items():
-            torch._foreach_mul_(grads, coef.to(device))
+            torch._foreach_mul_(grads, coef.to(device))  # pyright: ignore[reportPrivateImportUsage]
     return norm

@@ -25,7 +25,7 @@ logging steps. With fp16 the step also scales the loss by the gradient scaler's 
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Protocol
 
@@ -231,7 +231,9 @@ class PlainStep:
         total, norm = accumulate(session, micro_batches, lambda batch: self.adjust_loss(session, batch, base(batch)))
         self.after_backward(session)
         grad_norm = clip_gradients(session)
-        result = StepResult(loss=norm.mean(total), grad_norm=grad_norm, valid_tokens=norm.n_valid, extra=self.extra())
+        result = StepResult(
+            loss=norm.mean(total), grad_norm=grad_norm, valid_tokens=norm.n_valid, extra=dict(self.extra())
+        )
         if datasets is not None:
             datasets.reduce()
             result.deferred.append(datasets.means)
@@ -247,7 +249,7 @@ class PlainStep:
     def after_backward(self, session: TrainingSession) -> None:
         """Runs after the last backward, before clipping (nothing for plain training)."""
 
-    def extra(self) -> dict[str, float | torch.Tensor]:
+    def extra(self) -> Mapping[str, float | torch.Tensor]:
         """Step metrics of this variant, merged into `StepResult.extra` (device scalars are read only when logged)."""
         return {}
 
