@@ -78,8 +78,9 @@ def reference(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 def test_two_rank_fsdp_sigterm_on_one_rank_then_resume_is_bit_exact(reference: Path, tmp_path: Path) -> None:
     run = tmp_path / "run"
-    stopped = launch(2, run, [*REF_ARGS, HOOK], {"KFORGE_TEST_SIGTERM_STEP": "5", "KFORGE_TEST_SIGTERM_RANK": "1"})
-    ok(stopped, 75)  # the stop decision is all-reduced: both ranks stop after step 5 and save
+    stopped = launch(2, run, [*REF_ARGS, HOOK], {"KFORGE_TEST_SIGTERM_STEP": "4", "KFORGE_TEST_SIGTERM_RANK": "1"})
+    # signalled after step 4; the ranks vote every resilience.stop_check_interval = 5 steps: both stop after 5
+    ok(stopped, 75)
     assert "stopped by SIGTERM at step 5" in stopped[1][1] and "stopped by peer signal at step 5" in stopped[0][1]
     assert read_latest(run / "checkpoints") == run / "checkpoints" / "step_5"
     resumed = launch(2, run, REF_ARGS)
@@ -114,7 +115,10 @@ def test_checkpoint_from_two_rank_fsdp_resumes_at_another_layout(
 
 def test_pipeline_stages_save_own_dirs_and_resume_without_pipeline(reference: Path, tmp_path: Path) -> None:
     """pp=2 (one stage per rank) stopped by SIGTERM at step 3, resumed on one process: the curve continues."""
-    run, pp = tmp_path / "run", ["--distributed.pp=2", "--train.grad_accum_steps=2"]
+    run, pp = (
+        tmp_path / "run",
+        ["--distributed.pp=2", "--train.grad_accum_steps=2", "--resilience.stop_check_interval=1"],
+    )
     stopped = launch(2, run, [*REF_ARGS, *pp, HOOK], {"KFORGE_TEST_SIGTERM_STEP": "3", "KFORGE_TEST_SIGTERM_RANK": "0"})
     ok(stopped, 75)
     step_dir = run / "checkpoints" / "step_3"

@@ -11,7 +11,7 @@ import torch
 
 from kforge_cli.engine.checkpoint import CheckpointManager
 from kforge_cli.engine.observe import ProgressReporter, Tracker, build_profiler
-from kforge_cli.engine.parallel import build_parallel_model
+from kforge_cli.engine.parallel import build_parallel_model, compute_dtype
 from kforge_cli.engine.resilience import NanGuard, ShutdownHandler
 from kforge_cli.engine.runtime import RuntimeContext, init_runtime
 from kforge_cli.engine.train.loss import build_loss_fn
@@ -20,6 +20,7 @@ from kforge_cli.engine.train.recipe import build_session
 from kforge_cli.engine.train.scheduler import build_scheduler
 from kforge_cli.engine.train.session import TrainingSession
 from kforge_cli.engine.train.train_state import TrainState
+from kforge_cli.engine.train.update import LossScaler, build_loss_scaler
 from kforge_cli.settings import JobSettings, load_settings
 
 # A 2-layer, 32-wide GQA model over a 64-token vocabulary, fp32 on the CPU.
@@ -67,6 +68,7 @@ class TinyRun:
     state: TrainState = field(default_factory=TrainState)
     guard: NanGuard | None = None
     loader: FakeLoader = field(default_factory=FakeLoader)
+    grad_scaler: LossScaler | None = None
 
 
 def tiny_run(run_dir: Path, settings: JobSettings) -> TinyRun:
@@ -76,6 +78,7 @@ def tiny_run(run_dir: Path, settings: JobSettings) -> TinyRun:
     optimizer = build_optimizer(model, settings)
     scheduler = build_scheduler(optimizer, settings)
     state, guard, loader = TrainState(), NanGuard.from_settings(settings.resilience), FakeLoader()
+    scaler = build_loss_scaler(compute_dtype(settings, runtime.device), runtime)
     manager = CheckpointManager(
         settings,
         runtime,
@@ -86,8 +89,9 @@ def tiny_run(run_dir: Path, settings: JobSettings) -> TinyRun:
         train_state=state,
         nan_guard=guard,
         loader=loader,
+        grad_scaler=scaler,
     )
-    return TinyRun(settings, runtime, model, optimizer, scheduler, manager, state, guard, loader)
+    return TinyRun(settings, runtime, model, optimizer, scheduler, manager, state, guard, loader, scaler)
 
 
 def tiny_session(run_dir: Path, settings: JobSettings, data: Any = None) -> TrainingSession:
@@ -110,4 +114,5 @@ def tiny_session(run_dir: Path, settings: JobSettings, data: Any = None) -> Trai
         nan_guard=run.guard or NanGuard.from_settings(settings.resilience),
         shutdown=ShutdownHandler([]),
         state=run.state,
+        grad_scaler=run.grad_scaler,
     )

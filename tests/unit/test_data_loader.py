@@ -151,3 +151,24 @@ def test_load_state_refuses_other_data_and_mid_step_accum_change() -> None:
     resumed = _loader(40, batch=4)
     resumed.load_state_dict({**state, "batch": 4, "grad_accum_steps": 2})  # 2 optimizer steps done
     assert resumed.state_dict()["batch"] == 2  # = 2 steps at grad_accum_steps 1
+
+
+def test_pin_memory_applies_without_workers(monkeypatch: pytest.MonkeyPatch) -> None:
+    """With num_workers = 0 (no DataLoader to pin) the loader pins each batch itself (on CUDA machines)."""
+    import torch
+
+    pinned: list[int] = []
+
+    def fake_pin(self: torch.Tensor, *args: object, **kwargs: object) -> torch.Tensor:
+        pinned.append(id(self))
+        return self
+
+    monkeypatch.setattr(torch.Tensor, "pin_memory", fake_pin)
+    loader = _loader(40, batch=4)
+    loader.pin_memory = True  # what `pin_memory=True` gives when CUDA is available
+    batch = _take(loader, 1)[0]
+    tensors = [v for v in batch.values() if isinstance(v, torch.Tensor)]
+    assert tensors and len(pinned) == len(tensors)
+    unpinned = _loader(40, batch=4)
+    _take(unpinned, 1)
+    assert len(pinned) == len(tensors)  # off (no CUDA here): nothing pinned

@@ -1,4 +1,9 @@
-"""NaN/Inf policy through the real loop: warn applies, skip drops the update, abort stops."""
+"""NaN/Inf policy through the real loop: warn applies, skip drops the update, abort stops.
+
+Each runs twice: with foreach AdamW the guard reads the loss and norm every step; with
+fused AdamW it decides on the device (the kernel's ``found_inf``) and reads its tallies
+only on logging steps (every step here), with the same outcome.
+"""
 
 from __future__ import annotations
 
@@ -33,9 +38,13 @@ def settings(tmp_path: Path, *extra: str):
     return load_settings(overrides=[*TINY, f"--train.run_dir={tmp_path / 'run'}", *extra]).settings
 
 
-def test_skip_drops_the_update_and_keeps_the_schedule(tmp_path: Path) -> None:
+OPTIMIZERS = pytest.mark.parametrize("fused", ["false", "true"], ids=["host-decides", "device-decides"])
+
+
+@OPTIMIZERS
+def test_skip_drops_the_update_and_keeps_the_schedule(tmp_path: Path, fused: str) -> None:
     hook = InjectNaN({3, 4})
-    s = settings(tmp_path, "--resilience.nan_policy=skip")
+    s = settings(tmp_path, "--resilience.nan_policy=skip", f"--optimizer.fused={fused}")
     outcome = run_training(s, hooks=[hook])
     assert outcome.status == "completed" and outcome.step == 8
     assert hook.skipped == [3, 4]
@@ -48,16 +57,22 @@ def test_skip_drops_the_update_and_keeps_the_schedule(tmp_path: Path) -> None:
         assert lr == pytest.approx(s.optimizer.lr * lr_multiplier(step - 1, s.scheduler, 8), rel=1e-9)
 
 
-def test_warn_applies_the_update(tmp_path: Path) -> None:
+@OPTIMIZERS
+def test_warn_applies_the_update(tmp_path: Path, fused: str) -> None:
     hook = InjectNaN({3})
-    outcome = run_training(settings(tmp_path, "--resilience.nan_policy=warn"), hooks=[hook])
+    outcome = run_training(
+        settings(tmp_path, "--resilience.nan_policy=warn", f"--optimizer.fused={fused}"), hooks=[hook]
+    )
     assert outcome.status == "completed" and hook.skipped == []
     assert torch.isnan(hook.params_before[3]).any()  # the user asked for it
 
 
-def test_abort_after_n_consecutive(tmp_path: Path) -> None:
+@OPTIMIZERS
+def test_abort_after_n_consecutive(tmp_path: Path, fused: str) -> None:
     hook = InjectNaN({3, 5, 6})
-    s = settings(tmp_path, "--resilience.nan_policy=abort", "--resilience.nan_max_consecutive=2")
+    s = settings(
+        tmp_path, "--resilience.nan_policy=abort", "--resilience.nan_max_consecutive=2", f"--optimizer.fused={fused}"
+    )
     with pytest.raises(TrainingAborted, match="2 consecutive bad step"):
         run_training(s, hooks=[hook])
     assert hook.skipped == [3, 5]  # step 3 alone is tolerated; 5 and 6 in a row abort at 6

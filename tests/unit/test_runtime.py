@@ -160,11 +160,11 @@ def test_clip_grad_norm_matches_torch_in_one_process() -> None:
         p.grad = torch.randn_like(p) * 3
         q.grad = p.grad.clone()
     want = float(torch.nn.utils.clip_grad_norm_(twins, max_norm=1.0))
-    got = clip_grad_norm(params, 1.0)
+    got = float(clip_grad_norm(params, 1.0))
     assert got == pytest.approx(want, rel=1e-6)
     for p, q in zip(params, twins, strict=True):
         torch.testing.assert_close(p.grad, q.grad)
-    assert clip_grad_norm(params, math.inf) == pytest.approx(1.0, rel=1e-5)  # measured after clipping, unchanged
+    assert float(clip_grad_norm(params, math.inf)) == pytest.approx(1.0, rel=1e-5)  # measured after clipping, unchanged
 
 
 # --- combination rules ----------------------------------------------------------------

@@ -44,8 +44,8 @@ def test_four_micro_batches_of_two_equal_one_batch_of_eight(tmp_path: Path, chun
     four = make_session(tmp_path, [f"--train.loss_chunk_size={chunk}"])
     four.model.load_state_dict(one.model.state_dict())
     batch = make_batch()
-    r1 = plain_step(one, [batch])
-    r4 = plain_step(four, [{k: v[i : i + 2] for k, v in batch.items()} for i in range(0, 8, 2)])
+    r1 = plain_step(one, [batch]).read()
+    r4 = plain_step(four, [{k: v[i : i + 2] for k, v in batch.items()} for i in range(0, 8, 2)]).read()
     assert r1.valid_tokens == r4.valid_tokens == int((batch["labels"] != -100).sum())
     assert r4.loss == pytest.approx(r1.loss, rel=1e-6)
     g1, g4 = grads(one.model), grads(four.model)
@@ -64,7 +64,7 @@ def test_per_micro_batch_averaging_would_differ(tmp_path: Path) -> None:
     """Guards the test above: a naive mean of per-micro-batch means gives a different loss."""
     session = make_session(tmp_path)
     batch = make_batch()
-    reference = plain_step(session, [batch]).loss
+    reference = plain_step(session, [batch]).read().loss
     naive = 0.0
     with torch.no_grad():
         for i in range(0, 8, 2):
@@ -79,7 +79,7 @@ def test_grad_norm_is_reported_before_clipping(tmp_path: Path) -> None:
     free = make_session(tmp_path)
     free.model.load_state_dict(clipped.model.state_dict())
     batch = make_batch()
-    rc, rf = plain_step(clipped, [batch]), plain_step(free, [batch])
+    rc, rf = plain_step(clipped, [batch]).read(), plain_step(free, [batch]).read()
     assert rc.grad_norm == pytest.approx(rf.grad_norm, rel=1e-6) and rc.grad_norm > 0.01
     total = torch.sqrt(sum((p.grad**2).sum() for p in clipped.model.parameters() if p.grad is not None))
     assert float(total) == pytest.approx(0.01, rel=1e-3)
@@ -92,7 +92,7 @@ def test_per_dataset_losses_are_token_weighted_parts_of_the_total(tmp_path: Path
     session.data = SimpleNamespace(dataset_names=["web", "code"])
     batch = make_batch()
     batch["dataset_ids"] = torch.tensor([0, 1, 1, 0, 0, 1, 0, 1])
-    result = plain_step(session, [batch])
+    result = plain_step(session, [batch]).read()
     with torch.no_grad():
         logits = session.model(batch["input_ids"])
         for d, name in enumerate(["web", "code"]):
@@ -103,7 +103,7 @@ def test_per_dataset_losses_are_token_weighted_parts_of_the_total(tmp_path: Path
     # gradients equal the untracked path's
     plain = make_session(tmp_path)
     plain.model.load_state_dict(session.model.state_dict())
-    reference = plain_step(plain, [{k: v for k, v in batch.items() if k != "dataset_ids"}])
+    reference = plain_step(plain, [{k: v for k, v in batch.items() if k != "dataset_ids"}]).read()
     assert reference.extra == {} and result.loss == pytest.approx(reference.loss, rel=1e-6)
     for (n, a), (_, b) in zip(session.model.named_parameters(), plain.model.named_parameters(), strict=True):
         torch.testing.assert_close(a.grad, b.grad, rtol=1e-5, atol=1e-7, msg=n)

@@ -102,9 +102,16 @@ class ResilienceSettings(Section):
     nan_policy: Literal["warn", "skip", "abort"] = field(
         "skip",
         "On a NaN/Inf loss or gradient norm: warn (apply the update anyway), skip the update, "
-        "or abort (skip, and stop after nan_max_consecutive bad steps in a row).",
+        "or abort (skip, and stop after nan_max_consecutive bad steps in a row; with fused AdamW or "
+        "fp16 the count is read on logging steps, so the stop may come up to metrics.log_interval steps later).",
     )
     nan_max_consecutive: int = field(5, "abort policy: stop after this many consecutive bad steps.", gt=0)
+    stop_check_interval: int = field(
+        5,
+        "Steps between the ranks' agreement on a shutdown signal (one process checks every step); "
+        "keep interval x step time well inside the cluster's grace period between SIGTERM and SIGKILL.",
+        gt=0,
+    )
     shutdown_signals: list[str] = field(
         lambda: ["SIGTERM", "SIGUSR1", "SIGINT"],
         "Signals that stop training at the next step boundary after saving a checkpoint "

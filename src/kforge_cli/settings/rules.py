@@ -24,6 +24,11 @@ FLOAT8_TP_CPU = (
     "on CPU use float8 with FSDP/PP only, or --train.float8=false"
 )
 
+FP16_SCALED_MODES = (
+    "fp16 loss scaling is built and tested for one process and FSDP/HSDP (and context parallelism) only; "
+    "use --train.mixed_precision=bf16 (no loss scaling needed) with pipeline or tensor parallelism"
+)
+
 FLEX_CPU = (
     "FlexAttention has no backward on CPU (torch 2.13), so it cannot train there; use "
     "--model.attention=auto (dense-mask SDPA on CPU, FlexAttention on CUDA) or sdpa"
@@ -357,6 +362,9 @@ def _combination_issues(s: JobSettings) -> list[ConfigIssue]:
                 "distributed.loss_parallel = true (it keeps the logits split over the TP ranks) or the chunk size to 0",
             )
         )
+    for name, value in (("distributed.pp", d.pp), ("distributed.tp", d.tp)):
+        if t.mixed_precision == "fp16" and value > 1:
+            out.append(ConfigIssue("train.mixed_precision", f"fp16 with {name} > 1: {FP16_SCALED_MODES}"))
     if d.tp > 1 and t.compile_model and t.device == "cpu":
         out.append(ConfigIssue("train.compile_model", COMPILE_TP_CPU))
     if d.tp > 1 and t.float8 and t.device == "cpu":

@@ -111,12 +111,14 @@ class CheckpointManager:
         nan_guard: Stateful | None = None,
         loader: Stateful | None = None,
         groups: CheckpointGroups | None = None,
+        grad_scaler: Stateful | None = None,
     ) -> None:
         """Everything a checkpoint holds is given here: `restore` loads into it, `save` writes it."""
         self.settings, self.cfg, self.runtime = settings, settings.checkpoint, runtime
         self.root = checkpoint_root(settings, run_dir)
         self.model, self.optimizer, self.scheduler = model, optimizer, scheduler
         self.train_state, self.nan_guard, self.loader = train_state, nan_guard, loader
+        self.grad_scaler = grad_scaler  # fp16 loss scale (plain numbers, in train_state.json)
         self.groups = groups or CheckpointGroups.build(runtime)
         self.shaping = shaping_config(settings)
         self.fingerprint = fingerprint(self.shaping)
@@ -132,6 +134,7 @@ class CheckpointManager:
             train_state=train_state,
             nan_guard=nan_guard,
             loader=loader,
+            grad_scaler=grad_scaler,
         )
         self.last_step: int | None = None  # newest step saved (in flight or durable) or restored
         self.history: list[SaveRecord] = []
@@ -263,6 +266,7 @@ class CheckpointManager:
             "progress": progress,
             "scheduler": self.scheduler.state_dict(),
             "nan_guard": self.nan_guard.state_dict() if self.nan_guard is not None else None,
+            "grad_scaler": self.grad_scaler.state_dict() if self.grad_scaler is not None else None,
             "data": self.loader.state_dict() if self.loader is not None else None,
             "data_phase": data_phase(self.settings, step),
             "freeze": freeze_config(self.settings),

@@ -47,6 +47,7 @@ class CheckpointedState:
     train_state: Stateful
     nan_guard: Stateful | None = None
     loader: Stateful | None = None
+    grad_scaler: Stateful | None = None
 
     @property
     def is_main(self) -> bool:
@@ -107,6 +108,11 @@ def _resume(manager: CheckpointedState, decision: RestoreDecision, path: Path) -
     manager.train_state.load_state_dict(state["progress"])
     if manager.nan_guard is not None and state.get("nan_guard") is not None:
         manager.nan_guard.load_state_dict(state["nan_guard"])
+    if manager.grad_scaler is not None:  # fp16: the loss scale continues (a checkpoint without one: fresh scale)
+        if state.get("grad_scaler") is not None:
+            manager.grad_scaler.load_state_dict(state["grad_scaler"])
+        else:
+            log.info("checkpoint %s has no fp16 loss-scaler state: starting from the initial scale", path)
     step = int(state["step"])
     _restore_rng(manager, path, state, step)
     if manager.loader is not None and state.get("data") is not None:

@@ -82,6 +82,12 @@ def _as_is(item: Any) -> Any:
     return item
 
 
+def pin_batch(batch: dict[str, Any]) -> dict[str, Any]:
+    """The batch with its tensors in page-locked memory, so ``.to(cuda, non_blocking=True)`` is really
+    asynchronous (from pageable memory the copy waits for the host buffer to be staged)."""
+    return {k: v.pin_memory() if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
+
+
 class StatefulLoader:
     """``iter()`` yields this rank's micro-batches forever; ``state_dict()`` resumes exactly."""
 
@@ -111,7 +117,7 @@ class StatefulLoader:
                 plan = self.order.next_batch(self.cursor)
                 batch = self.fetch(plan.dataset_ids, plan.windows)
                 self.cursor = plan.after
-                yield batch
+                yield pin_batch(batch) if self.pin_memory else batch  # DataLoader pins only with workers
         loader = DataLoader(
             _FetchDataset(self.fetch),
             sampler=_PlanStream(self.order, self.cursor),  # type: ignore[arg-type]

@@ -58,15 +58,24 @@ def total_grad_norm(params: Sequence[torch.Tensor], pp_group: Any = None) -> tor
     return total.sqrt()
 
 
-def clip_grad_norm(params: Sequence[torch.Tensor], max_norm: float, pp_group: Any = None) -> float:
-    """Scale gradients so their global norm is at most ``max_norm`` (inf = measure only); returns the pre-clip norm."""
+def clip_grad_norm(params: Sequence[torch.Tensor], max_norm: float, pp_group: Any = None) -> torch.Tensor:
+    """Scale gradients so their global norm is at most ``max_norm`` (inf = measure only); returns the pre-clip norm.
+
+    Nothing is read on the host: the coefficient ``min(max_norm / (norm + 1e-6), 1)`` stays a
+    device scalar and every local shard is scaled by one ``_foreach_mul_`` per device and dtype.
+    A non-finite norm gives a non-finite coefficient; the gradients are then already bad and the
+    step's NaN policy (or the fp16 gradient scaler) decides what happens to the update.
+    """
     norm = total_grad_norm(params, pp_group)
-    value = float(norm)
-    if math.isfinite(max_norm) and math.isfinite(value):
-        coef = min(max_norm / (value + 1e-6), 1.0)
-        if coef < 1.0:
-            with torch.no_grad():
-                for p in params:
-                    if p.grad is not None:
-                        (p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad).mul_(coef)
-    return value
+    if not math.isfinite(max_norm):
+        return norm
+    coef = (max_norm / (norm + 1e-6)).clamp(max=1.0)
+    by_kind: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = {}
+    for p in params:
+        if p.grad is not None:
+            local = p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad
+            by_kind.setdefault((local.device, local.dtype), []).append(local)
+    with torch.no_grad():
+        for (device, _), grads in by_kind.items():
+            torch._foreach_mul_(grads, coef.to(device))  # pyright: ignore[reportPrivateImportUsage]
+    return norm

@@ -1,8 +1,11 @@
 """Graceful shutdown: a signal (SIGTERM from the cluster, SIGUSR1 before the time limit)
 stops training at the next step boundary instead of killing it mid-step.
 
-The handler only sets a flag. At each step boundary `should_stop()` all-reduces the flag
-(MAX) so that a signal delivered to only some ranks still stops every rank at the same step.
+The handler only sets a flag. `StopVote` all-reduces the flag (MAX) at every
+``resilience.stop_check_interval``-th step boundary, so that a signal delivered to only some
+ranks still stops every rank at the same step; the vote runs over a gloo group of its own
+on a host tensor, so it never waits on (or stalls) a GPU stream. One process checks its
+flag at every step boundary (nothing to agree on, nothing to wait for).
 SIGINT (Ctrl-C) is one of the default signals, so a first Ctrl-C saves and stops like a
 cluster's SIGTERM; a second Ctrl-C raises KeyboardInterrupt at once (exit 130) for a user
 who does not want to wait for the save. A repeated SIGTERM stays a no-op (launchers send one
@@ -17,6 +20,9 @@ import threading
 from collections.abc import Callable
 from types import FrameType
 from typing import Any
+
+import torch
+import torch.distributed as dist
 
 from kforge_cli.errors import InvalidInputError
 
@@ -92,3 +98,32 @@ class ShutdownHandler:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+class StopVote:
+    """All ranks agree, every ``interval`` steps, whether any of them received a stop signal.
+
+    The vote is a MAX all-reduce of a CPU tensor over a dedicated gloo group (created here,
+    a collective: every rank constructs its vote at the same point), so a GPU run neither
+    syncs its stream nor mixes the vote into the training communicator. The checked steps
+    are multiples of ``interval``, the same on every rank, so all stop at the same step.
+    """
+
+    def __init__(self, handler: ShutdownHandler, interval: int, *, distributed: bool) -> None:
+        self.handler, self.interval = handler, interval
+        self.group = dist.new_group(backend="gloo") if distributed else None
+
+    def should_stop(self, step: int) -> bool:
+        """At a step boundary (``step`` optimizer steps done): stop now?"""
+        if self.group is None:
+            return self.handler.should_stop()
+        if step % self.interval:
+            return False
+        group = self.group
+
+        def any_rank(flag: bool) -> bool:
+            t = torch.tensor([1 if flag else 0], dtype=torch.int32)
+            dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
+            return bool(t[0] > 0)
+
+        return self.handler.should_stop(any_rank)

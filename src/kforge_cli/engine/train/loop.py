@@ -1,4 +1,10 @@
-"""`run_training_loop`: the one training loop (step, NaN policy, schedule, logs, eval, stop)."""
+"""`run_training_loop`: the one training loop (step, NaN policy, schedule, logs, eval, stop).
+
+The loop reads nothing from the device on an ordinary step: the step's numbers stay device
+scalars (`StepResult`) and are read on logging steps, the NaN policy decides on the device
+where it can (`engine.train.update`), and ranks vote on stopping every
+``resilience.stop_check_interval`` steps over a host-side group (`StopVote`).
+"""
 
 from __future__ import annotations
 
@@ -11,11 +17,12 @@ from typing import Any, Literal
 import torch
 
 from kforge_cli.engine.observe import mfu, peak_memory_stats
-from kforge_cli.engine.runtime import all_reduce_max
+from kforge_cli.engine.resilience import StopVote
 from kforge_cli.engine.train.downstream import downstream_eval
 from kforge_cli.engine.train.evaluation import evaluate
 from kforge_cli.engine.train.session import StepInfo, TrainingSession
-from kforge_cli.engine.train.step import Batch, StepFn
+from kforge_cli.engine.train.step import Batch, StepFn, StepResult
+from kforge_cli.engine.train.update import apply_update
 
 log = logging.getLogger("kforge")
 
@@ -62,18 +69,9 @@ def _to_device(batch: dict[str, Any], device: torch.device) -> Batch:
     return {k: v.to(device, non_blocking=True) for k, v in batch.items() if isinstance(v, torch.Tensor)}
 
 
-def _stop_requested(session: TrainingSession) -> bool:
-    if session.runtime.world_size == 1:
-        return session.shutdown.should_stop()
-
-    def reduce(flag: bool) -> bool:
-        t = torch.tensor([1.0 if flag else 0.0], device=session.runtime.device)
-        return bool(all_reduce_max(t).item() > 0)
-
-    return session.shutdown.should_stop(reduce)
-
-
 def _log_step(session: TrainingSession, info: StepInfo, meter: _Meter) -> None:
+    """One metrics record: the step's numbers are read from the device here (one transfer)."""
+    session.nan_guard.settle()  # every rank, the same steps: the abort decision stays agreed
     tps, step_time = meter.take()
     record: dict[str, Any] = {
         "step": info.step,
@@ -91,6 +89,8 @@ def _log_step(session: TrainingSession, info: StepInfo, meter: _Meter) -> None:
         record["nan_steps"] = session.nan_guard.total_bad
     record.update(peak_memory_stats(session.runtime.device))
     record.update(info.extra)  # e.g. per-dataset losses from the step function
+    if session.grad_scaler is not None:
+        record.update(session.grad_scaler.metrics())
     names = session.data.dataset_names
     if len(names) > 1:  # tokens drawn per dataset so far (global; the loader's counters survive resumes)
         counts = session.data.train.state_dict()["counts"]
@@ -135,18 +135,20 @@ def run_training_loop(session: TrainingSession, step_fn: StepFn) -> TrainOutcome
     state, device = session.state, session.runtime.device
     batches = iter(session.data.train)
     meter = _Meter()
-    last_loss: float | None = None
+    last: StepResult | None = None
     last_eval: float | None = None
+    stop = StopVote(session.shutdown, s.resilience.stop_check_interval, distributed=session.runtime.world_size > 1)
     session.hooks.on_train_begin(session)
     while state.step < s.train.max_steps:
-        if _stop_requested(session):
+        if stop.should_stop(state.step):
             log.warning("stopping at step %d (%s)", state.step, session.shutdown.signal_name)
+            session.nan_guard.settle()
             saved = _save_checkpoint(session, "signal", blocking=True)
             return TrainOutcome(
                 status="stopped",
                 step=state.step,
                 run_dir=session.run_dir,
-                last_loss=last_loss,
+                last_loss=last.read().loss if last is not None else None,
                 last_eval_loss=last_eval,
                 signal=session.shutdown.signal_name,
                 checkpoint_saved=saved,
@@ -156,9 +158,7 @@ def run_training_loop(session: TrainingSession, step_fn: StepFn) -> TrainOutcome
         result = step_fn(session, micro)
         step = state.step + 1
         lr = session.current_lr()
-        action = session.nan_guard.decide(step, result.loss, result.grad_norm)
-        if action == "apply":
-            session.optimizer.step()
+        skipped = apply_update(session, step, result)  # the NaN policy and fp16 loss scaling decide
         session.optimizer.zero_grad(set_to_none=True)
         session.scheduler.step()  # also on skipped steps: the schedule never drifts from the step
         state.step = step
@@ -166,16 +166,9 @@ def run_training_loop(session: TrainingSession, step_fn: StepFn) -> TrainOutcome
         elapsed = time.perf_counter() - t0
         meter.add(session.tokens_per_step, elapsed)
         session.profiler.step(step)
-        last_loss = result.loss
+        last = result
         info = StepInfo(
-            step=step,
-            loss=result.loss,
-            grad_norm=result.grad_norm,
-            lr=lr,
-            tokens_seen=state.tokens_seen,
-            step_time_s=elapsed,
-            skipped=action == "skip",
-            extra=result.extra,
+            step=step, lr=lr, tokens_seen=state.tokens_seen, step_time_s=elapsed, result=result, skipped_flag=skipped
         )
         if step % s.metrics.log_interval == 0 or step == s.train.max_steps or step == 1:
             _log_step(session, info, meter)
@@ -185,12 +178,14 @@ def run_training_loop(session: TrainingSession, step_fn: StepFn) -> TrainOutcome
         session.checkpointer.poll()  # commit a finished async save
         if session.checkpointer.due(step):
             _save_checkpoint(session, "interval")
+    session.nan_guard.settle()
     if s.eval.interval and state.step % s.eval.interval != 0:
         last_eval = _run_eval(session)
     if s.checkpoint.save_final:
         _save_checkpoint(session, "final", blocking=True)
     else:
         session.checkpointer.wait()
+    last_loss = last.read().loss if last is not None else None
     return TrainOutcome(
         status="completed", step=state.step, run_dir=session.run_dir, last_loss=last_loss, last_eval_loss=last_eval
     )

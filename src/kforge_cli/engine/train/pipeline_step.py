@@ -110,7 +110,7 @@ def pipeline_step(session: TrainingSession, micro_batches: list[Batch]) -> StepR
     # sum over micro-batches, stages and dp x cp ranks of (loss sum * scale) = loss_ranks * mean loss
     mean = _reduce_over_stages_and_dp(session, local) / runtime.loss_ranks
     grad_norm = clip_gradients(session)
-    return StepResult(loss=float(mean), grad_norm=grad_norm, valid_tokens=norm.tokens)
+    return StepResult(loss=mean, grad_norm=grad_norm, valid_tokens=norm.n_valid)
 
 
 @torch.no_grad()

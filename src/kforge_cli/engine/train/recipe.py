@@ -49,6 +49,7 @@ from kforge_cli.engine.train.session import TrainHook, TrainingSession
 from kforge_cli.engine.train.step import StepFn
 from kforge_cli.engine.train.steps import select_step_fn
 from kforge_cli.engine.train.train_state import TrainState
+from kforge_cli.engine.train.update import LossScaler, build_loss_scaler
 from kforge_cli.settings import JobSettings
 
 log = logging.getLogger("kforge")
@@ -89,6 +90,7 @@ def build_session(
     shutdown: ShutdownHandler,
     state: TrainState,
     hooks: list[TrainHook] | None = None,
+    grad_scaler: LossScaler | None = None,
 ) -> TrainingSession:
     """The session from its built pieces, plus what is derived from them (dtype, FLOPs, hooks)."""
     dtype = compute_dtype(settings, runtime.device)
@@ -113,6 +115,7 @@ def build_session(
         flops_per_token=flops_per_token(settings.model, settings.train.seq_len),
         peak_flops=device_peak_flops(runtime.device, dtype_name(dtype), settings.metrics.peak_tflops),
         state=state,
+        grad_scaler=grad_scaler,
     )
     checkpointer.report = metrics.write  # one metrics.jsonl record per save (bytes, seconds, MB/s, blocked)
     bind_pipeline_loss(session)
@@ -149,6 +152,7 @@ def run_training(
         scheduler = build_scheduler(optimizer, settings)
         data = build_data(settings, runtime)
         state = TrainState()
+        grad_scaler = build_loss_scaler(compute_dtype(settings, runtime.device), runtime)  # fp16 only
         checkpointer = CheckpointManager(
             settings,
             runtime,
@@ -159,6 +163,7 @@ def run_training(
             train_state=state,
             nan_guard=nan_guard,
             loader=data.train,
+            grad_scaler=grad_scaler,
         )
         stack.callback(checkpointer.close)
         restored = checkpointer.restore()  # resume (the data order too) or warm start, if any
@@ -199,6 +204,7 @@ def run_training(
             shutdown=shutdown,
             state=state,
             hooks=hooks,
+            grad_scaler=grad_scaler,
         )
         log.info(
             "training %s on %d process(es), device %s, run dir %s",

@@ -10,7 +10,7 @@ from __future__ import annotations
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
@@ -25,19 +25,43 @@ from kforge_cli.engine.train.loss import LossFn
 from kforge_cli.engine.train.train_state import TrainState
 from kforge_cli.settings import JobSettings
 
+if TYPE_CHECKING:
+    from kforge_cli.engine.train.step import StepResult
+    from kforge_cli.engine.train.update import LossScaler
+
 
 @dataclass
 class StepInfo:
-    """What a finished optimizer step produced (all values global across ranks)."""
+    """What a finished optimizer step produced (all values global across ranks).
+
+    ``loss``, ``grad_norm``, ``extra`` and ``skipped`` are read from the device when first
+    asked for: a hook that reads them every step adds a device sync to every step, so read
+    them on the steps you log.
+    """
 
     step: int
-    loss: float
-    grad_norm: float  # before clipping (and before gradients are zeroed)
     lr: float
     tokens_seen: int
     step_time_s: float
-    skipped: bool = False
-    extra: dict[str, Any] = field(default_factory=dict)
+    result: StepResult
+    skipped_flag: bool | torch.Tensor = False  # a device flag when the update was decided on the device
+
+    @property
+    def loss(self) -> float:
+        return self.result.read().loss
+
+    @property
+    def grad_norm(self) -> float:
+        """Before clipping (and before gradients are zeroed)."""
+        return self.result.read().grad_norm
+
+    @property
+    def extra(self) -> dict[str, float]:
+        return self.result.read().extra
+
+    @property
+    def skipped(self) -> bool:
+        return bool(self.skipped_flag)
 
 
 class TrainHook:
@@ -110,6 +134,7 @@ class TrainingSession:
     flops_per_token: float
     peak_flops: float | None
     state: TrainState = field(default_factory=TrainState)
+    grad_scaler: LossScaler | None = None  # fp16 only (engine.train.update)
 
     @property
     def step(self) -> int:

@@ -14,12 +14,18 @@ micro-batch loop built on it (gradient sync only on the last micro-batch). `Plai
 runs it and clips; variants subclass it and override one phase (`VLMStep` drops frozen
 gradients after the backward); the pipeline step uses the same normaliser inside its
 schedule. Which variant a run uses is decided in one place, `engine.train.steps`.
+
+Nothing here reads a tensor on the host: on a GPU every such read waits for all queued
+work, so the step's numbers (token counts, loss, gradient norm) stay device scalars in
+the `StepResult`, and the loop reads them (`StepResult.read`, one transfer) only on
+logging steps. With fp16 the step also scales the loss by the gradient scaler's factor
+(folded into the normaliser's scale) and unscales before measuring the norm.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Protocol
 
@@ -38,12 +44,42 @@ Batch = dict[str, torch.Tensor]
 MODEL_INPUTS = ("doc_ids", "positions", "pixel_values", "frame_mask")
 
 
-@dataclass
-class StepResult:
+@dataclass(frozen=True)
+class StepNumbers:
+    """A step's numbers on the host (what the logs and hooks see)."""
+
     loss: float  # global mean loss per valid token
     grad_norm: float  # total gradient norm before clipping
     valid_tokens: int  # global number of label tokens that counted
-    extra: dict[str, float] = field(default_factory=dict)  # e.g. {"loss/<dataset>": ...}
+    extra: dict[str, float]  # e.g. {"loss/<dataset>": ...}
+
+
+@dataclass
+class StepResult:
+    """One step's numbers, left where they were computed (device scalars); `read` brings them over."""
+
+    loss: torch.Tensor  # 0-dim: global mean loss per valid token
+    grad_norm: torch.Tensor  # 0-dim: total gradient norm before clipping
+    valid_tokens: torch.Tensor  # 0-dim: global number of label tokens that counted
+    extra: dict[str, float | torch.Tensor] = field(default_factory=dict)  # e.g. {"frozen_params": ...}
+    deferred: list[Callable[[], dict[str, float]]] = field(default_factory=list)  # metrics computed on read
+    _numbers: StepNumbers | None = field(default=None, repr=False)
+
+    def read(self) -> StepNumbers:
+        """The numbers on the host: one device-to-host transfer for all scalars (cached)."""
+        if self._numbers is None:
+            names = [k for k, v in self.extra.items() if isinstance(v, torch.Tensor)]
+            scalars = [self.loss, self.grad_norm, self.valid_tokens, *(self.extra[k] for k in names)]
+            device = self.loss.device
+            # float64: token counts stay exact far beyond fp32's 2**24
+            values = torch.stack([torch.as_tensor(t).detach().to(device, torch.float64).reshape(()) for t in scalars])
+            loss, grad_norm, tokens, *rest = values.tolist()
+            extra = {k: float(v) for k, v in self.extra.items() if not isinstance(v, torch.Tensor)}
+            extra.update(zip(names, rest, strict=True))
+            for compute in self.deferred:
+                extra.update(compute())
+            self._numbers = StepNumbers(loss=loss, grad_norm=grad_norm, valid_tokens=int(tokens), extra=extra)
+        return self._numbers
 
 
 class StepFn(Protocol):
@@ -90,9 +126,14 @@ def forward_loss_per_token(session: TrainingSession, batch: Batch) -> torch.Tens
     return loss_fn.per_token_from_logits(logits, batch["labels"])
 
 
-def clip_gradients(session: TrainingSession) -> float:
-    """Clip to train.grad_clip_norm (0 = only measure); returns the pre-clip total norm."""
+def clip_gradients(session: TrainingSession) -> torch.Tensor:
+    """Clip to train.grad_clip_norm (0 = only measure); returns the pre-clip total norm (device scalar).
+
+    With fp16 the gradients are unscaled first, so the norm and the clip threshold are in true units.
+    """
     max_norm = session.settings.train.grad_clip_norm or math.inf
+    if session.grad_scaler is not None:
+        session.grad_scaler.unscale_(session.optimizer)
     params = [p for p in session.model.parameters() if p.grad is not None]
     # The norm spans every mesh dim: shards (dp, tp) and pipeline stages (pp) all contribute.
     return clip_grad_norm(params, max_norm, session.runtime.pp_group())
@@ -107,23 +148,23 @@ class TokenNormaliser:
     loss is (global loss sum) / (global valid tokens), counted over dp x cp.
     """
 
-    n_valid: torch.Tensor  # global valid tokens (float scalar on the device)
-    scale: torch.Tensor  # loss_ranks / n_valid
+    n_valid: torch.Tensor  # global valid tokens (int64 scalar on the device)
+    scale: torch.Tensor  # loss_ranks / n_valid (times the fp16 loss scale)
 
     @classmethod
     def for_step(cls, session: TrainingSession, micro_batches: list[Batch]) -> TokenNormaliser:
-        local = sum(int((mb["labels"] != IGNORE_INDEX).sum()) for mb in micro_batches)
+        """Counted on the device (no host read; under CP after sharding, so each rank counts its part)."""
+        local = torch.stack([(mb["labels"] != IGNORE_INDEX).sum() for mb in micro_batches]).sum()
         runtime = session.runtime
-        n_valid = all_reduce_sum(torch.tensor(float(local), device=runtime.device), runtime.loss_group())
-        return cls(n_valid=n_valid, scale=runtime.loss_ranks / n_valid.clamp(min=1.0))
+        n_valid = all_reduce_sum(local.to(runtime.device, torch.int64), runtime.loss_group())
+        scale = runtime.loss_ranks / n_valid.clamp(min=1).float()
+        if session.grad_scaler is not None:
+            scale = session.grad_scaler.scale(scale)  # fp16: gradients scaled up so they do not underflow
+        return cls(n_valid=n_valid, scale=scale)
 
-    def mean(self, global_loss_sum: torch.Tensor) -> float:
-        """The step's mean loss per valid token from the global loss sum."""
-        return float(global_loss_sum) / max(float(self.n_valid), 1.0)
-
-    @property
-    def tokens(self) -> int:
-        return int(self.n_valid)
+    def mean(self, global_loss_sum: torch.Tensor) -> torch.Tensor:
+        """The step's mean loss per valid token from the global loss sum (device scalar)."""
+        return global_loss_sum.double() / self.n_valid.clamp(min=1).double()
 
 
 def accumulate(
@@ -167,8 +208,12 @@ class DatasetLosses:
         self.sums[1].index_add_(0, ids, (batch["labels"] != IGNORE_INDEX).sum(dim=-1).double())
         return per_token.sum()
 
-    def means(self) -> dict[str, float]:
+    def reduce(self) -> None:
+        """Sum over the ranks (a collective: every rank, every step)."""
         all_reduce_sum(self.sums, self.session.runtime.loss_group())
+
+    def means(self) -> dict[str, float]:
+        """Per-dataset mean losses of the reduced sums (a host read: only when the step is logged)."""
         return {
             f"loss/{name}": loss_sum / tokens
             for name, loss_sum, tokens in zip(self.names, *self.sums.tolist(), strict=True)
@@ -186,9 +231,13 @@ class PlainStep:
         total, norm = accumulate(session, micro_batches, lambda batch: self.adjust_loss(session, batch, base(batch)))
         self.after_backward(session)
         grad_norm = clip_gradients(session)
-        extra = datasets.means() if datasets is not None else {}
-        extra.update(self.extra())
-        return StepResult(loss=norm.mean(total), grad_norm=grad_norm, valid_tokens=norm.tokens, extra=extra)
+        result = StepResult(
+            loss=norm.mean(total), grad_norm=grad_norm, valid_tokens=norm.n_valid, extra=dict(self.extra())
+        )
+        if datasets is not None:
+            datasets.reduce()
+            result.deferred.append(datasets.means)
+        return result
 
     def before_forward(self, session: TrainingSession) -> None:
         """Runs before the first micro-batch (nothing for plain training)."""
@@ -200,8 +249,8 @@ class PlainStep:
     def after_backward(self, session: TrainingSession) -> None:
         """Runs after the last backward, before clipping (nothing for plain training)."""
 
-    def extra(self) -> dict[str, float]:
-        """Step metrics of this variant, merged into `StepResult.extra`."""
+    def extra(self) -> Mapping[str, float | torch.Tensor]:
+        """Step metrics of this variant, merged into `StepResult.extra` (device scalars are read only when logged)."""
         return {}
 
 
