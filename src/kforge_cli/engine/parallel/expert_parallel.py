@@ -68,6 +68,8 @@ def shard_experts(
         experts = layer.experts
         assert isinstance(experts, FSDPModule)
         experts.set_gradient_divide_factor(float(dp_size))
-        # Sum, then divide locally: a custom factor would otherwise be NCCL's PREMUL_SUM, which gloo
-        # lacks; the extra division of one gradient shard costs nothing next to the reduce-scatter.
-        experts.set_force_sum_reduction_for_comms(True)
+        if mesh.size(mesh.ndim - 1) > 1:
+            # Reduce-scatter by plain sum, then divide: a custom factor is otherwise NCCL's PREMUL_SUM,
+            # which gloo lacks. Only with a real reduce-scatter: over one rank torch 2.13 divides in its
+            # copy path and would divide a second time after it.
+            experts.set_force_sum_reduction_for_comms(True)
