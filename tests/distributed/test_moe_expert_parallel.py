@@ -83,4 +83,5 @@ def test_ep2_checkpoint_resumes_at_another_ep_degree(
         again = tmp_path / "again"
         ok(launch(1, again, [*args, HOOK], _sigterm(5, 0)), 75)
         ok(launch(1, again, [*MOE_ARGS, *extra]))
-        assert losses(again) == got
+        resumed = losses(again)
+        assert {step: resumed[step] for step in got} == got
