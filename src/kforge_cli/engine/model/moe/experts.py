@@ -25,6 +25,7 @@ from typing import cast
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 GroupedMM = Callable[..., torch.Tensor]
 
@@ -86,6 +87,8 @@ def expert_loop(
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
-    """The local shard of a DTensor parameter (expert-parallel ``Shard(0)``), else ``t``."""
-    to_local = getattr(t, "to_local", None)
-    return cast(torch.Tensor, to_local()) if callable(to_local) else t
+    """This rank's experts of an expert-parallel ``Shard(0)`` DTensor parameter, else ``t``.
+
+    An ``isinstance`` test, not duck typing: torch.compile traces it (a ``callable(getattr(...))``
+    test was not, leaving a DTensor in the grouped GEMM)."""
+    return t.to_local() if isinstance(t, DTensor) else t
