@@ -348,7 +348,7 @@ def _combination_issues(s: JobSettings) -> list[ConfigIssue]:
             ConfigIssue(
                 "distributed.tp",
                 "tensor parallelism is not supported with [model.moe] yet (MoE blocks have no TP plan); "
-                "shard with FSDP (distributed.dp_shard) instead",
+                "shard with FSDP (distributed.dp_shard) and expert parallelism (distributed.ep) instead",
             )
         )
     if d.tp > 1 and t.loss_chunk_size and not d.loss_parallel:
