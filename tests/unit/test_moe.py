@@ -213,3 +213,15 @@ def test_expert_parallel_mesh_splits_dp_shard_and_plan_reports_ep() -> None:
     t = s.train
     one_way = t.batch_size * t.seq_len * t.grad_accum_steps * moe.top_k * s.model.dim * 4 // 2  # fp32 on CPU
     assert f"MoE all-to-all: {2 * 2 * one_way * n_moe / 2**20:.2f} MiB" in notes
+
+
+@pytest.mark.parametrize("use_grouped_mm", [True, False])
+def test_experts_given_no_rows_at_all_keep_a_zero_gradient(use_grouped_mm: bool) -> None:
+    """An expert-parallel rank whose experts got no token in a micro-batch: empty output, zero gradients."""
+    experts = GroupedExperts(32, 32, 2, use_grouped_mm)
+    experts.init_weights(0.02, 0.02)
+    out = experts(torch.zeros(0, 32, requires_grad=True), torch.zeros(2, dtype=torch.long))
+    out.sum().backward()
+    assert out.shape == (0, 32)
+    for w in (experts.w1, experts.w2, experts.w3):
+        assert w.grad is not None and w.grad.abs().sum() == 0

@@ -68,7 +68,9 @@ class GroupedExperts(nn.Module):
         """``x`` ``[M, dim]`` sorted by expert, ``counts`` ``[E]`` rows per expert -> ``[M, dim]``."""
         w1, w2, w3 = (_local(w).to(x.dtype) for w in (self.w1, self.w2, self.w3))
         op = grouped_mm_op()
-        if self.use_grouped_mm and op is not None and grouped_mm_usable(x, w1, w2):
+        # No rows at all (an expert-parallel rank whose experts got no tokens in this micro-batch):
+        # the loop, since torch 2.13's grouped GEMM backward refuses an empty input.
+        if self.use_grouped_mm and op is not None and x.shape[0] > 0 and grouped_mm_usable(x, w1, w2):
             offs = torch.cumsum(counts, dim=0, dtype=torch.int32)
             h = F.silu(op(x, w1.transpose(-2, -1), offs=offs)) * op(x, w3.transpose(-2, -1), offs=offs)
             return op(h, w2.transpose(-2, -1), offs=offs).contiguous()
