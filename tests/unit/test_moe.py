@@ -167,4 +167,61 @@ def test_flops_count_active_params_and_plan_reports_experts() -> None:
     assert m.param_count(active=True) == count_params(model) - idle
     plan = build_plan(s, 1)
     expert_bytes = n_moe * moe.num_experts * one_expert * 4
-    assert f"expert weights on this rank {expert_bytes / 1024**3:.2f} GiB" in " ".join(plan.notes)
+    assert f"expert weights on this rank {expert_bytes / 2**20:.2f} MiB" in " ".join(plan.notes)
+
+
+def test_expert_parallel_settings_errors_name_the_key() -> None:
+    from kforge_cli.settings import resolve_dims
+
+    def issues(*overrides: str) -> list[str]:
+        with pytest.raises(ConfigError) as exc:
+            load_settings(overrides=list(overrides), use_env=False)
+        return [str(i) for i in exc.value.issues]
+
+    assert issues("--distributed.ep=2") == [
+        "distributed.ep: 2 needs a Mixture-of-Experts model: add [model.moe] or set ep = 1"
+    ]
+    assert issues("--model.moe.num_experts=6", "--distributed.ep=4") == [
+        "distributed.ep: 4 does not divide model.moe.num_experts (6)"
+    ]
+    assert (
+        "distributed.ep: 4 does not divide distributed.dp_shard (2)"
+        in issues("--model.moe.num_experts=8", "--distributed.ep=4", "--distributed.dp_shard=2")[0]
+    )
+    s = load_settings(overrides=["--model.moe.num_experts=8", "--distributed.ep=4"], use_env=False).settings
+    with pytest.raises(ConfigError, match=r"distributed.ep: 4 does not divide distributed.dp_shard \(6\)"):
+        resolve_dims(s, 6)  # dp_shard = -1: known only with the world size
+    assert resolve_dims(s, 8).ep == 4
+
+
+def test_expert_parallel_mesh_splits_dp_shard_and_plan_reports_ep() -> None:
+    from kforge_cli.engine.parallel.plan.planner import build_plan
+    from kforge_cli.engine.runtime import mesh_shape
+    from kforge_cli.settings import ParallelDims
+
+    dims = ParallelDims(pp=1, dp_replicate=2, dp_shard=4, tp=1, ep=2)
+    assert mesh_shape(dims) == [("dp_replicate", 2), ("dp_shard_mod_ep", 2), ("ep", 2)]
+    s = load_settings("moe-debug", overrides=["--distributed.ep=2"], use_env=False).settings
+    moe = s.model.moe
+    assert moe is not None
+    plan = build_plan(s, 2)  # a meta build on a fake 2-rank mesh: experts Shard(0) over ep
+    n_moe = sum(moe.is_moe_layer(i) for i in range(s.model.n_layers))
+    one_expert = 3 * s.model.dim * moe.resolved_expert_hidden_dim(s.model)
+    notes = " ".join(plan.notes)
+    assert f"{moe.num_experts // 2} of {moe.num_experts} experts each (ep = 2)" in notes
+    assert f"expert weights on this rank {n_moe * moe.num_experts // 2 * one_expert * 4 / 2**20:.2f} MiB" in notes
+    t = s.train
+    one_way = t.batch_size * t.seq_len * t.grad_accum_steps * moe.top_k * s.model.dim * 4 // 2  # fp32 on CPU
+    assert f"MoE all-to-all: {2 * 2 * one_way * n_moe / 2**20:.2f} MiB" in notes
+
+
+@pytest.mark.parametrize("use_grouped_mm", [True, False])
+def test_experts_given_no_rows_at_all_keep_a_zero_gradient(use_grouped_mm: bool) -> None:
+    """An expert-parallel rank whose experts got no token in a micro-batch: empty output, zero gradients."""
+    experts = GroupedExperts(32, 32, 2, use_grouped_mm)
+    experts.init_weights(0.02, 0.02)
+    out = experts(torch.zeros(0, 32, requires_grad=True), torch.zeros(2, dtype=torch.long))
+    out.sum().backward()
+    assert out.shape == (0, 32)
+    for w in (experts.w1, experts.w2, experts.w3):
+        assert w.grad is not None and w.grad.abs().sum() == 0

@@ -9,7 +9,7 @@ from kforge_cli.settings.section import Section, field
 
 
 class DistributedSettings(Section):
-    """Parallelism over the device mesh pp x dp_replicate x dp_shard x cp x tp."""
+    """Parallelism over the device mesh pp x dp_replicate x dp_shard x cp x tp (dp_shard = dp_shard_mod_ep x ep)."""
 
     dp_shard: int = field(-1, "FSDP shard degree (-1 = whatever remains of the world size).", ge=-1)
     dp_replicate: int = field(1, "Replicate degree (> 1 with dp_shard > 1 means HSDP).", gt=0)
@@ -22,6 +22,12 @@ class DistributedSettings(Section):
         "allgather",
         "Attention under cp > 1: all-gather K/V (any mask, gloo or NCCL) or torch's ring SDPA (CUDA, causal, no "
         "document masking).",
+    )
+    ep: int = field(
+        1,
+        "Expert-parallel degree (MoE): routed experts split over this many of the dp_shard ranks, "
+        "tokens exchanged by all-to-all (divides dp_shard and model.moe.num_experts).",
+        gt=0,
     )
     pp_schedule: PipelineSchedule = field("1f1b", "Pipeline schedule.")
     pp_stages_per_rank: int = field(1, "Pipeline stages per rank (> 1 for interleaved schedules).", gt=0)

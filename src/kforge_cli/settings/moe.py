@@ -119,6 +119,37 @@ def moe_issues(m: ModelShape) -> list[ConfigIssue]:
     return out
 
 
+def expert_parallel_issues(m: ModelShape, ep: int, dp_shard: int) -> list[ConfigIssue]:
+    """Rules of ``distributed.ep``: it needs MoE blocks, and splits both the experts and ``dp_shard``.
+
+    ``dp_shard`` is ``distributed.dp_shard`` as set (-1 = the rest of the world: checked later,
+    once the world size is known, by :func:`ep_dp_shard_issues`). Expert parallelism is carved out
+    of ``dp_shard`` (``dp_shard = dp_shard_mod_ep x ep``), so the EP ranks see different batches,
+    and each holds ``num_experts / ep`` whole experts.
+    """
+    if ep == 1:
+        return []
+    if m.moe is None:
+        return [ConfigIssue("distributed.ep", f"{ep} needs a Mixture-of-Experts model: add [model.moe] or set ep = 1")]
+    out: list[ConfigIssue] = []
+    if m.moe.num_experts % ep:
+        out.append(ConfigIssue("distributed.ep", f"{ep} does not divide model.moe.num_experts ({m.moe.num_experts})"))
+    return out + ep_dp_shard_issues(ep, dp_shard)
+
+
+def ep_dp_shard_issues(ep: int, dp_shard: int) -> list[ConfigIssue]:
+    """``ep`` must divide the FSDP degree it is carved from (nothing to say while that is unknown, -1)."""
+    if ep == 1 or dp_shard < 1 or dp_shard % ep == 0:
+        return []
+    return [
+        ConfigIssue(
+            "distributed.ep",
+            f"{ep} does not divide distributed.dp_shard ({dp_shard}): expert-parallel ranks are carved "
+            "out of the FSDP ranks (dp_shard = dp_shard_mod_ep x ep)",
+        )
+    ]
+
+
 def ffn_params(m: ModelShape, layer: int, *, active: bool) -> int:
     """Parameters of block ``layer``'s feed-forward: all of them, or those one token uses (``active``).
 

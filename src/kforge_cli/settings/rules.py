@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from kforge_cli.errors import ConfigError, ConfigIssue
 from kforge_cli.settings.context_parallel import context_parallel_issues
 from kforge_cli.settings.job import JobSettings
-from kforge_cli.settings.moe import moe_issues
+from kforge_cli.settings.moe import ep_dp_shard_issues, expert_parallel_issues, moe_issues
 from kforge_cli.settings.pipeline_schedules import schedule_facts
 
 COMPILE_TP_CPU = (
@@ -79,7 +79,7 @@ def config_issues(s: JobSettings) -> list[ConfigIssue]:
         and t.ac_every_n_blocks > m.n_layers
     ):
         out.append(ConfigIssue("train.ac_every_n_blocks", f"exceeds model.n_layers ({m.n_layers})"))
-    out += moe_issues(m)
+    out += moe_issues(m) + expert_parallel_issues(m, s.distributed.ep, s.distributed.dp_shard)
     if m.attention == "flex" and t.device == "cpu":
         out.append(ConfigIssue("model.attention", FLEX_CPU))
     if m.moe is not None and s.distributed.cp > 1:
@@ -186,6 +186,7 @@ class ParallelDims:
     dp_shard: int
     tp: int
     cp: int = 1  # context parallel: ranks that split one sequence (they share a batch and, with FSDP, shards)
+    ep: int = 1  # expert parallel: a split of dp_shard (dp_shard_mod_ep x ep); not a factor of world_size
 
     @property
     def world_size(self) -> int:
@@ -220,6 +221,8 @@ def world_size_issues(s: JobSettings, world_size: int) -> list[ConfigIssue]:
                 f"but the world size is {world_size}",
             )
         )
+    if d.dp_shard == -1 and world_size % fixed == 0:  # a set dp_shard was checked with the config
+        out += ep_dp_shard_issues(d.ep, world_size // fixed)
     if m.n_heads % d.tp:
         out.append(ConfigIssue("distributed.tp", f"{d.tp} does not divide model.n_heads ({m.n_heads})"))
     if m.kv_heads % d.tp:
@@ -351,7 +354,7 @@ def _combination_issues(s: JobSettings) -> list[ConfigIssue]:
             ConfigIssue(
                 "distributed.tp",
                 "tensor parallelism is not supported with [model.moe] yet (MoE blocks have no TP plan); "
-                "shard with FSDP (distributed.dp_shard) instead",
+                "shard with FSDP (distributed.dp_shard) and expert parallelism (distributed.ep) instead",
             )
         )
     if d.tp > 1 and t.loss_chunk_size and not d.loss_parallel:
@@ -379,4 +382,4 @@ def resolve_dims(s: JobSettings, world_size: int) -> ParallelDims:
         raise ConfigError(issues, header=f"configuration does not fit world size {world_size}")
     d = s.distributed
     dp_shard = d.dp_shard if d.dp_shard > 0 else world_size // (d.dp_replicate * d.tp * d.pp * d.cp)
-    return ParallelDims(pp=d.pp, dp_replicate=d.dp_replicate, dp_shard=dp_shard, tp=d.tp, cp=d.cp)
+    return ParallelDims(pp=d.pp, dp_replicate=d.dp_replicate, dp_shard=dp_shard, tp=d.tp, cp=d.cp, ep=d.ep)

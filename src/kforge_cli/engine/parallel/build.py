@@ -1,7 +1,7 @@
 """`build_parallel_model`: this rank's model, built on the meta device and parallelised in order
 
-    float8 (module swap) -> tensor parallel (+SP) -> context parallel -> activation checkpointing
-    -> torch.compile per block -> FSDP2 per block and at the root,
+    float8 (module swap) -> tensor parallel (+SP) -> expert parallel -> context parallel
+    -> activation checkpointing -> torch.compile per block -> FSDP2 per block and at the root,
 
 then materialised with ``to_empty`` and initialised shard by shard (engine.parallel.init),
 so no rank ever holds more than its shard and every rank, whatever the layout, starts
@@ -23,6 +23,7 @@ from kforge_cli.engine.model import Transformer
 from kforge_cli.engine.model.vlm import build_vlm
 from kforge_cli.engine.parallel.activation_checkpoint import apply_activation_checkpointing
 from kforge_cli.engine.parallel.context_parallel import apply_context_parallel
+from kforge_cli.engine.parallel.expert_parallel import apply_expert_parallel, shard_experts
 from kforge_cli.engine.parallel.float8 import apply_float8, require_torchao
 from kforge_cli.engine.parallel.fsdp import apply_fsdp, mixed_precision_policy, resolve_reshard_after_forward
 from kforge_cli.engine.parallel.init import init_sharded
@@ -76,6 +77,8 @@ def parallelize(module: nn.Module, settings: JobSettings, runtime: RuntimeContex
         apply_tensor_parallel(
             module, tp_mesh, sequence_parallel=d.sequence_parallel, loss_parallel_on=d.loss_parallel, float8=t.float8
         )
+    if apply_expert_parallel(module, runtime.ep_mesh()):
+        log.info("expert parallel: routed experts split over ep = %d ranks", runtime.dims.ep)
     if apply_context_parallel(module, runtime, ring=d.cp_attention == "ring"):
         log.info("context parallel: cp rank %d of %d", runtime.cp_rank, runtime.cp_size)
     n_ac = apply_activation_checkpointing(module, t)
@@ -91,6 +94,14 @@ def parallelize(module: nn.Module, settings: JobSettings, runtime: RuntimeContex
                 mesh=runtime.fsdp_mesh(),
                 mp_policy=policy,
                 reshard_after_forward=resolve_reshard_after_forward(settings),
+            )
+        if runtime.ep_mesh() is not None:  # the experts first: their own FSDP units (see expert_parallel)
+            shard_experts(
+                module,
+                runtime.expert_fsdp_mesh(),
+                param_dtype=compute_dtype(settings, runtime.device),
+                reshard_after_forward=resolve_reshard_after_forward(settings),
+                dp_size=runtime.dp_size,
             )
         apply_fsdp(
             module,

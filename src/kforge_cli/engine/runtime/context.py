@@ -15,7 +15,7 @@ from torch.distributed import ProcessGroup
 from torch.distributed.device_mesh import DeviceMesh
 
 from kforge_cli.engine.runtime.launcher import LaunchInfo, detect_launch
-from kforge_cli.engine.runtime.mesh import build_mesh, dp_mesh, flat_dp_mesh, loss_mesh, sub_mesh
+from kforge_cli.engine.runtime.mesh import build_mesh, dp_mesh, expert_fsdp_mesh, flat_dp_mesh, loss_mesh, sub_mesh
 from kforge_cli.engine.runtime.threads import ThreadChoice, choose_threads
 from kforge_cli.errors import InvalidInputError
 from kforge_cli.settings import JobSettings, ParallelDims, resolve_dims
@@ -28,7 +28,7 @@ class RuntimeContext:
     launch: LaunchInfo
     device: torch.device
     dims: ParallelDims
-    mesh: DeviceMesh | None = None  # dims named pp/dp_replicate/dp_shard/cp/tp (see engine.runtime.mesh)
+    mesh: DeviceMesh | None = None  # dims named pp/dp_replicate/dp_shard(_mod_ep, ep)/cp/tp (engine.runtime.mesh)
     owns_process_group: bool = False  # init_runtime created the process group, so teardown destroys it
     threads: ThreadChoice | None = None  # the CPU thread count chosen for this process, and why (logged once)
     extra: dict[str, Any] = field(default_factory=dict)
@@ -114,6 +114,14 @@ class RuntimeContext:
     def tp_mesh(self) -> DeviceMesh | None:
         """The 1-D tensor-parallel sub-mesh (None without tensor parallelism)."""
         return sub_mesh(self.mesh, "tp")
+
+    def ep_mesh(self) -> DeviceMesh | None:
+        """The 1-D expert-parallel sub-mesh (None without expert parallelism)."""
+        return sub_mesh(self.mesh, "ep")
+
+    def expert_fsdp_mesh(self) -> DeviceMesh | None:
+        """The mesh FSDP2 shards routed experts over under EP ((dp_replicate,) dp_shard_mod_ep); None without EP."""
+        return None if self.ep_mesh() is None else expert_fsdp_mesh(self.mesh)
 
     def fsdp_mesh(self) -> DeviceMesh | None:
         """The mesh FSDP2 shards over (2-D for HSDP), None in a single process."""

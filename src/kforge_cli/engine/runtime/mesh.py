@@ -11,6 +11,13 @@ every sequence), so FSDP2 shards over ``dp_shard x cp`` (flattened ``dp_shard_cp
 loss's token counts are summed over ``dp x cp`` (``dp_cp``); the data loader partitions by
 the data-parallel dims only.
 
+Expert parallelism (``ep`` > 1, MoE only) splits ``dp_shard`` into two real dims,
+``dp_shard_mod_ep`` (outer) then ``ep`` (inner, so an EP group is made of neighbouring
+ranks, where its all-to-alls are cheapest), and ``dp_shard`` becomes their flattened dim:
+the mesh is then ``pp, dp_replicate, dp_shard_mod_ep, ep, cp, tp``. Dense parameters are
+still sharded over all of ``dp_shard``; routed experts are split ``Shard(0)`` over ``ep`` and
+FSDP-sharded over ``dp_shard_mod_ep`` (x ``dp_replicate``), see ``engine.parallel.expert_parallel``.
+
 In a multi-process job ``dp_shard`` is always a mesh dim, even of size 1: FSDP2 is then
 applied on every multi-process run, which gives one code path for mixed precision
 (FSDP2's ``MixedPrecisionPolicy``), for gradient clipping (every parameter is a DTensor)
@@ -30,21 +37,31 @@ MESH_ORDER = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
 
 
 def mesh_shape(dims: ParallelDims) -> list[tuple[str, int]]:
-    """(name, size) of the dims the mesh will have, outer to inner."""
+    """(name, size) of the dims the mesh will have, outer to inner (``dp_shard`` split in two under EP)."""
     sizes = {"pp": dims.pp, "dp_replicate": dims.dp_replicate, "dp_shard": dims.dp_shard, "cp": dims.cp, "tp": dims.tp}
-    return [(name, sizes[name]) for name in MESH_ORDER if sizes[name] > 1 or name == "dp_shard"]
+    shape = [(name, sizes[name]) for name in MESH_ORDER if sizes[name] > 1 or name == "dp_shard"]
+    ep = getattr(dims, "ep", 1)
+    if ep > 1:
+        i = [n for n, _ in shape].index("dp_shard")
+        shape[i : i + 1] = [("dp_shard_mod_ep", dims.dp_shard // ep), ("ep", ep)]
+    return shape
 
 
 def build_mesh(device: torch.device, dims: ParallelDims) -> Any:
     """A DeviceMesh over ``mesh_shape(dims)``, plus flattened dims: ``dp`` when both dp dims exist;
-    with ``cp``, ``dp_shard_cp`` (FSDP's shard dim) and, with ``dp_replicate``, ``dp_cp``."""
+    with ``cp``, ``dp_shard_cp`` (FSDP's shard dim) and, with ``dp_replicate``, ``dp_cp``; with
+    ``ep``, ``dp_shard`` (over ``dp_shard_mod_ep x ep``)."""
     from torch.distributed.device_mesh import init_device_mesh
 
     shape = mesh_shape(dims)
     mesh = init_device_mesh(device.type, tuple(s for _, s in shape), mesh_dim_names=tuple(n for n, _ in shape))
+    shard_dims: tuple[str, ...] = ("dp_shard",)
+    if has_dim(mesh, "ep"):
+        shard_dims = ("dp_shard_mod_ep", "ep")
+        mesh[shard_dims]._flatten("dp_shard")
     if "dp_replicate" in (mesh.mesh_dim_names or ()):
         # One group over all data-parallel ranks, for token counts and loss sums.
-        mesh["dp_replicate", "dp_shard"]._flatten("dp")
+        mesh[("dp_replicate", *shard_dims)]._flatten("dp")
     if has_dim(mesh, "cp"):
         mesh["dp_shard", "cp"]._flatten("dp_shard_cp")
         if has_dim(mesh, "dp_replicate"):
@@ -77,7 +94,14 @@ def flat_dp_mesh(mesh: Any) -> Any:
     """A 1-D mesh over every data-parallel rank (the flattened dp dims)."""
     if has_dim(mesh, "dp_replicate"):
         return _flat(mesh, "dp")
-    return mesh["dp_shard"]
+    return _flat(mesh, "dp_shard")
+
+
+def expert_fsdp_mesh(mesh: Any) -> Any:
+    """The mesh FSDP2 shards routed experts over under EP: (dp_replicate,) dp_shard_mod_ep."""
+    if has_dim(mesh, "dp_replicate"):
+        return mesh["dp_replicate", "dp_shard_mod_ep"]
+    return mesh["dp_shard_mod_ep"]
 
 
 def loss_mesh(mesh: Any) -> Any:

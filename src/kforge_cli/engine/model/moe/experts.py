@@ -25,6 +25,7 @@ from typing import cast
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 GroupedMM = Callable[..., torch.Tensor]
 
@@ -67,7 +68,9 @@ class GroupedExperts(nn.Module):
         """``x`` ``[M, dim]`` sorted by expert, ``counts`` ``[E]`` rows per expert -> ``[M, dim]``."""
         w1, w2, w3 = (_local(w).to(x.dtype) for w in (self.w1, self.w2, self.w3))
         op = grouped_mm_op()
-        if self.use_grouped_mm and op is not None and grouped_mm_usable(x, w1, w2):
+        # No rows at all (an expert-parallel rank whose experts got no tokens in this micro-batch):
+        # the loop, since torch 2.13's grouped GEMM backward refuses an empty input.
+        if self.use_grouped_mm and op is not None and x.shape[0] > 0 and grouped_mm_usable(x, w1, w2):
             offs = torch.cumsum(counts, dim=0, dtype=torch.int32)
             h = F.silu(op(x, w1.transpose(-2, -1), offs=offs)) * op(x, w3.transpose(-2, -1), offs=offs)
             return op(h, w2.transpose(-2, -1), offs=offs).contiguous()
@@ -86,6 +89,8 @@ def expert_loop(
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
-    """The local shard of a DTensor parameter (expert-parallel ``Shard(0)``), else ``t``."""
-    to_local = getattr(t, "to_local", None)
-    return cast(torch.Tensor, to_local()) if callable(to_local) else t
+    """This rank's experts of an expert-parallel ``Shard(0)`` DTensor parameter, else ``t``.
+
+    An ``isinstance`` test, not duck typing: torch.compile traces it (a ``callable(getattr(...))``
+    test was not, leaving a DTensor in the grouped GEMM)."""
+    return t.to_local() if isinstance(t, DTensor) else t

@@ -18,6 +18,7 @@ import torch.distributed as dist
 from torch import nn
 
 from kforge_cli.engine.model.mlp import FeedForward
+from kforge_cli.engine.model.moe.dispatch import run_experts_parallel
 from kforge_cli.engine.model.moe.experts import GroupedExperts
 from kforge_cli.engine.model.moe.router import Routing, TopKRouter
 from kforge_cli.settings.training import ModelSettings
@@ -69,6 +70,9 @@ class MoEFeedForward(nn.Module):
         # expert load of the whole global micro-batch (all ranks), so it equals one process's.
         self.load_group: dist.ProcessGroup | None = None
         self.global_load = False
+        # Set by engine.parallel.expert_parallel under distributed.ep > 1: this rank holds only its
+        # experts' Shard(0) and exchanges token rows with the EP group by all-to-all.
+        self.ep_group: dist.ProcessGroup | None = None
 
     def reset_step_stats(self) -> None:
         """Zero the per-step counters (after a step, or after loading: they are never saved)."""
@@ -114,7 +118,10 @@ class MoEFeedForward(nn.Module):
             expert_counts = kept
         else:
             expert_counts = counts
-        y = self.experts(flat[token_ids], expert_counts)
+        if self.ep_group is not None:
+            y = run_experts_parallel(flat[token_ids], expert_counts, self.experts, self.ep_group)
+        else:
+            y = self.experts(flat[token_ids], expert_counts)
         y = (y.float() * weights.unsqueeze(-1)).to(flat.dtype)
         out = torch.zeros_like(flat).index_add_(0, token_ids, y)
         aux = self._aux_losses(routing, counts, n)

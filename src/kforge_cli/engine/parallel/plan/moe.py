@@ -3,9 +3,10 @@
 Expert bytes are read from the meta build (the ``experts.w*`` shards this rank holds).
 The all-to-all volume is that of expert parallelism: each MoE layer sends every routed
 copy of a token (``tokens x top_k x dim`` in the compute dtype) to its expert's rank and
-back, forward and again in the backward, of which the ``(ep - 1) / ep`` share leaves
-the rank. Without expert parallelism (``distributed.ep = 1``, or no ``ep`` setting in
-this build) there is no all-to-all.
+back, forward and again in the backward (and once more forward in the recompute of an
+activation-checkpointed block), of which the ``(ep - 1) / ep`` share leaves the rank (a
+balanced router's average). Without expert parallelism (``distributed.ep = 1``) there is
+no all-to-all.
 """
 
 from __future__ import annotations
@@ -16,6 +17,11 @@ from kforge_cli.settings import JobSettings
 GIB = 1024**3
 
 
+def size_text(n_bytes: int) -> str:
+    """``n`` GiB, or MiB below one GiB (a debug model's experts are a few MiB)."""
+    return f"{n_bytes / GIB:.2f} GiB" if n_bytes >= GIB else f"{n_bytes / 2**20:.2f} MiB"
+
+
 def expert_bytes(params: list[ParamShard]) -> int:
     """Bytes of routed-expert weights this rank holds."""
     return sum(p.local_bytes for p in params if ".experts." in p.name)
@@ -24,13 +30,14 @@ def expert_bytes(params: list[ParamShard]) -> int:
 def all_to_all_bytes_per_step(settings: JobSettings, n_moe_layers_here: int, compute_bytes: int) -> int:
     """Bytes this rank sends by all-to-all per optimizer step (forward + backward, dispatch + combine)."""
     moe = settings.model.moe
-    ep = int(getattr(settings.distributed, "ep", 1))
+    ep = settings.distributed.ep
     if moe is None or ep <= 1:
         return 0
     t = settings.train
     tokens = t.batch_size * t.seq_len * t.grad_accum_steps
     one_way = tokens * moe.top_k * settings.model.dim * compute_bytes * (ep - 1) // ep
-    return 4 * one_way * n_moe_layers_here  # dispatch + combine, forward + backward
+    passes = 3 if t.activation_checkpointing == "full" else 2  # forward, backward (+ the recompute)
+    return 2 * passes * one_way * n_moe_layers_here  # dispatch + combine in each pass
 
 
 def moe_notes(settings: JobSettings, params: list[ParamShard], block_ids: list[int], compute_bytes: int) -> list[str]:
@@ -39,11 +46,11 @@ def moe_notes(settings: JobSettings, params: list[ParamShard], block_ids: list[i
     if moe is None:
         return []
     here = [i for i in block_ids if moe.is_moe_layer(i)]
-    ep = int(getattr(settings.distributed, "ep", 1))
+    ep = settings.distributed.ep
     a2a = all_to_all_bytes_per_step(settings, len(here), compute_bytes)
     out = [
         f"MoE: {len(here)} MoE block(s) here, {moe.num_experts // max(1, ep)} of {moe.num_experts} experts each "
-        f"(ep = {ep}); expert weights on this rank {expert_bytes(params) / GIB:.2f} GiB",
-        f"MoE all-to-all: {a2a / GIB:.2f} GiB sent per step by this rank" if a2a else "MoE all-to-all: none (ep = 1)",
+        f"(ep = {ep}); expert weights on this rank {size_text(expert_bytes(params))}",
+        f"MoE all-to-all: {size_text(a2a)} sent per step by this rank" if a2a else "MoE all-to-all: none (ep = 1)",
     ]
     return out

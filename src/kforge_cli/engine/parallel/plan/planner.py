@@ -312,6 +312,7 @@ def build_plan(settings: JobSettings, world_size: int, rank: int = 0, *, mfu: fl
             "pp": dims.pp,
             "dp_replicate": dims.dp_replicate,
             "dp_shard": dims.dp_shard,
+            **({"ep": dims.ep} if dims.ep > 1 else {}),  # a split of dp_shard (dp_shard_mod_ep x ep)
             **({"cp": dims.cp} if dims.cp > 1 else {}),  # listed only when used, like the mesh's own dims
             "tp": dims.tp,
         },

@@ -47,6 +47,7 @@ def format_plan(plan: ParallelPlan) -> str:
         f"parallel plan: profile {plan.profile or '-'}, world size {plan.world_size}, rank {plan.rank} "
         f"(built in {plan.build_seconds:.1f} s)",
         f"  mesh: pp={mesh['pp']} x dp_replicate={mesh['dp_replicate']} x dp_shard={mesh['dp_shard']} "
+        + (f"(= {mesh['dp_shard'] // mesh['ep']} x ep={mesh['ep']}) " if "ep" in mesh else "")
         + (f"x cp={mesh['cp']} " if "cp" in mesh else "")
         + f"x tp={mesh['tp']}; rank {plan.rank} sits at {coords}",
         "  pipeline stages:" if mesh["pp"] > 1 else "  layers (no pipeline):",

@@ -163,11 +163,12 @@ def pipeline_layout(settings: JobSettings) -> list[StageLayout]:
 
 
 def _tp_factor(param: DTensor) -> int:
-    """How many ways the TP mesh dim splits ``param`` (1 when replicated over TP or without TP)."""
+    """How many ways the TP (or EP: routed experts) mesh dim splits ``param`` (1 when replicated over
+    it or without it): FSDP never gathers over these dims."""
     names = param.device_mesh.mesh_dim_names or ()
     factor = 1
     for name, placement in zip(names, param.placements, strict=True):
-        if name == "tp" and isinstance(placement, Shard):
+        if name in ("tp", "ep") and isinstance(placement, Shard):
             factor *= param.device_mesh.size(names.index(name))
     return factor
 
