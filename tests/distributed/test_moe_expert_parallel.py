@@ -42,6 +42,7 @@ MOE_ARGS = [
     "--checkpoint.interval=3",
     "--checkpoint.keep_last_n=0",
     "--train.num_threads=1",
+    "--resilience.stop_check_interval=1",  # ranks agree to stop at the step the signal lands in
 ]
 EP2 = [*MOE_ARGS, "--distributed.ep=2"]
 
