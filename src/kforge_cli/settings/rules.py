@@ -14,10 +14,6 @@ from kforge_cli.settings.job import JobSettings
 from kforge_cli.settings.moe import moe_issues
 from kforge_cli.settings.pipeline_schedules import schedule_facts
 
-COMPILE_TP_CPU = (
-    "torch.compile of tensor-parallel blocks on CPU gives wrong gradients (measured with torch 2.13); "
-    "set --train.compile_model=false with distributed.tp > 1 on CPU (compile works with FSDP and PP)"
-)
 FLOAT8_TP_CPU = (
     "float8 with distributed.tp > 1 needs NCCL: gloo cannot all-gather float8 tensors; "
     "on CPU use float8 with FSDP/PP only, or --train.float8=false"
@@ -356,8 +352,6 @@ def _combination_issues(s: JobSettings) -> list[ConfigIssue]:
                 "distributed.loss_parallel = true (it keeps the logits split over the TP ranks) or the chunk size to 0",
             )
         )
-    if d.tp > 1 and t.compile_model and t.device == "cpu":
-        out.append(ConfigIssue("train.compile_model", COMPILE_TP_CPU))
     if d.tp > 1 and t.float8 and t.device == "cpu":
         out.append(ConfigIssue("train.float8", FLOAT8_TP_CPU))
     return out

@@ -39,7 +39,7 @@ from kforge_cli.engine.runtime import RuntimeContext
 from kforge_cli.engine.runtime.dtypes import DTYPES
 from kforge_cli.errors import ConfigError, ConfigIssue
 from kforge_cli.settings import JobSettings
-from kforge_cli.settings.rules import COMPILE_TP_CPU, FLEX_CPU, FLOAT8_TP_CPU
+from kforge_cli.settings.rules import FLEX_CPU, FLOAT8_TP_CPU
 
 log = logging.getLogger("kforge")
 
@@ -143,8 +143,7 @@ def build_parallel_model(settings: JobSettings, runtime: RuntimeContext) -> tupl
     if settings.train.float8:
         require_torchao()
     if runtime.dims.tp > 1 and runtime.device.type == "cpu":  # train.device=auto resolved to cpu
-        issues = [ConfigIssue("train.compile_model", COMPILE_TP_CPU)] if settings.train.compile_model else []
-        issues += [ConfigIssue("train.float8", FLOAT8_TP_CPU)] if settings.train.float8 else []
+        issues = [ConfigIssue("train.float8", FLOAT8_TP_CPU)] if settings.train.float8 else []
         if issues:
             raise ConfigError(issues, header="unsupported combination on CPU")
     if settings.model.attention == "flex" and runtime.device.type == "cpu":  # train.device=auto resolved to cpu

@@ -15,6 +15,12 @@ gathering them.
 The residual stream stays a *local* tensor of ``T/tp`` positions under sequence
 parallelism, so the model cannot derive RoPE positions from its input length; a
 forward pre-hook on the root passes explicit ``positions`` (``0..T-1``) instead.
+
+The embedding's output leaves its reduction as an ``AsyncCollectiveTensor`` (a wrapper
+that waits on first use). Handed as is into a ``torch.compile``-d block, the compiled
+backward loses its gradient: the embedding's weight got none (measured on gloo with the
+``aot_eager`` and ``inductor`` backends, torch 2.13). A forward hook waits on it first,
+through the differentiable ``wait_tensor`` op, so every block receives a plain tensor.
 """
 
 from __future__ import annotations
@@ -24,6 +30,7 @@ from typing import Any, cast
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed._functional_collectives import AsyncCollectiveTensor, wait_tensor
 from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
@@ -104,6 +111,12 @@ def _inject_positions(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str
     return None
 
 
+def _wait_on_output(module: nn.Module, args: Any, output: torch.Tensor) -> torch.Tensor:
+    """A plain tensor for the blocks (see module docstring); ``wait_tensor``'s gradient is the identity."""
+    del module, args
+    return wait_tensor(output) if isinstance(output, AsyncCollectiveTensor) else output
+
+
 def apply_tensor_parallel(
     model: nn.Module, tp_mesh: Any, *, sequence_parallel: bool, loss_parallel_on: bool, float8: bool = False
 ) -> None:
@@ -111,6 +124,9 @@ def apply_tensor_parallel(
     parallelize_module(
         model, tp_mesh, _root_plan(model, sequence_parallel=sequence_parallel, loss_parallel_on=loss_parallel_on)
     )
+    embedding = getattr(model, "tok_embeddings", None)
+    if embedding is not None:
+        embedding.register_forward_hook(_wait_on_output)
     for block in cast(nn.ModuleDict, model.layers).values():
         parallelize_module(block, tp_mesh, block_plan(block, sequence_parallel=sequence_parallel, float8=float8))
     if sequence_parallel:
