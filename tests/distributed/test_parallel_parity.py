@@ -103,8 +103,11 @@ FOUR_RANKS: dict[str, tuple[list[str], list[str]]] = {
 # Not fp32-exact, checked against each other: float8 (torchao's CPU path) against bf16, both FSDP.
 HAS_TORCHAO = importlib.util.find_spec("torchao") is not None
 LOW_PRECISION = {"fsdp_bf16": ["--train.mixed_precision=bf16"]}
+ROWWISE = ["--train.mixed_precision=bf16", "--train.float8=true", "--train.float8_recipe=rowwise"]
 if HAS_TORCHAO:
     LOW_PRECISION["fsdp_float8"] = ["--train.mixed_precision=bf16", "--train.float8=true"]
+    # rowwise float8 + TP: plain TP styles (bf16 collectives), float8 casts after them
+    LOW_PRECISION["tp_float8_rowwise"] = [*ROWWISE, "--distributed.tp=2"]
 FLOAT8_REL = 1e-2  # measured: max 3e-3 relative over these 10 steps
 
 
@@ -192,3 +195,12 @@ def test_float8_trains_close_to_bf16(two: dict[str, list[dict]]) -> None:
     for r in fp8:
         assert_close_losses(r["losses"], bf16, FLOAT8_REL, "float8 vs bf16")
     assert fp8[0]["losses"][-1] < fp8[0]["losses"][0] - 1.0  # and it learns
+
+
+@pytest.mark.skipif(not HAS_TORCHAO, reason="float8 needs torchao (pip install torchao)")
+def test_float8_rowwise_with_tensor_parallel_trains_like_one_process(two: dict[str, list[dict]]) -> None:
+    """Row-parallel layers scale each row over its K/tp shard, not all of K: close, not exact."""
+    one = reference(tuple(ROWWISE))["losses"]
+    for r in completed(two["tp_float8_rowwise"], "tp_float8_rowwise"):
+        assert_close_losses(r["losses"], one, FLOAT8_REL, "float8 rowwise TP=2 vs one process")
+    assert one[-1] < one[0] - 1.0  # and it learns

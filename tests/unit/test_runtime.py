@@ -204,6 +204,7 @@ def test_rules_accept_the_supported_combinations() -> None:
         ["--distributed.tp=2", "--train.loss_chunk_size=64"],  # vocab-parallel loss instead of chunks
         ["--distributed.dp_replicate=2", "--train.compile_model=true"],
         ["--distributed.tp=2", "--train.device=cpu", "--train.compile_model=true"],  # compile + TP on gloo works
+        ["--distributed.tp=2", "--train.device=cpu", "--train.float8=true", "--train.float8_recipe=rowwise"],
     ):
         s = load_settings(overrides=extra).settings
         assert resolve_dims(s, 4).world_size == 4

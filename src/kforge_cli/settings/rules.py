@@ -15,8 +15,9 @@ from kforge_cli.settings.moe import moe_issues
 from kforge_cli.settings.pipeline_schedules import schedule_facts
 
 FLOAT8_TP_CPU = (
-    "float8 with distributed.tp > 1 needs NCCL: gloo cannot all-gather float8 tensors; "
-    "on CPU use float8 with FSDP/PP only, or --train.float8=false"
+    "tensorwise float8 with distributed.tp > 1 needs NCCL: its TP styles all-gather float8 tensors, "
+    "which gloo cannot; on CPU use --train.float8_recipe=rowwise (its collectives run in bf16), "
+    "float8 with FSDP/PP only, or --train.float8=false"
 )
 
 FLEX_CPU = (
@@ -352,7 +353,7 @@ def _combination_issues(s: JobSettings) -> list[ConfigIssue]:
                 "distributed.loss_parallel = true (it keeps the logits split over the TP ranks) or the chunk size to 0",
             )
         )
-    if d.tp > 1 and t.float8 and t.device == "cpu":
+    if d.tp > 1 and t.float8 and t.float8_recipe == "tensorwise" and t.device == "cpu":
         out.append(ConfigIssue("train.float8", FLOAT8_TP_CPU))
     return out
 

@@ -23,7 +23,7 @@ from kforge_cli.engine.model import Transformer
 from kforge_cli.engine.model.vlm import build_vlm
 from kforge_cli.engine.parallel.activation_checkpoint import apply_activation_checkpointing
 from kforge_cli.engine.parallel.context_parallel import apply_context_parallel
-from kforge_cli.engine.parallel.float8 import apply_float8, require_torchao
+from kforge_cli.engine.parallel.float8 import apply_float8, fsdp_float8_all_gather, require_torchao
 from kforge_cli.engine.parallel.fsdp import apply_fsdp, mixed_precision_policy, resolve_reshard_after_forward
 from kforge_cli.engine.parallel.init import init_sharded
 from kforge_cli.engine.parallel.pipeline import (
@@ -64,17 +64,19 @@ def parallelize(module: nn.Module, settings: JobSettings, runtime: RuntimeContex
     t, d = settings.train, settings.distributed
     distributed = runtime.world_size > 1
     if t.float8:
-        fsdp_fp8 = distributed and runtime.device.type == "cuda" and runtime.dims.dp_shard > 1
-        apply_float8(
-            module, recipe=t.float8_recipe, fsdp_float8_all_gather=fsdp_fp8 and t.float8_recipe == "tensorwise"
-        )
+        fp8_gather = fsdp_float8_all_gather(t, runtime)
+        apply_float8(module, recipe=t.float8_recipe, fsdp_float8_all_gather=fp8_gather, tp=runtime.dims.tp)
     master = DTYPES[t.master_dtype]
     if distributed and master != torch.float32:
         module.to(master)  # FSDP2 keeps the sharded parameters in this dtype; init_sharded casts fp32 draws into it
     tp_mesh = runtime.tp_mesh()
     if tp_mesh is not None:
         apply_tensor_parallel(
-            module, tp_mesh, sequence_parallel=d.sequence_parallel, loss_parallel_on=d.loss_parallel, float8=t.float8
+            module,
+            tp_mesh,
+            sequence_parallel=d.sequence_parallel,
+            loss_parallel_on=d.loss_parallel,
+            float8_recipe=t.float8_recipe if t.float8 else None,
         )
     if apply_context_parallel(module, runtime):
         log.info("context parallel: cp rank %d of %d", runtime.cp_rank, runtime.cp_size)
@@ -142,10 +144,9 @@ def build_parallel_model(settings: JobSettings, runtime: RuntimeContext) -> tupl
     """Build, parallelise and initialise the model for this rank; the bundle is None without PP."""
     if settings.train.float8:
         require_torchao()
-    if runtime.dims.tp > 1 and runtime.device.type == "cpu":  # train.device=auto resolved to cpu
-        issues = [ConfigIssue("train.float8", FLOAT8_TP_CPU)] if settings.train.float8 else []
-        if issues:
-            raise ConfigError(issues, header="unsupported combination on CPU")
+    tensorwise = settings.train.float8 and settings.train.float8_recipe == "tensorwise"
+    if runtime.dims.tp > 1 and runtime.device.type == "cpu" and tensorwise:  # train.device=auto resolved to cpu
+        raise ConfigError([ConfigIssue("train.float8", FLOAT8_TP_CPU)], header="unsupported combination on CPU")
     if settings.model.attention == "flex" and runtime.device.type == "cpu":  # train.device=auto resolved to cpu
         raise ConfigError([ConfigIssue("model.attention", FLEX_CPU)], header="unsupported combination on CPU")
     if settings.train.loss_chunk_size and runtime.dims.tp > 1:

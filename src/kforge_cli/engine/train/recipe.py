@@ -34,7 +34,13 @@ from kforge_cli.engine.observe import (
     device_peak_flops,
     setup_logging,
 )
-from kforge_cli.engine.parallel import PipelineBundle, build_parallel_model, compute_dtype
+from kforge_cli.engine.parallel import (
+    PipelineBundle,
+    build_parallel_model,
+    compute_dtype,
+    fsdp_float8_all_gather,
+    precompute_scales_after_each_step,
+)
 from kforge_cli.engine.resilience import NanGuard, ShutdownHandler
 from kforge_cli.engine.runtime import RuntimeContext, dtype_name, init_runtime, teardown_runtime
 from kforge_cli.engine.train.evaluation import eval_batches
@@ -146,6 +152,8 @@ def run_training(
         loss_fn = build_loss_fn(settings)
         model, pipeline = build_model(settings, runtime)
         optimizer = build_optimizer(model, settings)
+        if fsdp_float8_all_gather(settings.train, runtime):  # one amax all-reduce per step, not one per weight
+            precompute_scales_after_each_step(optimizer, model)
         scheduler = build_scheduler(optimizer, settings)
         data = build_data(settings, runtime)
         state = TrainState()
