@@ -14,6 +14,7 @@ from kforge_cli.engine.parallel.tensor_parallel import block_plan
 from kforge_cli.engine.runtime import RuntimeContext
 from kforge_cli.engine.runtime.launcher import LaunchInfo
 from kforge_cli.settings import ParallelDims, load_settings
+from kforge_cli.settings.training import TrainSettings
 
 
 def _block(**model: int) -> nn.Module:
@@ -61,7 +62,7 @@ def _runtime(device: str, *, dp_shard: int, tp: int = 1) -> RuntimeContext:
 
 
 def test_fsdp_float8_all_gather_only_for_tensorwise_sharded_cuda_runs() -> None:
-    def train(*extra: str):  # noqa: ANN202
+    def train(*extra: str) -> TrainSettings:
         return load_settings(overrides=["--train.float8=true", *extra]).settings.train
 
     assert fsdp_float8_all_gather(train(), _runtime("cuda", dp_shard=2))
