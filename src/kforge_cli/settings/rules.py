@@ -90,6 +90,14 @@ def config_warnings(s: JobSettings) -> list[ConfigIssue]:
                 "never reaches its peak (fine for a smoke test)",
             )
         )
+    if s.train.float8 and not s.train.compile_model:
+        out.append(
+            ConfigIssue(
+                "train.float8",
+                "on without train.compile_model: eager float8 runs its casts and scales as separate kernels "
+                "and is usually slower than bf16; add --train.compile_model=true",
+            )
+        )
     if s.slurm.nodes > 1:
         for name in ("partition", "account"):
             if getattr(s.slurm, name) is None:

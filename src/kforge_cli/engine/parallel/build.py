@@ -52,11 +52,28 @@ def compute_dtype(settings: JobSettings, device: torch.device) -> torch.dtype:
     return DTYPES[mp]
 
 
-def apply_compile(model: nn.Module) -> None:
-    """torch.compile each block in place (parameter names unchanged)."""
+def apply_compile(model: nn.Module, *, fullgraph: bool = True) -> None:
+    """torch.compile each block in place (parameter names unchanged).
+
+    ``fullgraph=True``: a graph break is an error at the first step (and in the tests), not
+    a silent split of every block into eager fragments.
+    """
     layers = model.get_submodule("layers")
     for block in layers.children():
-        block.compile()
+        block.compile(fullgraph=fullgraph)
+
+
+ROPE_BUFFERS = ("rope_cos", "rope_sin")
+
+
+def cast_keeping_rope_fp32(model: nn.Module, dtype: torch.dtype) -> None:
+    """``model.to(dtype)``, except the RoPE tables: they stay fp32 (long positions' angles need it),
+    as on the sharded path, where ``init_sharded`` computes them in fp32 after the cast."""
+    rope = {n: b for n, b in model.named_buffers() if n.rsplit(".", 1)[-1] in ROPE_BUFFERS}
+    model.to(dtype)
+    for name, table in rope.items():
+        owner, _, leaf = name.rpartition(".")
+        setattr(model.get_submodule(owner), leaf, table)
 
 
 def parallelize(module: nn.Module, settings: JobSettings, runtime: RuntimeContext) -> None:
@@ -84,7 +101,12 @@ def parallelize(module: nn.Module, settings: JobSettings, runtime: RuntimeContex
     if n_ac:
         log.info("activation checkpointing (%s) on %d blocks", t.activation_checkpointing, n_ac)
     if t.compile_model:
-        apply_compile(module)
+        # MoE routing (grouped GEMMs over data-dependent token counts) and VLM blocks are not known
+        # to trace in one graph yet: they may graph-break into eager fragments rather than fail.
+        fullgraph = settings.model.moe is None and settings.vlm is None
+        if not fullgraph:
+            log.info("torch.compile of MoE/VLM blocks without fullgraph: graph breaks fall back to eager")
+        apply_compile(module, fullgraph=fullgraph)
     if distributed:
         for block in getattr(module, "vision_blocks", list)():  # a VLM's encoder blocks are FSDP units too
             policy = mixed_precision_policy(compute_dtype(settings, runtime.device))
@@ -112,7 +134,7 @@ def _build_single(settings: JobSettings, runtime: RuntimeContext) -> nn.Module:
         with torch.no_grad():
             model.init_weights(buffer_device=runtime.device)  # in fp32 order; cast like init_sharded does
         if master != torch.float32:
-            model.to(master)
+            cast_keeping_rope_fp32(model, master)
     else:
         shadow = None
         if settings.vlm is not None:  # the sharded init replays the VLM's own init order
