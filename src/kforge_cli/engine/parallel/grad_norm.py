@@ -42,7 +42,7 @@ def _sum_of_squares_fp32(tensors: list[torch.Tensor]) -> torch.Tensor:
     if tensors[0].device.type == "cpu":
         norms = [torch.linalg.vector_norm(t, 2.0, dtype=torch.float32) for t in tensors]
     else:
-        norms = list(torch._foreach_norm(tensors, 2.0, dtype=torch.float32))
+        norms = list(torch.ops.aten._foreach_norm.Scalar(tensors, 2.0, torch.float32))
     return torch.stack(norms).square().sum()
 
 
