@@ -1,5 +1,5 @@
 """CUDA/NCCL paths (gpu marker): float8 + compile on one GPU, and on >= 2 GPUs the FSDP2
-float8 all-gather and torch.compile with tensor parallelism (refused on CPU, where it is wrong).
+float8 all-gather and torch.compile with tensor parallelism on NCCL.
 
 Skipped without CUDA; run on a GPU machine with `pytest -m gpu tests/distributed/test_gpu.py`.
 """
@@ -49,7 +49,7 @@ def test_fsdp_float8_all_gather_on_nccl(tmp_path_factory: pytest.TempPathFactory
 
 
 def test_compile_with_tensor_parallel_matches_eager_on_cuda(tmp_path_factory: pytest.TempPathFactory) -> None:
-    """The combination kforge refuses on CPU: on CUDA it must equal eager TP (fp32), or the rule must widen."""
+    """Compile + TP equals eager TP on NCCL too (fp32; gloo: test_parallel_parity tp_compile)."""
     _gpus(2)
     fp32 = [*GPU, "--train.mixed_precision=fp32", "--distributed.tp=2"]
     res = launch(2, {"eager": fp32, "compiled": [*fp32, "--train.compile_model=true"]}, tmp_path_factory.mktemp("ctp"))

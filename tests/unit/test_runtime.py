@@ -187,7 +187,6 @@ def test_rules_refuse_combinations_that_would_train_wrong() -> None:
     dual = [*pp, "--distributed.pp_schedule=dualpipev", "--distributed.pp_stages_per_rank=2"]
     assert _issues(*dual, world=2) == ["train.grad_accum_steps"]  # 2 micro-batches < 4 stages
     cpu_tp = ["--distributed.tp=2", "--train.device=cpu"]
-    assert _issues(*cpu_tp, "--train.compile_model=true", world=2) == ["train.compile_model"]
     assert _issues(*cpu_tp, "--train.float8=true", world=2) == ["train.float8"]
     assert _issues(*cpu_tp, "--train.loss_chunk_size=64", "--distributed.loss_parallel=false", world=2) == [
         "train.loss_chunk_size"
@@ -204,6 +203,8 @@ def test_rules_accept_the_supported_combinations() -> None:
         ],
         ["--distributed.tp=2", "--train.loss_chunk_size=64"],  # vocab-parallel loss instead of chunks
         ["--distributed.dp_replicate=2", "--train.compile_model=true"],
+        ["--distributed.tp=2", "--train.device=cpu", "--train.compile_model=true"],  # compile + TP on gloo works
+        ["--distributed.tp=2", "--train.device=cpu", "--train.float8=true", "--train.float8_recipe=rowwise"],
     ):
         s = load_settings(overrides=extra).settings
         assert resolve_dims(s, 4).world_size == 4

@@ -15,13 +15,10 @@ from kforge_cli.settings.job import JobSettings
 from kforge_cli.settings.moe import ep_dp_shard_issues, expert_parallel_issues, moe_issues
 from kforge_cli.settings.pipeline_schedules import schedule_facts
 
-COMPILE_TP_CPU = (
-    "torch.compile of tensor-parallel blocks on CPU gives wrong gradients (measured with torch 2.13); "
-    "set --train.compile_model=false with distributed.tp > 1 on CPU (compile works with FSDP and PP)"
-)
 FLOAT8_TP_CPU = (
-    "float8 with distributed.tp > 1 needs NCCL: gloo cannot all-gather float8 tensors; "
-    "on CPU use float8 with FSDP/PP only, or --train.float8=false"
+    "tensorwise float8 with distributed.tp > 1 needs NCCL: its TP styles all-gather float8 tensors, "
+    "which gloo cannot; on CPU use --train.float8_recipe=rowwise (its collectives run in bf16), "
+    "float8 with FSDP/PP only, or --train.float8=false"
 )
 
 FP16_SCALED_MODES = (
@@ -97,6 +94,14 @@ def config_warnings(s: JobSettings) -> list[ConfigIssue]:
                 "scheduler.warmup_steps",
                 f"{s.scheduler.warmup_steps} exceeds train.max_steps ({s.train.max_steps}): the learning rate "
                 "never reaches its peak (fine for a smoke test)",
+            )
+        )
+    if s.train.float8 and not s.train.compile_model:
+        out.append(
+            ConfigIssue(
+                "train.float8",
+                "on without train.compile_model: eager float8 runs its casts and scales as separate kernels "
+                "and is usually slower than bf16; add --train.compile_model=true",
             )
         )
     if s.slurm.nodes > 1:
@@ -368,9 +373,7 @@ def _combination_issues(s: JobSettings) -> list[ConfigIssue]:
     for name, value in (("distributed.pp", d.pp), ("distributed.tp", d.tp)):
         if t.mixed_precision == "fp16" and value > 1:
             out.append(ConfigIssue("train.mixed_precision", f"fp16 with {name} > 1: {FP16_SCALED_MODES}"))
-    if d.tp > 1 and t.compile_model and t.device == "cpu":
-        out.append(ConfigIssue("train.compile_model", COMPILE_TP_CPU))
-    if d.tp > 1 and t.float8 and t.device == "cpu":
+    if d.tp > 1 and t.float8 and t.float8_recipe == "tensorwise" and t.device == "cpu":
         out.append(ConfigIssue("train.float8", FLOAT8_TP_CPU))
     return out
 

@@ -3,6 +3,7 @@
 from kforge_cli.engine.parallel.activation_checkpoint import apply_activation_checkpointing
 from kforge_cli.engine.parallel.build import build_parallel_model, compute_dtype, parallelize
 from kforge_cli.engine.parallel.context_parallel import shard_batch
+from kforge_cli.engine.parallel.float8 import fsdp_float8_all_gather, precompute_scales_after_each_step
 from kforge_cli.engine.parallel.grad_norm import clip_grad_norm, total_grad_norm
 from kforge_cli.engine.parallel.pipeline import PipelineBundle, PipelineModel, StageLoss
 from kforge_cli.engine.parallel.tensor_parallel import vocab_parallel_loss_sum
@@ -15,7 +16,9 @@ __all__ = [
     "build_parallel_model",
     "clip_grad_norm",
     "compute_dtype",
+    "fsdp_float8_all_gather",
     "parallelize",
+    "precompute_scales_after_each_step",
     "shard_batch",
     "total_grad_norm",
     "vocab_parallel_loss_sum",

@@ -1,40 +1,52 @@
 """Activation checkpointing per Transformer block, without changing parameter names.
 
-Uses torch's composable `checkpoint` (hooks, not a wrapper module), so checkpoint keys
-stay `layers.N....` whatever the AC mode. Modes:
+Each checkpointed block's ``forward`` is replaced (on the instance) by one that runs the
+original inside torch's non-reentrant ``checkpoint``: no wrapper module, so checkpoint
+keys stay ``layers.N....`` whatever the AC mode. Being inside ``forward``, the checkpoint
+is traced by ``torch.compile`` as one region (a higher-order op) with ``fullgraph=True``;
+torch's composable ``checkpoint`` (forward hooks that enter and leave a context manager)
+breaks the graph there. Modes:
 - full: every block recomputes its activations in backward;
 - selective/block: every k-th block (train.ac_every_n_blocks) is checkpointed, counting
   global block indices (0, k, 2k, ...) so a pipeline stage agrees with the full model;
 - selective/op: every block, but the outputs of matmuls and attention are saved and
-  only the cheap element-wise ops are recomputed.
+  only the cheap element-wise ops are recomputed. The policy matches ops by their overload
+  packet (``aten.mm``, any overload): under ``torch.compile`` it sees the overloads the
+  compiler traces, which need not be ``.default``.
 """
 
 from __future__ import annotations
 
-from collections import defaultdict
+from collections.abc import Callable
 from typing import Any
 
 import torch
 from torch import nn
-from torch.distributed._composable.checkpoint_activation import checkpoint
-from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
+from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
 from kforge_cli.settings.training import TrainSettings
 
 _aten = torch.ops.aten
-# Ops whose outputs are expensive to recompute: keep them (op-level selective AC).
-_SAVE_OPS = {
-    _aten.mm.default,
-    _aten.addmm.default,
-    _aten.bmm.default,
-    _aten._scaled_dot_product_flash_attention.default,
-    _aten._scaled_dot_product_efficient_attention.default,
-    _aten._scaled_dot_product_cudnn_attention.default,
-    _aten._scaled_mm.default,
+# Ops whose outputs are expensive to recompute, by overload packet: keep them (op-level selective AC).
+SAVE_OPS = {
+    _aten.mm,
+    _aten.addmm,
+    _aten.bmm,
+    _aten._scaled_dot_product_flash_attention,
+    _aten._scaled_dot_product_flash_attention_for_cpu,
+    _aten._scaled_dot_product_efficient_attention,
+    _aten._scaled_dot_product_cudnn_attention,
+    _aten._scaled_mm,
 }
 _MATH_SDPA = getattr(_aten, "_scaled_dot_product_attention_math", None)
 if _MATH_SDPA is not None:
-    _SAVE_OPS.add(_MATH_SDPA.default)
+    SAVE_OPS.add(_MATH_SDPA)
+
+
+def save_decision(op: Any) -> CheckpointPolicy:
+    """MUST_SAVE for a matmul/attention op in any overload (``mm.default``, ``mm.out``...), else recompute."""
+    packet = getattr(op, "overloadpacket", op)
+    return CheckpointPolicy.MUST_SAVE if packet in SAVE_OPS else CheckpointPolicy.PREFER_RECOMPUTE
 
 
 def _ignore_profiler_ops_in_selective_ac() -> None:
@@ -59,15 +71,24 @@ def _ignore_profiler_ops_in_selective_ac() -> None:
     )
 
 
+def _op_policy(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
+    del ctx, args, kwargs
+    return save_decision(op)
+
+
 def _op_policy_context() -> Any:
-    counts: dict[str, int] = defaultdict(int)
+    return create_selective_checkpoint_contexts(_op_policy)
 
-    def policy(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
-        del ctx, args, kwargs
-        counts["ops"] += 1
-        return CheckpointPolicy.MUST_SAVE if op in _SAVE_OPS else CheckpointPolicy.PREFER_RECOMPUTE
 
-    return create_selective_checkpoint_contexts(policy)
+def checkpoint_block(block: nn.Module, context_fn: Callable[[], Any] | None = None) -> None:
+    """Run ``block``'s forward under non-reentrant checkpointing from now on (see module docstring)."""
+    inner = block.forward
+    extra: dict[str, Any] = {"context_fn": context_fn} if context_fn is not None else {}
+
+    def forward(*args: Any, **kwargs: Any) -> Any:
+        return checkpoint(inner, *args, use_reentrant=False, **extra, **kwargs)
+
+    block.forward = forward  # type: ignore[method-assign]
 
 
 def apply_activation_checkpointing(model: nn.Module, cfg: TrainSettings) -> int:
@@ -81,12 +102,12 @@ def apply_activation_checkpointing(model: nn.Module, cfg: TrainSettings) -> int:
     for key, block in layers.items():
         index = int(key)  # the global block index, so a pipeline stage picks the same blocks as the full model
         if cfg.activation_checkpointing == "full":
-            checkpoint(block)
+            checkpoint_block(block)
         elif cfg.ac_selective_mode == "op":
             _ignore_profiler_ops_in_selective_ac()
-            checkpoint(block, context_fn=_op_policy_context)
+            checkpoint_block(block, context_fn=_op_policy_context)
         elif index % cfg.ac_every_n_blocks == 0:
-            checkpoint(block)
+            checkpoint_block(block)
         else:
             continue
         done += 1

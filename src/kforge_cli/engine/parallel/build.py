@@ -24,7 +24,7 @@ from kforge_cli.engine.model.vlm import build_vlm
 from kforge_cli.engine.parallel.activation_checkpoint import apply_activation_checkpointing
 from kforge_cli.engine.parallel.context_parallel import apply_context_parallel
 from kforge_cli.engine.parallel.expert_parallel import apply_expert_parallel, shard_experts
-from kforge_cli.engine.parallel.float8 import apply_float8, require_torchao
+from kforge_cli.engine.parallel.float8 import apply_float8, fsdp_float8_all_gather, require_torchao
 from kforge_cli.engine.parallel.fsdp import apply_fsdp, mixed_precision_policy, resolve_reshard_after_forward
 from kforge_cli.engine.parallel.init import init_sharded
 from kforge_cli.engine.parallel.pipeline import (
@@ -40,7 +40,7 @@ from kforge_cli.engine.runtime import RuntimeContext
 from kforge_cli.engine.runtime.dtypes import DTYPES
 from kforge_cli.errors import ConfigError, ConfigIssue
 from kforge_cli.settings import JobSettings
-from kforge_cli.settings.rules import COMPILE_TP_CPU, FLEX_CPU, FLOAT8_TP_CPU
+from kforge_cli.settings.rules import FLEX_CPU, FLOAT8_TP_CPU
 
 log = logging.getLogger("kforge")
 
@@ -53,11 +53,28 @@ def compute_dtype(settings: JobSettings, device: torch.device) -> torch.dtype:
     return DTYPES[mp]
 
 
-def apply_compile(model: nn.Module) -> None:
-    """torch.compile each block in place (parameter names unchanged)."""
+def apply_compile(model: nn.Module, *, fullgraph: bool = True) -> None:
+    """torch.compile each block in place (parameter names unchanged).
+
+    ``fullgraph=True``: a graph break is an error at the first step (and in the tests), not
+    a silent split of every block into eager fragments.
+    """
     layers = model.get_submodule("layers")
     for block in layers.children():
-        block.compile()
+        block.compile(fullgraph=fullgraph)
+
+
+ROPE_BUFFERS = ("rope_cos", "rope_sin")
+
+
+def cast_keeping_rope_fp32(model: nn.Module, dtype: torch.dtype) -> None:
+    """``model.to(dtype)``, except the RoPE tables: they stay fp32 (long positions' angles need it),
+    as on the sharded path, where ``init_sharded`` computes them in fp32 after the cast."""
+    rope = {n: b for n, b in model.named_buffers() if n.rsplit(".", 1)[-1] in ROPE_BUFFERS}
+    model.to(dtype)
+    for name, table in rope.items():
+        owner, _, leaf = name.rpartition(".")
+        setattr(model.get_submodule(owner), leaf, table)
 
 
 def parallelize(module: nn.Module, settings: JobSettings, runtime: RuntimeContext) -> None:
@@ -65,17 +82,19 @@ def parallelize(module: nn.Module, settings: JobSettings, runtime: RuntimeContex
     t, d = settings.train, settings.distributed
     distributed = runtime.world_size > 1
     if t.float8:
-        fsdp_fp8 = distributed and runtime.device.type == "cuda" and runtime.dims.dp_shard > 1
-        apply_float8(
-            module, recipe=t.float8_recipe, fsdp_float8_all_gather=fsdp_fp8 and t.float8_recipe == "tensorwise"
-        )
+        fp8_gather = fsdp_float8_all_gather(t, runtime)
+        apply_float8(module, recipe=t.float8_recipe, fsdp_float8_all_gather=fp8_gather, tp=runtime.dims.tp)
     master = DTYPES[t.master_dtype]
     if distributed and master != torch.float32:
         module.to(master)  # FSDP2 keeps the sharded parameters in this dtype; init_sharded casts fp32 draws into it
     tp_mesh = runtime.tp_mesh()
     if tp_mesh is not None:
         apply_tensor_parallel(
-            module, tp_mesh, sequence_parallel=d.sequence_parallel, loss_parallel_on=d.loss_parallel, float8=t.float8
+            module,
+            tp_mesh,
+            sequence_parallel=d.sequence_parallel,
+            loss_parallel_on=d.loss_parallel,
+            float8_recipe=t.float8_recipe if t.float8 else None,
         )
     if apply_expert_parallel(module, runtime.ep_mesh()):
         log.info("expert parallel: routed experts split over ep = %d ranks", runtime.dims.ep)
@@ -85,7 +104,12 @@ def parallelize(module: nn.Module, settings: JobSettings, runtime: RuntimeContex
     if n_ac:
         log.info("activation checkpointing (%s) on %d blocks", t.activation_checkpointing, n_ac)
     if t.compile_model:
-        apply_compile(module)
+        # MoE routing (grouped GEMMs over data-dependent token counts) and VLM blocks are not known
+        # to trace in one graph yet: they may graph-break into eager fragments rather than fail.
+        fullgraph = settings.model.moe is None and settings.vlm is None
+        if not fullgraph:
+            log.info("torch.compile of MoE/VLM blocks without fullgraph: graph breaks fall back to eager")
+        apply_compile(module, fullgraph=fullgraph)
     if distributed:
         for block in getattr(module, "vision_blocks", list)():  # a VLM's encoder blocks are FSDP units too
             policy = mixed_precision_policy(compute_dtype(settings, runtime.device))
@@ -121,7 +145,7 @@ def _build_single(settings: JobSettings, runtime: RuntimeContext) -> nn.Module:
         with torch.no_grad():
             model.init_weights(buffer_device=runtime.device)  # in fp32 order; cast like init_sharded does
         if master != torch.float32:
-            model.to(master)
+            cast_keeping_rope_fp32(model, master)
     else:
         shadow = None
         if settings.vlm is not None:  # the sharded init replays the VLM's own init order
@@ -153,11 +177,9 @@ def build_parallel_model(settings: JobSettings, runtime: RuntimeContext) -> tupl
     """Build, parallelise and initialise the model for this rank; the bundle is None without PP."""
     if settings.train.float8:
         require_torchao()
-    if runtime.dims.tp > 1 and runtime.device.type == "cpu":  # train.device=auto resolved to cpu
-        issues = [ConfigIssue("train.compile_model", COMPILE_TP_CPU)] if settings.train.compile_model else []
-        issues += [ConfigIssue("train.float8", FLOAT8_TP_CPU)] if settings.train.float8 else []
-        if issues:
-            raise ConfigError(issues, header="unsupported combination on CPU")
+    tensorwise = settings.train.float8 and settings.train.float8_recipe == "tensorwise"
+    if runtime.dims.tp > 1 and runtime.device.type == "cpu" and tensorwise:  # train.device=auto resolved to cpu
+        raise ConfigError([ConfigIssue("train.float8", FLOAT8_TP_CPU)], header="unsupported combination on CPU")
     if settings.model.attention == "flex" and runtime.device.type == "cpu":  # train.device=auto resolved to cpu
         raise ConfigError([ConfigIssue("model.attention", FLEX_CPU)], header="unsupported combination on CPU")
     if settings.train.loss_chunk_size and runtime.dims.tp > 1:

@@ -4,22 +4,32 @@ Each eligible ``nn.Linear`` is swapped for torchao's ``Float8Linear``: its matmu
 inputs, weights and output gradients to float8 with dynamic scales (tensorwise or
 rowwise) and accumulate in higher precision; parameters and optimizer state keep their
 dtype. The output head stays in high precision (the logits are sensitive to it), as does
-any layer whose dims are not multiples of 16 (a float8 GEMM requirement).
+any layer whose dims are not multiples of 16 (a float8 GEMM requirement). Under tensor
+parallelism the GEMM runs on each rank's shard, so it is the shard's dims that must be
+multiples of 16 (a column-parallel layer's outputs / tp, a row-parallel one's inputs / tp).
 
 The swap must happen *before* tensor parallelism: it replaces module objects, which
 would drop the TP hooks registered on the old ones. With FSDP2 on CUDA and the
-tensorwise recipe the all-gather itself runs in float8 (half the bytes of bf16).
-torchao is an optional dependency (``pip install 'kforge[float8]'``).
+tensorwise recipe the all-gather itself runs in float8 (half the bytes of bf16); its
+weight scales are then computed for all layers at once, in one all-reduce, right after
+each optimizer step (torchao's ``precompute_float8_dynamic_scale_for_fsdp``) instead of
+one amax all-reduce per weight per all-gather. torchao is an optional dependency (``pip install 'kforge[float8]'``).
 """
 
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
+from typing import Any
 
 import torch
 from torch import nn
+from torch.utils.hooks import RemovableHandle
 
+from kforge_cli.engine.parallel.tensor_parallel import COLWISE_LINEARS, ROWWISE_LINEARS
+from kforge_cli.engine.runtime import RuntimeContext
 from kforge_cli.errors import InvalidInputError
+from kforge_cli.settings.training import TrainSettings
 
 log = logging.getLogger("kforge")
 
@@ -42,15 +52,52 @@ def require_torchao() -> None:
         quiet.setLevel(level)
 
 
-def _eligible(module: nn.Module, fqn: str) -> bool:
-    if not isinstance(module, nn.Linear):
-        return False
-    if fqn.split(".")[-1] in SKIP_MODULES:
-        return False
-    return module.in_features % 16 == 0 and module.out_features % 16 == 0
+def gemm_dims_per_rank(linear: nn.Linear, fqn: str, tp: int) -> tuple[int, int]:
+    """(in, out) features of the GEMM this rank runs: a block linear's TP shard, else the whole layer."""
+    parts = fqn.split(".")
+    in_features, out_features = linear.in_features, linear.out_features
+    if tp > 1 and parts[0] == "layers":  # tensor_parallel shards only the blocks' linears
+        if parts[-1] in COLWISE_LINEARS:
+            out_features //= tp
+        elif parts[-1] in ROWWISE_LINEARS:
+            in_features //= tp
+    return in_features, out_features
 
 
-def apply_float8(model: nn.Module, *, recipe: str, fsdp_float8_all_gather: bool) -> int:
+def float8_filter(tp: int = 1) -> Callable[[nn.Module, str], bool]:
+    """Which linears become float8: not the head or a router, and per-rank GEMM dims multiples of 16."""
+
+    def eligible(module: nn.Module, fqn: str) -> bool:
+        if not isinstance(module, nn.Linear) or fqn.split(".")[-1] in SKIP_MODULES:
+            return False
+        in_features, out_features = gemm_dims_per_rank(module, fqn, tp)
+        return in_features % 16 == 0 and out_features % 16 == 0
+
+    return eligible
+
+
+def fsdp_float8_all_gather(train: TrainSettings, runtime: RuntimeContext) -> bool:
+    """Whether FSDP2 all-gathers the float8 weights in float8: tensorwise recipe, sharded over CUDA ranks."""
+    sharded = runtime.world_size > 1 and runtime.dims.dp_shard > 1
+    return train.float8 and train.float8_recipe == "tensorwise" and sharded and runtime.device.type == "cuda"
+
+
+def precompute_scales_after_each_step(optimizer: torch.optim.Optimizer, model: nn.Module) -> RemovableHandle:
+    """After every ``optimizer.step()``: all float8 weights' scales in one all-reduce (see module docstring).
+
+    A skipped step (NaN policy) changes no weight, so the scales computed after the last
+    real step stay right; a post-hook runs exactly when the weights changed.
+    """
+    from torchao.float8 import precompute_float8_dynamic_scale_for_fsdp
+
+    def hook(opt: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+        del opt, args, kwargs
+        precompute_float8_dynamic_scale_for_fsdp(model)
+
+    return optimizer.register_step_post_hook(hook)
+
+
+def apply_float8(model: nn.Module, *, recipe: str, fsdp_float8_all_gather: bool, tp: int = 1) -> int:
     """Swap eligible linears of ``model`` for float8 ones in place; returns how many were swapped."""
     require_torchao()
     from torchao.float8 import Float8LinearConfig, convert_to_float8_training
@@ -60,7 +107,7 @@ def apply_float8(model: nn.Module, *, recipe: str, fsdp_float8_all_gather: bool)
     else:
         config = Float8LinearConfig.from_recipe_name(recipe)
     before = sum(1 for _, m in model.named_modules() if isinstance(m, nn.Linear))
-    convert_to_float8_training(model, module_filter_fn=_eligible, config=config)
+    convert_to_float8_training(model, module_filter_fn=float8_filter(tp), config=config)
     after = sum(1 for _, m in model.named_modules() if type(m) is nn.Linear)
     swapped = before - after
     log.info("float8 (%s) on %d linear layers (%d kept in high precision)", recipe, swapped, after)

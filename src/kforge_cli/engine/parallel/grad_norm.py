@@ -36,6 +36,16 @@ def _group_key(grad: torch.Tensor) -> tuple[_Key, Any, list[int]]:
     return (mesh.mesh_dim_names, tuple(mesh.mesh.shape), tuple(dims)), mesh, dims
 
 
+def _sum_of_squares_fp32(tensors: list[torch.Tensor]) -> torch.Tensor:
+    """sum ||t||^2 accumulated in fp32 whatever the gradients' dtype (bf16 squares lose digits),
+    without an fp32 copy of the gradients: the norm kernels upcast as they read."""
+    if tensors[0].device.type == "cpu":
+        norms = [torch.linalg.vector_norm(t, 2.0, dtype=torch.float32) for t in tensors]
+    else:
+        norms = list(torch.ops.aten._foreach_norm.Scalar(tensors, 2.0, torch.float32))
+    return torch.stack(norms).square().sum()
+
+
 def total_grad_norm(params: Sequence[torch.Tensor], pp_group: Any = None) -> torch.Tensor:
     """The L2 norm of all gradients of the whole model (fp32 scalar on the gradients' device)."""
     grads = [p.grad for p in params if p.grad is not None]
@@ -49,7 +59,7 @@ def total_grad_norm(params: Sequence[torch.Tensor], pp_group: Any = None) -> tor
     device = next(iter(buckets.values()))[2][0].device
     total = torch.zeros((), device=device, dtype=torch.float32)
     for mesh, dims, tensors in buckets.values():
-        sq = torch.nn.utils.get_total_norm(tensors, 2.0, foreach=tensors[0].device.type != "cpu").float().square()
+        sq = _sum_of_squares_fp32(tensors)
         for dim in dims:
             dist.all_reduce(sq, op=dist.ReduceOp.SUM, group=mesh.get_group(mesh_dim=dim))
         total = total + sq

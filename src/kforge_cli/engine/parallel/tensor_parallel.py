@@ -15,6 +15,12 @@ gathering them.
 The residual stream stays a *local* tensor of ``T/tp`` positions under sequence
 parallelism, so the model cannot derive RoPE positions from its input length; a
 forward pre-hook on the root passes explicit ``positions`` (``0..T-1``) instead.
+
+The embedding's output leaves its reduction as an ``AsyncCollectiveTensor`` (a wrapper
+that waits on first use). Handed as is into a ``torch.compile``-d block, the compiled
+backward loses its gradient: the embedding's weight got none (measured on gloo with the
+``aot_eager`` and ``inductor`` backends, torch 2.13). A forward hook waits on it first,
+through the differentiable ``wait_tensor`` op, so every block receives a plain tensor.
 """
 
 from __future__ import annotations
@@ -24,6 +30,7 @@ from typing import Any, cast
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed._functional_collectives import AsyncCollectiveTensor, wait_tensor
 from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
@@ -35,10 +42,20 @@ from torch.distributed.tensor.parallel import (
 
 from kforge_cli.engine.data.tokens import IGNORE_INDEX
 
+# Linear layers of a block by how TP splits them (block_plan; float8 eligibility reads the same split).
+COLWISE_LINEARS = ("wq", "wk", "wv", "w1", "w3")  # output features split over the TP ranks
+ROWWISE_LINEARS = ("wo", "w2")  # input features split over the TP ranks
 
-def _styles(float8: bool) -> tuple[type, type, type]:
-    """(colwise, rowwise, prepare-input) styles; torchao's float8 variants cast to float8 before the collectives."""
-    if float8:
+
+def _styles(float8_recipe: str | None) -> tuple[type, type, type]:
+    """(colwise, rowwise, prepare-input) styles for the blocks' linears.
+
+    torchao's float8 styles cast activations to float8 *tensorwise* before the collectives,
+    which only the tensorwise recipe can consume: a rowwise ``Float8Linear`` handed such an
+    input calls ``_scaled_mm`` with a scalar and a ``(1, N)`` scale and fails. Rowwise float8
+    (and no float8) therefore use the plain styles, and its linears cast after the collective.
+    """
+    if float8_recipe == "tensorwise":
         from torchao.float8.float8_tensor_parallel import (
             Float8ColwiseParallel,
             Float8RowwiseParallel,
@@ -49,9 +66,9 @@ def _styles(float8: bool) -> tuple[type, type, type]:
     return ColwiseParallel, RowwiseParallel, PrepareModuleInput
 
 
-def block_plan(block: nn.Module, *, sequence_parallel: bool, float8: bool = False) -> dict[str, Any]:
-    """The parallelize_module plan of one TransformerBlock."""
-    colwise, rowwise, prepare_input = _styles(float8)
+def block_plan(block: nn.Module, *, sequence_parallel: bool, float8_recipe: str | None = None) -> dict[str, Any]:
+    """The parallelize_module plan of one TransformerBlock (``float8_recipe`` None: no float8)."""
+    colwise, rowwise, prepare_input = _styles(float8_recipe)
     stream = Shard(1) if sequence_parallel else Replicate()
     plan: dict[str, Any] = {
         "attention": prepare_input(
@@ -104,15 +121,31 @@ def _inject_positions(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str
     return None
 
 
+def _wait_on_output(module: nn.Module, args: Any, output: torch.Tensor) -> torch.Tensor:
+    """A plain tensor for the blocks (see module docstring); ``wait_tensor``'s gradient is the identity."""
+    del module, args
+    return wait_tensor(output) if isinstance(output, AsyncCollectiveTensor) else output
+
+
 def apply_tensor_parallel(
-    model: nn.Module, tp_mesh: Any, *, sequence_parallel: bool, loss_parallel_on: bool, float8: bool = False
+    model: nn.Module,
+    tp_mesh: Any,
+    *,
+    sequence_parallel: bool,
+    loss_parallel_on: bool,
+    float8_recipe: str | None = None,
 ) -> None:
     """Shard ``model`` (a Transformer or one pipeline stage of it) over ``tp_mesh`` in place."""
     parallelize_module(
         model, tp_mesh, _root_plan(model, sequence_parallel=sequence_parallel, loss_parallel_on=loss_parallel_on)
     )
+    embedding = getattr(model, "tok_embeddings", None)
+    if embedding is not None:
+        embedding.register_forward_hook(_wait_on_output)
     for block in cast(nn.ModuleDict, model.layers).values():
-        parallelize_module(block, tp_mesh, block_plan(block, sequence_parallel=sequence_parallel, float8=float8))
+        parallelize_module(
+            block, tp_mesh, block_plan(block, sequence_parallel=sequence_parallel, float8_recipe=float8_recipe)
+        )
     if sequence_parallel:
         model.register_forward_pre_hook(_inject_positions, with_kwargs=True)
 

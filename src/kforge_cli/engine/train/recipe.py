@@ -32,13 +32,20 @@ from kforge_cli.engine.observe import (
     build_profiler,
     build_tracker,
     device_peak_flops,
+    reset_peak_memory,
     setup_logging,
 )
-from kforge_cli.engine.parallel import PipelineBundle, build_parallel_model, compute_dtype
+from kforge_cli.engine.parallel import (
+    PipelineBundle,
+    build_parallel_model,
+    compute_dtype,
+    fsdp_float8_all_gather,
+    precompute_scales_after_each_step,
+)
 from kforge_cli.engine.resilience import NanGuard, ShutdownHandler
 from kforge_cli.engine.runtime import RuntimeContext, dtype_name, init_runtime, teardown_runtime
 from kforge_cli.engine.train.evaluation import eval_batches
-from kforge_cli.engine.train.hooks import build_hooks
+from kforge_cli.engine.train.hooks import StepInfo, build_hooks
 from kforge_cli.engine.train.loop import TrainOutcome, run_training_loop
 from kforge_cli.engine.train.loss import LossFn, build_loss_fn
 from kforge_cli.engine.train.optimizer import build_optimizer
@@ -62,6 +69,22 @@ def build_train_data(settings: JobSettings, runtime: RuntimeContext) -> TrainDat
     """This rank's training and validation data (text, or image/video-caption for a VLM)."""
     build = build_vlm_data if settings.vlm is not None else build_data
     return build(settings, dp_rank=runtime.dp_rank, dp_size=runtime.dp_size)
+
+
+class SteadyStatePeakMemory(TrainHook):
+    """Starts a new CUDA peak-memory window after this process's first step.
+
+    The first step compiles, warms the allocator and creates the optimizer state; its peak
+    is logged with it, and every later record then shows the steady-state peak.
+    """
+
+    def __init__(self) -> None:
+        self.first_done = False
+
+    def on_step_end(self, session: TrainingSession, info: StepInfo) -> None:
+        if not self.first_done:
+            self.first_done = True
+            reset_peak_memory(session.runtime.device)
 
 
 class TrackCheckpoints(TrainHook):
@@ -104,7 +127,7 @@ def build_session(
         scheduler=scheduler,
         loss_fn=loss_fn,
         data=data,
-        hooks=build_hooks(settings, [*(hooks or []), TrackCheckpoints()]),
+        hooks=build_hooks(settings, [*(hooks or []), TrackCheckpoints(), SteadyStatePeakMemory()]),
         metrics=metrics,
         progress=progress,
         profiler=profiler,
@@ -149,6 +172,8 @@ def run_training(
         loss_fn = build_loss_fn(settings)
         model, pipeline = build_model(settings, runtime)
         optimizer = build_optimizer(model, settings)
+        if fsdp_float8_all_gather(settings.train, runtime):  # one amax all-reduce per step, not one per weight
+            precompute_scales_after_each_step(optimizer, model)
         scheduler = build_scheduler(optimizer, settings)
         data = build_data(settings, runtime)
         state = TrainState()
