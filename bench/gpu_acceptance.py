@@ -65,6 +65,7 @@ TRAIN = [
 MOE_PROFILE = "moe16b-h100x8"
 MOE = [  # with the profile above
     "--model.n_layers=4",
+    "--distributed.ep=1",  # the profile's ep = 8 is for 8 GPUs; one GPU holds every expert
     "--train.grad_accum_steps=1",
     "--train.device=cuda",
     "--eval.interval=0",

@@ -83,6 +83,6 @@ def test_ep2_checkpoint_resumes_at_another_ep_degree(
     if world == 1:  # the one-process MoE continuation: SIGTERM at step 5 and resume, bit for bit
         again = tmp_path / "again"
         ok(launch(1, again, [*args, HOOK], _sigterm(5, 0)), 75)
-        ok(launch(1, again, [*MOE_ARGS, *extra]))
+        ok(launch(1, again, args))  # the same command again: it resumes its own step_5, not load_path
         resumed = losses(again)
         assert {step: resumed[step] for step in got} == got

@@ -26,8 +26,8 @@ from kforge_cli.engine.train.train_state import TrainState
 from kforge_cli.settings import JobSettings
 
 if TYPE_CHECKING:
-    from kforge_cli.engine.train.step import StepResult
-    from kforge_cli.engine.train.update import LossScaler
+    from kforge_cli.engine.train.loss_scaler import LossScaler
+    from kforge_cli.engine.train.step_result import StepResult
 
 
 @dataclass
