@@ -35,7 +35,8 @@ from torch.distributed.tensor import DTensor
 from kforge_cli.engine.data.tokens import IGNORE_INDEX
 from kforge_cli.engine.parallel import clip_grad_norm, vocab_parallel_loss_sum
 from kforge_cli.engine.runtime import all_reduce_sum
-from kforge_cli.engine.train.step_result import StepNumbers, StepResult
+from kforge_cli.engine.train.step_result import StepNumbers as StepNumbers  # re-exported: the records
+from kforge_cli.engine.train.step_result import StepResult as StepResult  # live in step_result
 
 if TYPE_CHECKING:
     from kforge_cli.engine.train.session import TrainingSession
@@ -43,8 +44,6 @@ if TYPE_CHECKING:
 Batch = dict[str, torch.Tensor]
 # Batch keys passed to the model as keyword arguments when present (VLM batches add the pixels).
 MODEL_INPUTS = ("doc_ids", "positions", "pixel_values", "frame_mask")
-
-__all__ = ["StepNumbers", "StepResult"]  # the records live in engine.train.step_result
 
 
 class StepFn(Protocol):
