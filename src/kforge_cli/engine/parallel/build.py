@@ -20,6 +20,7 @@ from torch import nn
 from torch.distributed.fsdp import fully_shard
 
 from kforge_cli.engine.model import Transformer
+from kforge_cli.engine.model.moe import MoEFeedForward
 from kforge_cli.engine.model.vlm import build_vlm
 from kforge_cli.engine.parallel.activation_checkpoint import apply_activation_checkpointing
 from kforge_cli.engine.parallel.context_parallel import apply_context_parallel
@@ -57,11 +58,32 @@ def apply_compile(model: nn.Module, *, fullgraph: bool = True) -> None:
     """torch.compile each block in place (parameter names unchanged).
 
     ``fullgraph=True``: a graph break is an error at the first step (and in the tests), not
-    a silent split of every block into eager fragments.
+    a silent split of every block into eager fragments. A model with MoE blocks first gets
+    the dynamo settings that let its routing trace in one graph (:func:`allow_moe_tracing`).
     """
+    if any(isinstance(m, MoEFeedForward) for m in model.modules()):
+        allow_moe_tracing()
     layers = model.get_submodule("layers")
     for block in layers.children():
         block.compile(fullgraph=fullgraph)
+
+
+def allow_moe_tracing() -> None:
+    """Process-wide dynamo settings under which an MoE block traces in one graph (torchtitan sets the first too).
+
+    - ``capture_scalar_outputs``: the per-expert row counts (``counts.tolist()``, in the
+      per-expert loop and the EP all-to-all's split sizes) become unbacked symbolic sizes
+      instead of graph breaks;
+    - ``capture_dynamic_output_shape_ops``: capacity dropping selects rows by a boolean mask;
+    - ``skip_fwd_side_effects_in_bwd_under_checkpoint``: under activation checkpointing the
+      layer's per-step counters and ``aux_loss`` are forward side effects inside the checkpoint;
+      dynamo refuses them unless told not to replay them in the recompute, which is exactly
+      what eager kforge does (``moe.layer.in_backward``), so AC cannot double-count.
+    """
+    cfg = torch._dynamo.config
+    cfg.capture_scalar_outputs = True
+    cfg.capture_dynamic_output_shape_ops = True
+    cfg.skip_fwd_side_effects_in_bwd_under_checkpoint = True
 
 
 ROPE_BUFFERS = ("rope_cos", "rope_sin")
@@ -104,11 +126,15 @@ def parallelize(module: nn.Module, settings: JobSettings, runtime: RuntimeContex
     if n_ac:
         log.info("activation checkpointing (%s) on %d blocks", t.activation_checkpointing, n_ac)
     if t.compile_model:
-        # MoE routing (grouped GEMMs over data-dependent token counts) and VLM blocks are not known
-        # to trace in one graph yet: they may graph-break into eager fragments rather than fail.
-        fullgraph = settings.model.moe is None and settings.vlm is None
-        if not fullgraph:
-            log.info("torch.compile of MoE/VLM blocks without fullgraph: graph breaks fall back to eager")
+        fullgraph = True
+        if settings.vlm is not None:  # VLM blocks are not known to trace in one graph yet
+            fullgraph = False
+            log.info("torch.compile of VLM blocks without fullgraph: graph breaks fall back to eager")
+        elif distributed and runtime.ep_mesh() is not None:
+            # The routed experts are FSDP units of their own (shard_experts): FSDP2's hooks around
+            # them are a graph break by design, so the block compiles as the graphs either side.
+            fullgraph = False
+            log.info("torch.compile of MoE blocks under expert parallelism: one graph break at the experts' FSDP hooks")
         apply_compile(module, fullgraph=fullgraph)
     if distributed:
         for block in getattr(module, "vision_blocks", list)():  # a VLM's encoder blocks are FSDP units too

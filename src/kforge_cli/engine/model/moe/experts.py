@@ -11,6 +11,11 @@ the same thing:
 - CUDA (torch >= 2.8): always available; a CUTLASS kernel on compute capability 9.x/10.x
   (H100/H200/B200) in bf16, torch's own per-group fallback elsewhere; same 16-byte rule.
 - torch builds without the op (< 2.8): the loop.
+- under ``torch.compile`` (torch 2.13, any device): only bf16. The op's meta kernel, which
+  tracing runs, accepts nothing else (eager CPU takes fp32; a traced fp32 call fails with
+  "Expected inputs of BF16 type"), so compiled fp32/fp16 experts use the loop, traced with
+  the per-expert row counts as unbacked sizes (``engine.parallel.build.apply_compile``
+  sets ``capture_scalar_outputs``). The GPU bf16 path keeps grouped GEMM when compiled.
 
 Both paths keep every expert's weights in the autograd graph even when it got zero
 tokens (an empty matmul still produces a (zero) gradient), so FSDP2's reduce-scatter
@@ -26,6 +31,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.distributed.tensor import DTensor
+from torch.fx.experimental.symbolic_shapes import guard_or_true
 
 GroupedMM = Callable[..., torch.Tensor]
 
@@ -40,6 +46,8 @@ def grouped_mm_usable(x: torch.Tensor, *weights: torch.Tensor) -> bool:
     """Whether grouped GEMM accepts these operands with this torch (see module docstring)."""
     if grouped_mm_op() is None:
         return False
+    if torch.compiler.is_compiling() and x.dtype != torch.bfloat16:
+        return False  # decided while tracing: the traced op takes only bf16 (module docstring)
     item = x.element_size()
     return all((t.shape[-1] * item) % 16 == 0 and (t.shape[-2] * item) % 16 == 0 for t in weights)
 
@@ -70,7 +78,9 @@ class GroupedExperts(nn.Module):
         op = grouped_mm_op()
         # No rows at all (an expert-parallel rank whose experts got no tokens in this micro-batch):
         # the loop, since torch 2.13's grouped GEMM backward refuses an empty input.
-        if self.use_grouped_mm and op is not None and x.shape[0] > 0 and grouped_mm_usable(x, w1, w2):
+        # (guard_or_true: a row count known only at run time, under torch.compile, counts as non-empty.)
+        has_rows = guard_or_true(x.shape[0] > 0)
+        if self.use_grouped_mm and op is not None and has_rows and grouped_mm_usable(x, w1, w2):
             offs = torch.cumsum(counts, dim=0, dtype=torch.int32)
             h = F.silu(op(x, w1.transpose(-2, -1), offs=offs)) * op(x, w3.transpose(-2, -1), offs=offs)
             return op(h, w2.transpose(-2, -1), offs=offs).contiguous()

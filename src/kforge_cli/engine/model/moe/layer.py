@@ -25,7 +25,14 @@ from kforge_cli.settings.training import ModelSettings
 
 
 def in_backward() -> bool:
-    """True while the autograd engine runs (e.g. the recompute of a checkpointed block)."""
+    """True while the autograd engine runs (e.g. the recompute of a checkpointed block).
+
+    False while torch.compile traces: kforge compiles each block *around* its checkpoint
+    (AC before compile, engine.parallel.build), so the recompute runs inside the compiled
+    backward graph, which replays no Python and no buffer update; the trace is of the forward.
+    """
+    if torch.compiler.is_compiling():
+        return False
     return torch._C._current_graph_task_id() != -1
 
 
@@ -102,7 +109,8 @@ class MoEFeedForward(nn.Module):
     def _routed(self, flat: torch.Tensor, routing: Routing) -> torch.Tensor:
         n, k, e = flat.shape[0], self.moe.top_k, self.moe.num_experts
         chosen = routing.experts.reshape(-1)
-        counts = torch.bincount(chosen, minlength=e)
+        # Not bincount: its output size depends on the data, which torch.compile cannot trace.
+        counts = torch.zeros(e, dtype=torch.long, device=flat.device).index_add_(0, chosen, torch.ones_like(chosen))
         order = torch.argsort(chosen, stable=True)  # by expert, then token order
         weights = routing.weights.reshape(-1)[order]
         token_ids = order // k
@@ -110,7 +118,9 @@ class MoEFeedForward(nn.Module):
         if self.moe.capacity_factor is not None:
             capacity = math.ceil(self.moe.capacity_factor * n * k / e)
             starts = torch.cumsum(counts, 0) - counts
-            rank_in_expert = torch.arange(order.numel(), device=flat.device) - starts.repeat_interleave(counts)
+            rank_in_expert = torch.arange(order.numel(), device=flat.device) - starts.repeat_interleave(
+                counts, output_size=order.numel()
+            )
             keep = rank_in_expert < capacity
             token_ids, weights = token_ids[keep], weights[keep]
             kept = counts.clamp(max=capacity)
