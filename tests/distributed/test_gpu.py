@@ -1,10 +1,13 @@
 """CUDA/NCCL paths (gpu marker): float8 + compile on one GPU, and on >= 2 GPUs the FSDP2
-float8 all-gather and torch.compile with tensor parallelism on NCCL.
+float8 all-gather and torch.compile with tensor parallelism on NCCL; compiled bf16 MoE blocks
+(grouped GEMM, one graph per block) with and without float8 on one GPU.
 
 Skipped without CUDA; run on a GPU machine with `pytest -m gpu tests/distributed/test_gpu.py`.
 """
 
 from __future__ import annotations
+
+import importlib.util
 
 import pytest
 import torch
@@ -37,6 +40,29 @@ def test_float8_with_compile_trains_close_to_bf16_on_one_gpu() -> None:
     fp8 = reference((*BF16, "--train.float8=true", "--train.compile_model=true"))["losses"]
     assert_close_losses(fp8, bf16, 2e-2, "float8+compile vs bf16 (cuda)")
     assert fp8[-1] < fp8[0]
+
+
+MOE_GPU = [
+    *BF16,
+    "--model.moe.num_experts=8",
+    "--model.moe.top_k=2",
+    "--model.moe.num_shared_experts=1",
+    "--model.moe.bias_update_rate=0.001",
+]
+
+
+def test_compiled_moe_keeps_grouped_gemm_in_one_graph_on_one_gpu() -> None:
+    """bf16 on CUDA: the traced grouped GEMM (bf16 only) stays; no graph break; close to eager (and float8)."""
+    from torch._dynamo.utils import counters
+
+    eager = reference((*MOE_GPU,))["losses"]
+    counters.clear()
+    compiled = reference((*MOE_GPU, "--train.compile_model=true"))["losses"]
+    assert not counters["graph_break"], dict(counters["graph_break"])
+    assert_close_losses(compiled, eager, 2e-2, "compiled MoE vs eager MoE (cuda bf16)")
+    if importlib.util.find_spec("torchao") is not None:  # float8 on attention and shared experts only
+        fp8 = reference((*MOE_GPU, "--train.float8=true", "--train.compile_model=true"))["losses"]
+        assert_close_losses(fp8, eager, 2e-2, "float8+compile MoE vs bf16 MoE (cuda)")
 
 
 def test_fsdp_float8_all_gather_on_nccl(tmp_path_factory: pytest.TempPathFactory) -> None:

@@ -10,7 +10,8 @@ breaks the graph there. Modes:
 - selective/block: every k-th block (train.ac_every_n_blocks) is checkpointed, counting
   global block indices (0, k, 2k, ...) so a pipeline stage agrees with the full model;
 - selective/op: every block, but the outputs of matmuls and attention are saved and
-  only the cheap element-wise ops are recomputed. The policy matches ops by their overload
+  only the cheap element-wise ops are recomputed (an MoE block's grouped GEMMs count as
+  matmuls; its routing, sort and scatter are recomputed). The policy matches ops by their overload
   packet (``aten.mm``, any overload): under ``torch.compile`` it sees the overloads the
   compiler traces, which need not be ``.default``.
 """
@@ -38,9 +39,11 @@ SAVE_OPS = {
     _aten._scaled_dot_product_cudnn_attention,
     _aten._scaled_mm,
 }
-_MATH_SDPA = getattr(_aten, "_scaled_dot_product_attention_math", None)
-if _MATH_SDPA is not None:
-    SAVE_OPS.add(_MATH_SDPA)
+# Where this torch has them: the math SDPA, and the MoE experts' grouped GEMMs (plain, float8-scaled).
+for _name in ("_scaled_dot_product_attention_math", "_grouped_mm", "_scaled_grouped_mm"):
+    _packet = getattr(_aten, _name, None)
+    if _packet is not None:
+        SAVE_OPS.add(_packet)
 
 
 def save_decision(op: Any) -> CheckpointPolicy:

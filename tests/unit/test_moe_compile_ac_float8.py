@@ -1,0 +1,164 @@
+"""MoE with the other per-block features: torch.compile, op-level activation checkpointing, float8.
+
+- A compiled MoE model (``train.compile_model``, built by ``build_parallel_model``) traces each
+  block in one graph on CPU fp32 and trains exactly like eager: capacity dropping (data-dependent
+  row counts) and op-level selective AC (side effects inside the checkpoint) together.
+- Op-level selective AC saves the experts' grouped GEMMs (no recompute in the backward) and
+  gives the gradients of no AC.
+- float8 converts the dense linears of an MoE block (attention, shared experts), never the
+  router or the routed experts.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from kforge_cli.engine.model import Transformer
+from kforge_cli.engine.model.moe import MoEFeedForward, finish_moe_step, grouped_mm_op, moe_aux_loss
+from kforge_cli.engine.parallel import build_parallel_model
+from kforge_cli.engine.parallel.activation_checkpoint import apply_activation_checkpointing
+from kforge_cli.engine.parallel.float8 import float8_filter
+from kforge_cli.engine.runtime import init_runtime
+from kforge_cli.settings import load_settings
+
+MOE = [
+    "--model.dim=32",
+    "--model.n_layers=2",
+    "--model.n_heads=4",
+    "--model.vocab_size=64",
+    "--model.max_seq_len=16",
+    "--model.moe.num_experts=4",
+    "--model.moe.top_k=2",
+    "--model.moe.expert_hidden_dim=16",
+    "--model.moe.num_shared_experts=1",
+    "--model.moe.bias_update_rate=0.01",
+    "--model.moe.aux_loss_weight=0.01",
+    "--model.moe.z_loss_weight=0.001",
+    "--train.seq_len=16",
+    "--train.device=cpu",
+    "--train.mixed_precision=fp32",
+    "--train.num_threads=1",
+]
+SELECTIVE_OP = ["--train.activation_checkpointing=selective", "--train.ac_selective_mode=op"]
+
+
+def _train(overrides: list[str], steps: int = 3) -> tuple[list[float], list[int], list[torch.Tensor]]:
+    """Losses (+ aux) of ``steps`` SGD steps, forwards counted per step, and the final expert biases."""
+    s = load_settings(overrides=[*MOE, *overrides], use_env=False).settings
+    torch.manual_seed(0)
+    model, _ = build_parallel_model(s, init_runtime(s))
+    opt = torch.optim.SGD(model.parameters(), lr=0.5)
+    data = torch.Generator().manual_seed(1)
+    losses, forwards = [], []
+    for _ in range(steps):
+        tokens = torch.randint(0, 64, (2, 17), generator=data)
+        loss = nn.functional.cross_entropy(model(tokens[:, :-1]).flatten(0, 1), tokens[:, 1:].flatten())
+        aux = moe_aux_loss(model)
+        assert aux is not None
+        (loss + aux).backward()
+        opt.step()
+        opt.zero_grad()
+        forwards.append(int(model.get_submodule("layers.0.feed_forward").step_forwards))
+        finish_moe_step(model)
+        losses.append((loss + aux).item())
+    biases = [m.expert_bias.clone() for m in model.modules() if isinstance(m, MoEFeedForward)]
+    return losses, forwards, biases
+
+
+ONE_BLOCK = ["--model.n_layers=1"]  # compile time is per distinct block graph: one is enough
+
+
+def test_compiled_moe_blocks_are_one_graph_and_train_like_eager() -> None:
+    """fp32 on CPU: the traced grouped GEMM takes only bf16, so compiled experts run the loop.
+
+    Measured: the compiled losses equal eager's bit for bit (the per-expert matmuls are the
+    same aten calls); 1e-5 relative leaves room for Inductor's fusion on other CPUs.
+    """
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()
+    counters.clear()
+    features = [*SELECTIVE_OP, "--model.moe.capacity_factor=1.0"]
+    eager = _train([*features, *ONE_BLOCK])
+    compiled = _train([*features, *ONE_BLOCK, "--train.compile_model=true"])
+    assert not counters["graph_break"], dict(counters["graph_break"])  # fullgraph: one graph per block
+    assert counters["stats"]["unique_graphs"] >= 1  # it did compile
+    assert compiled[0] == pytest.approx(eager[0], rel=1e-5, abs=0)
+    assert compiled[1] == eager[1] == [1, 1, 1]  # the checkpoint's recompute counted no tokens
+    for got, want in zip(compiled[2], eager[2], strict=True):
+        assert torch.equal(got, want) and want.abs().sum() > 0
+
+
+class _CountGroupedGemms(TorchDispatchMode):
+    def __init__(self) -> None:
+        super().__init__()
+        self.count = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        if getattr(func, "overloadpacket", None) is torch.ops.aten._grouped_mm:
+            self.count += 1
+        return func(*args, **(kwargs or {}))
+
+
+def _backward_grouped_gemms(ac: list[str]) -> tuple[int, dict[str, torch.Tensor]]:
+    s = load_settings(overrides=[*MOE, *ac], use_env=False).settings
+    torch.manual_seed(0)
+    model = Transformer(s.model)
+    model.init_weights()
+    apply_activation_checkpointing(model, s.train)
+    tokens = torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(0))
+    loss = model(tokens).float().logsumexp(-1).mean()
+    with _CountGroupedGemms() as counter:
+        loss.backward()
+    return counter.count, {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
+
+
+@pytest.mark.skipif(grouped_mm_op() is None, reason="this torch has no grouped GEMM")
+def test_selective_op_ac_saves_grouped_gemms_and_keeps_no_ac_gradients() -> None:
+    none, want = _backward_grouped_gemms([])
+    full, full_grads = _backward_grouped_gemms(["--train.activation_checkpointing=full"])
+    got, grads = _backward_grouped_gemms(SELECTIVE_OP)
+    assert full > none > 0  # the counter sees the gradients' grouped GEMMs and full AC's recompute
+    assert got == none, f"op AC: {got} grouped GEMMs in backward, {none} without AC, {full} with full AC"
+    for name, g in want.items():
+        torch.testing.assert_close(grads[name], g, rtol=1e-5, atol=1e-7, msg=f"op AC: {name}")
+        torch.testing.assert_close(full_grads[name], g, rtol=1e-5, atol=1e-7, msg=f"full AC: {name}")
+
+
+def _meta_moe_model() -> nn.Module:
+    with torch.device("meta"):
+        return Transformer(load_settings(overrides=MOE, use_env=False).settings.model)
+
+
+FLOAT8_IN_AN_MOE_BLOCK = {
+    "attention.wq",
+    "attention.wk",
+    "attention.wv",
+    "attention.wo",
+    "feed_forward.shared_experts.w1",
+    "feed_forward.shared_experts.w2",
+    "feed_forward.shared_experts.w3",
+}
+
+
+def test_float8_converts_attention_and_shared_experts_not_router_or_routed_experts() -> None:
+    model = _meta_moe_model()
+    keep = float8_filter()
+    chosen = {n.split(".", 2)[2] for n, m in model.named_modules() if n.startswith("layers.") and keep(m, n)}
+    assert chosen == FLOAT8_IN_AN_MOE_BLOCK
+    assert not keep(model.get_submodule("layers.0.feed_forward.router.gate"), "layers.0.feed_forward.router.gate")
+    # The routed experts are stacked parameters, no nn.Linear torchao could swap.
+    assert not [n for n, m in model.named_modules() if ".experts" in n and isinstance(m, nn.Linear)]
+
+
+def test_float8_swap_of_an_moe_model_keeps_router_and_experts() -> None:
+    pytest.importorskip("torchao.float8")
+    from kforge_cli.engine.parallel.float8 import apply_float8
+
+    model = _meta_moe_model()
+    assert apply_float8(model, recipe="tensorwise", fsdp_float8_all_gather=False) == 2 * len(FLOAT8_IN_AN_MOE_BLOCK)
+    assert type(model.get_submodule("layers.1.feed_forward.router.gate")) is nn.Linear
+    assert type(model.get_submodule("layers.1.feed_forward.shared_experts.w1")) is not nn.Linear
