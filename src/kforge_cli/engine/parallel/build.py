@@ -54,18 +54,20 @@ def compute_dtype(settings: JobSettings, device: torch.device) -> torch.dtype:
     return DTYPES[mp]
 
 
-def apply_compile(model: nn.Module, *, fullgraph: bool = True) -> None:
+def apply_compile(model: nn.Module, *, fullgraph: bool = True, backend: str = "inductor") -> None:
     """torch.compile each block in place (parameter names unchanged).
 
     ``fullgraph=True``: a graph break is an error at the first step (and in the tests), not
     a silent split of every block into eager fragments. A model with MoE blocks first gets
     the dynamo settings that let its routing trace in one graph (:func:`allow_moe_tracing`).
+    ``backend``: tests pass ``aot_eager_decomp_partition`` (the same tracing and AC partition
+    as Inductor, without its C++ code generation, which takes most of a CPU compile).
     """
     if any(isinstance(m, MoEFeedForward) for m in model.modules()):
         allow_moe_tracing()
     layers = model.get_submodule("layers")
     for block in layers.children():
-        block.compile(fullgraph=fullgraph)
+        block.compile(fullgraph=fullgraph, backend=backend)
 
 
 def allow_moe_tracing() -> None:
