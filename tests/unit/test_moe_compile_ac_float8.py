@@ -11,6 +11,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 import pytest
 import torch
 from torch import nn
@@ -43,6 +45,14 @@ MOE = [
     "--train.num_threads=1",
 ]
 SELECTIVE_OP = ["--train.activation_checkpointing=selective", "--train.ac_selective_mode=op"]
+
+
+@pytest.fixture(autouse=True)
+def _restore_dynamo_config() -> Iterator[None]:
+    """Compiling an MoE model sets process-wide dynamo flags (allow_moe_tracing): undo them after each test."""
+    saved = torch._dynamo.config.save_config()
+    yield
+    torch._dynamo.config.load_config(saved)
 
 
 def _train(overrides: list[str], steps: int = 3) -> tuple[list[float], list[int], list[torch.Tensor]]:
@@ -176,3 +186,31 @@ def test_float8_swap_of_an_moe_model_keeps_router_and_experts() -> None:
     assert apply_float8(model, recipe="tensorwise", fsdp_float8_all_gather=False) == 2 * len(FLOAT8_IN_AN_MOE_BLOCK)
     assert type(model.get_submodule("layers.1.feed_forward.router.gate")) is nn.Linear
     assert type(model.get_submodule("layers.1.feed_forward.shared_experts.w1")) is not nn.Linear
+
+
+@pytest.mark.skipif(grouped_mm_op() is None, reason="this torch has no grouped GEMM")
+def test_compiled_grouped_experts_take_a_run_time_empty_input() -> None:
+    """bf16 grouped GEMM traced with a data-dependent row count that turns out 0 at run time
+    (an EP rank whose experts got no token): forward and backward run, gradients are zero.
+    Without the padding row the weight-gradient grouped GEMM gets an empty operand and raises."""
+    from kforge_cli.engine.model.moe import GroupedExperts
+    from kforge_cli.engine.parallel.build import allow_moe_tracing
+
+    allow_moe_tracing()
+    torch._dynamo.reset()
+    experts = GroupedExperts(32, 32, 2).to(torch.bfloat16)
+    experts.init_weights(0.02, 0.02)
+
+    def routed(x: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
+        rows = x[keep]  # a row count known only at run time
+        counts = torch.stack([rows.new_zeros((), dtype=torch.long), keep.sum()])
+        return experts(rows, counts)
+
+    compiled = torch.compile(routed, fullgraph=True, backend="aot_eager_decomp_partition")
+    x = torch.randn(8, 32, dtype=torch.bfloat16, requires_grad=True)
+    for keep in (torch.tensor([True, False] * 4), torch.zeros(8, dtype=torch.bool)):
+        out = compiled(x, keep)
+        assert out.shape == (int(keep.sum()), 32)
+        (out.float().sum() + 1).backward()
+    for w in (experts.w1, experts.w2, experts.w3):
+        assert w.grad is not None and torch.isfinite(w.grad.float()).all()

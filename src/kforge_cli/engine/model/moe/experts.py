@@ -15,7 +15,9 @@ the same thing:
   tracing runs, accepts nothing else (eager CPU takes fp32; a traced fp32 call fails with
   "Expected inputs of BF16 type"), so compiled fp32/fp16 experts use the loop, traced with
   the per-expert row counts as unbacked sizes (``engine.parallel.build.apply_compile``
-  sets ``capture_scalar_outputs``). The GPU bf16 path keeps grouped GEMM when compiled.
+  sets ``capture_scalar_outputs``). The GPU bf16 path keeps grouped GEMM when compiled; a row
+  count known only at run time (EP, capacity) gets one zero padding row, since a compiled
+  backward runs the weight-gradient GEMM even on zero rows, which grouped GEMM refuses.
 
 Both paths keep every expert's weights in the autograd graph even when it got zero
 tokens (an empty matmul still produces a (zero) gradient), so FSDP2's reduce-scatter
@@ -31,7 +33,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.distributed.tensor import DTensor
-from torch.fx.experimental.symbolic_shapes import guard_or_true
+from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 GroupedMM = Callable[..., torch.Tensor]
 
@@ -76,15 +78,33 @@ class GroupedExperts(nn.Module):
         """``x`` ``[M, dim]`` sorted by expert, ``counts`` ``[E]`` rows per expert -> ``[M, dim]``."""
         w1, w2, w3 = (_local(w).to(x.dtype) for w in (self.w1, self.w2, self.w3))
         op = grouped_mm_op()
-        # No rows at all (an expert-parallel rank whose experts got no tokens in this micro-batch):
-        # the loop, since torch 2.13's grouped GEMM backward refuses an empty input.
-        # (guard_or_true: a row count known only at run time, under torch.compile, counts as non-empty.)
-        has_rows = guard_or_true(x.shape[0] > 0)
-        if self.use_grouped_mm and op is not None and has_rows and grouped_mm_usable(x, w1, w2):
-            offs = torch.cumsum(counts, dim=0, dtype=torch.int32)
-            h = F.silu(op(x, w1.transpose(-2, -1), offs=offs)) * op(x, w3.transpose(-2, -1), offs=offs)
-            return op(h, w2.transpose(-2, -1), offs=offs).contiguous()
-        return expert_loop(x, counts, w1, w2, w3)
+        if not (self.use_grouped_mm and op is not None and grouped_mm_usable(x, w1, w2)):
+            return expert_loop(x, counts, w1, w2, w3)
+        rows = x.shape[0]
+        if not torch.compiler.is_compiling():
+            # No rows at all (an expert-parallel rank whose experts got no tokens in this micro-batch):
+            # the loop, since torch 2.13's grouped GEMM backward refuses an empty input.
+            if rows == 0:
+                return expert_loop(x, counts, w1, w2, w3)
+            return _grouped_swiglu(op, x, counts, w1, w2, w3)
+        if statically_known_true(rows > 0):
+            return _grouped_swiglu(op, x, counts, w1, w2, w3)
+        # Traced with a row count known only at run time (EP's received rows, capacity dropping), which
+        # may be 0: one zero row appended to the last expert keeps every grouped GEMM, the weight
+        # gradients' included, non-empty (a zero row adds exactly zero to outputs and gradients).
+        padded = torch.cat([x, x.new_zeros(1, x.shape[1])])
+        one_more = torch.zeros_like(counts)
+        one_more[-1] = 1
+        return _grouped_swiglu(op, padded, counts + one_more, w1, w2, w3)[:rows]
+
+
+def _grouped_swiglu(
+    op: GroupedMM, x: torch.Tensor, counts: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, w3: torch.Tensor
+) -> torch.Tensor:
+    """Every expert's SwiGLU on its rows of ``x`` (sorted by expert, ``counts`` per expert), as three grouped GEMMs."""
+    offs = torch.cumsum(counts, dim=0, dtype=torch.int32)
+    h = F.silu(op(x, w1.transpose(-2, -1), offs=offs)) * op(x, w3.transpose(-2, -1), offs=offs)
+    return op(h, w2.transpose(-2, -1), offs=offs).contiguous()
 
 
 def expert_loop(
