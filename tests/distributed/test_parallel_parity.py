@@ -47,6 +47,10 @@ MOE = [  # aux-loss-free bias, aux + z losses, two micro-batches: all must agree
     "--model.moe.z_loss_weight=0.001",
     "--train.grad_accum_steps=2",
 ]
+# MoE under TP: strong aux/z losses, so a wrong router gradient shows in the (checked) grad norm. With MOE's
+# weak ones a top-k near-tie in step 6 flipped by float rounding (measured: the grad norm 9e-5 off one process,
+# the losses within 1e-6; with these weights every step's norm is within 3e-7).
+MOE_TP = [*MOE, "--model.moe.aux_loss_weight=1.0", "--model.moe.z_loss_weight=0.1"]
 
 # case -> (distributed settings, reference settings: the same global batch on one process)
 TWO_RANKS: dict[str, tuple[list[str], list[str]]] = {
@@ -65,6 +69,12 @@ TWO_RANKS: dict[str, tuple[list[str], list[str]]] = {
     "moe_ep2_one_micro": (
         [*MOE, "--distributed.ep=2", "--train.grad_accum_steps=1", "--train.batch_size=4"],
         ["--train.batch_size=8", *MOE, "--train.grad_accum_steps=1"],
+    ),
+    # MoE under TP (no expert-TP): shared experts TP-split, router and routed experts whole on each TP rank
+    "moe_tp": ([*MOE_TP, "--distributed.tp=2"], MOE_TP),
+    "moe_tp_no_sp": (
+        [*MOE_TP, "--distributed.tp=2", "--distributed.sequence_parallel=false", "--distributed.loss_parallel=false"],
+        MOE_TP,
     ),
     "tp_ac_selective_op": (
         ["--distributed.tp=2", "--train.activation_checkpointing=selective", "--train.ac_selective_mode=op"],
@@ -110,8 +120,19 @@ FOUR_RANKS: dict[str, tuple[list[str], list[str]]] = {
         [*MOE, "--distributed.ep=2", "--distributed.dp_replicate=2", "--train.batch_size=1"],
         ["--train.batch_size=4", *MOE],
     ),
+    # EP x TP: dp_shard 2 = ep 2; each TP index has its own EP group exchanging the same tokens
+    "moe_ep2_tp2": ([*MOE, "--distributed.ep=2", "--distributed.tp=2"], ["--train.batch_size=4", *MOE]),
 }
-EP_CASES = ("moe_ep2", "moe_ep2_one_micro", "moe_ep2_fsdp2", "moe_hsdp2_ep2")
+# Adam hides a wrongly scaled expert/router gradient from the loss, not from the norm
+GRAD_NORM_CASES = (
+    "moe_ep2",
+    "moe_ep2_one_micro",
+    "moe_ep2_fsdp2",
+    "moe_hsdp2_ep2",
+    "moe_tp",
+    "moe_tp_no_sp",
+    "moe_ep2_tp2",
+)
 
 
 # Not fp32-exact, checked against each other: float8 (torchao's CPU path) against bf16, both FSDP.
@@ -142,7 +163,7 @@ def check_case(results: dict[str, list[dict]], cases: dict[str, tuple[list[str],
     rel = COMPILE_REL if "compile" in name else REL
     for rank, r in enumerate(ranks):  # every rank reports the global loss (pp: sent from the last stage)
         assert_close_losses(r["losses"], ref["losses"], rel, f"{name} rank {rank}")
-        if name in EP_CASES:  # Adam hides a wrongly scaled expert gradient from the loss, not from the norm
+        if name in GRAD_NORM_CASES:
             assert_close_losses(r["grad_norms"], ref["grad_norms"], REL, f"{name} grad norm rank {rank}")
     if ref["eval_loss"] is not None:
         for r in ranks:
@@ -159,18 +180,22 @@ def test_four_ranks_match_one_process(four: dict[str, list[dict]], name: str) ->
     check_case(four, FOUR_RANKS, name)
 
 
-@pytest.mark.parametrize("name", ["moe_fsdp", "moe_fsdp_ac_full", "moe_ep2", "moe_ep2_one_micro"])
-def test_moe_bias_is_identical_on_every_rank(two: dict[str, list[dict]], name: str) -> None:
+@pytest.mark.parametrize(
+    "name", ["moe_fsdp", "moe_fsdp_ac_full", "moe_ep2", "moe_ep2_one_micro", "moe_tp", "moe_tp_no_sp", "moe_ep2_tp2"]
+)
+def test_moe_bias_is_identical_on_every_rank(request: pytest.FixtureRequest, name: str) -> None:
     """Same on every rank, and the one process's (whose step is 2 micro-batches; moe_ep2_one_micro's is 1)."""
-    ranks = completed(two[name], name)
-    ref = reference(tuple(TWO_RANKS[name][1]))["expert_bias"]
+    launch_of, cases = ("four", FOUR_RANKS) if name in FOUR_RANKS else ("two", TWO_RANKS)
+    results: dict[str, list[dict]] = request.getfixturevalue(launch_of)
+    ranks = completed(results[name], name)
+    ref = reference(tuple(cases[name][1]))["expert_bias"]
     assert len(ref) == 3 and any(any(v != 0 for v in b) for b in ref)  # 3 MoE blocks, balancing moved
     for r in ranks:
         assert r["expert_bias"] == ranks[0]["expert_bias"]  # all-reduced counts: bit-identical
         for got, want in zip(r["expert_bias"], ref, strict=True):
             assert got == pytest.approx(want, abs=1e-6)
     if name == "moe_ep2_one_micro":  # splitting the step into micro-batches changes no bias
-        assert ranks[0]["expert_bias"] == completed(two["moe_ep2"], "moe_ep2")[0]["expert_bias"]
+        assert ranks[0]["expert_bias"] == completed(results["moe_ep2"], "moe_ep2")[0]["expert_bias"]
 
 
 def test_pipeline_ranks_run_their_own_stages(two: dict[str, list[dict]]) -> None:

@@ -48,6 +48,27 @@ def test_plan_json_for_8b_fsdp64(kforge, data_stub: Path) -> None:
     assert plan["verdict"] in ("FITS", "DOES NOT FIT") and plan["fits"] == (plan["verdict"] == "FITS")
 
 
+def test_plan_for_moe_with_expert_and_tensor_parallelism(kforge, data_stub: Path) -> None:
+    """An MoE profile with tp = 2 x ep = 4 on 8 GPUs: valid, and the plan says how its experts are split."""
+    r = kforge(
+        "validate-config",
+        "--profile",
+        "moe16b-h100x8",
+        "--distributed.tp=2",
+        "--distributed.ep=4",
+        "--plan",
+        "--format",
+        "json",
+        f"--data.path={data_stub}",
+    )
+    assert r.returncode in (0, 1), r.stderr  # 1: valid, but does not fit
+    plan = json.loads(r.stdout)
+    assert plan["mesh"]["tp"] == 2 and plan["mesh"]["dp_shard"] == 4 and plan["mesh"]["ep"] == 4
+    notes = " ".join(plan["notes"])
+    assert "16 of 64 experts each (ep = 4)" in notes
+    assert "MoE x TP: shared experts split over them, router and routed experts whole on each of the tp = 2" in notes
+
+
 def test_plan_that_does_not_fit_exits_1(kforge, data_stub: Path) -> None:
     data = f"--data.path={data_stub}"
     r = kforge(

@@ -225,3 +225,39 @@ def test_experts_given_no_rows_at_all_keep_a_zero_gradient(use_grouped_mm: bool)
     assert out.shape == (0, 32)
     for w in (experts.w1, experts.w2, experts.w3):
         assert w.grad is not None and w.grad.abs().sum() == 0
+
+
+def test_tensor_parallel_is_allowed_when_it_divides_the_shared_experts() -> None:
+    from kforge_cli.settings import resolve_dims
+
+    moe = ["--model.moe.num_experts=4", "--model.moe.num_shared_experts=1", "--distributed.tp=2"]
+    s = load_settings(overrides=[*moe, "--model.moe.expert_hidden_dim=64"], use_env=False).settings
+    assert resolve_dims(s, 4).tp == 2  # no longer refused
+    s = load_settings(overrides=[*moe, "--model.moe.expert_hidden_dim=33"], use_env=False).settings
+    with pytest.raises(
+        ConfigError, match=r"distributed.tp: 2 does not divide the MoE shared experts' hidden size \(33\)"
+    ):
+        resolve_dims(s, 2)
+
+
+def test_plan_under_tensor_parallel_splits_the_shared_experts_only() -> None:
+    """tp = 2: attention, dense MLP, shared experts, embedding and head halve; router and routed experts stay whole."""
+    from kforge_cli.engine.parallel.plan.planner import build_plan
+    from kforge_cli.settings.moe import active_ffn_hidden
+
+    s = load_settings("moe-debug", overrides=["--distributed.tp=2"], use_env=False).settings
+    m, moe = s.model, s.model.moe
+    assert moe is not None
+    plan = build_plan(s, 2)  # a meta build on a fake 2-rank mesh (tp = 2, dp_shard = 1)
+    with torch.device("meta"):
+        full = dict(Transformer(m).named_parameters())
+    whole = sum(p.numel() for n, p in full.items() if ".experts." in n or ".router." in n or "norm" in n)
+    split = sum(p.numel() for p in full.values()) - whole
+    assert plan.mesh["tp"] == 2 and plan.local_params == whole + split // 2
+    n_moe = sum(moe.is_moe_layer(i) for i in range(m.n_layers))
+    hidden = moe.resolved_expert_hidden_dim(m)
+    notes = " ".join(plan.notes)
+    assert f"expert weights on this rank {n_moe * moe.num_experts * 3 * m.dim * hidden * 4 / 2**20:.2f} MiB" in notes
+    assert "MoE x TP: shared experts split over them, router and routed experts whole on each of the tp = 2" in notes
+    # activation estimate: top_k routed experts whole + the shared expert's half, per TP rank
+    assert active_ffn_hidden(m, 2) == moe.top_k * hidden + hidden // 2

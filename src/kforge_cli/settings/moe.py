@@ -166,15 +166,18 @@ def ffn_params(m: ModelShape, layer: int, *, active: bool) -> int:
     return moe.num_experts * d + (moe.num_shared_experts + routed) * expert
 
 
-def active_ffn_hidden(m: ModelShape) -> int:
-    """The widest per-token feed-forward hidden size of any block (MoE: (top_k + shared) x expert hidden).
+def active_ffn_hidden(m: ModelShape, tp: int = 1) -> int:
+    """The widest per-token feed-forward hidden size of any block on one of ``tp`` tensor-parallel ranks.
 
-    What activation-memory estimates use for the MLP of a block; routing buffers are small next to it.
+    Dense MLP: its hidden size / tp. MoE: top_k x expert hidden (the routed experts are not
+    split over TP: every TP rank computes them whole) + shared x expert hidden / tp. What
+    activation-memory estimates use for the MLP of a block; routing buffers are small next to it.
     """
     moe = m.moe
     if moe is None:
-        return m.resolved_ffn_hidden_dim
+        return m.resolved_ffn_hidden_dim // tp
     layers = range(m.n_layers)
-    moe_hidden = (moe.top_k + moe.num_shared_experts) * moe.resolved_expert_hidden_dim(m)
+    hidden = moe.resolved_expert_hidden_dim(m)
+    moe_hidden = moe.top_k * hidden + moe.num_shared_experts * hidden // tp
     dense = any(not moe.is_moe_layer(i) for i in layers)
-    return max(moe_hidden, m.resolved_ffn_hidden_dim if dense else 0)
+    return max(moe_hidden, m.resolved_ffn_hidden_dim // tp if dense else 0)

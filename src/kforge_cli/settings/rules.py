@@ -236,6 +236,11 @@ def world_size_issues(s: JobSettings, world_size: int) -> list[ConfigIssue]:
         out.append(
             ConfigIssue("distributed.tp", f"{d.tp} does not divide the MLP hidden size ({m.resolved_ffn_hidden_dim})")
         )
+    shared = m.moe.num_shared_experts * m.moe.resolved_expert_hidden_dim(m) if m.moe is not None else 0
+    if shared % d.tp:  # tensor parallelism splits the shared experts' hidden units (the routed experts stay whole)
+        out.append(
+            ConfigIssue("distributed.tp", f"{d.tp} does not divide the MoE shared experts' hidden size ({shared})")
+        )
     if d.tp > 1 and d.loss_parallel and m.vocab_size % d.tp:
         out.append(ConfigIssue("model.vocab_size", f"{m.vocab_size} is not divisible by distributed.tp ({d.tp})"))
     if d.tp > 1 and d.sequence_parallel and s.train.seq_len % d.tp:
@@ -354,14 +359,6 @@ def _combination_issues(s: JobSettings) -> list[ConfigIssue]:
         )
     if m.moe is not None and s.vlm is not None:
         out.append(ConfigIssue("model.moe", "MoE language models are not supported for VLMs yet; drop [model.moe]"))
-    if d.tp > 1 and m.moe is not None:
-        out.append(
-            ConfigIssue(
-                "distributed.tp",
-                "tensor parallelism is not supported with [model.moe] yet (MoE blocks have no TP plan); "
-                "shard with FSDP (distributed.dp_shard) and expert parallelism (distributed.ep) instead",
-            )
-        )
     if d.tp > 1 and t.loss_chunk_size and not d.loss_parallel:
         out.append(
             ConfigIssue(

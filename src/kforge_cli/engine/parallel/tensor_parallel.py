@@ -7,6 +7,19 @@ With sequence parallelism the norms and the residual stream between blocks are s
 along the sequence, so the all-reduce after a row-parallel layer becomes a
 reduce-scatter and each rank stores 1/tp of the activations outside attention/MLP.
 
+Mixture-of-Experts blocks (no expert-TP, as torchtitan without expert tensor parallelism):
+the shared experts are split like the dense MLP (``w1``/``w3`` column-, ``w2`` row-parallel,
+all-reduced); the router and the routed experts stay whole on every TP rank and run on
+the all-gathered (replicated) tokens, so the TP ranks of a data-parallel rank route the
+same tokens to the same experts (with ``distributed.ep``, each TP rank exchanges them
+with its own EP group, made of ranks at the same TP index). Their gradients are then
+complete and identical on every TP rank (nothing to sum over TP), the expert counts are
+summed over the data-parallel ranks only (TP peers count the same tokens, so summing
+over them would double-count) and the load-balance shares stay those of the global
+batch. The price is the routed experts' FLOPs, and the all-to-all, repeated on each TP
+rank. The layer's replicated output is then split to the residual's layout (``Shard(1)``
+under sequence parallelism: a local slice, no communication).
+
 The embedding is vocabulary-parallel (row-wise); the output head is column-parallel.
 With loss parallelism its logits stay sharded over the vocabulary and
 :func:`vocab_parallel_loss_sum` computes the cross-entropy (and z-loss) without
@@ -31,16 +44,18 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed._functional_collectives import AsyncCollectiveTensor, wait_tensor
-from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor import DTensor, Placement, Replicate, Shard
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
     PrepareModuleInput,
+    PrepareModuleInputOutput,
     RowwiseParallel,
     SequenceParallel,
     parallelize_module,
 )
 
 from kforge_cli.engine.data.tokens import IGNORE_INDEX
+from kforge_cli.engine.model.moe import MoEFeedForward
 
 # Linear layers of a block by how TP splits them (block_plan; float8 eligibility reads the same split).
 COLWISE_LINEARS = ("wq", "wk", "wv", "w1", "w3")  # output features split over the TP ranks
@@ -78,12 +93,15 @@ def block_plan(block: nn.Module, *, sequence_parallel: bool, float8_recipe: str 
         "attention.wk": colwise(),
         "attention.wv": colwise(),
         "attention.wo": rowwise(output_layouts=stream),
-        "feed_forward": prepare_input(input_layouts=(stream,), desired_input_layouts=(Replicate(),)),
-        "feed_forward.w1": colwise(),
-        "feed_forward.w2": rowwise(output_layouts=stream),
     }
-    if getattr(block.feed_forward, "w3", None) is not None:
-        plan["feed_forward.w3"] = colwise()
+    if isinstance(block.feed_forward, MoEFeedForward):
+        plan.update(moe_plan(block.feed_forward, stream, colwise, rowwise, prepare_input))
+    else:
+        plan["feed_forward"] = prepare_input(input_layouts=(stream,), desired_input_layouts=(Replicate(),))
+        plan["feed_forward.w1"] = colwise()
+        plan["feed_forward.w2"] = rowwise(output_layouts=stream)
+        if getattr(block.feed_forward, "w3", None) is not None:
+            plan["feed_forward.w3"] = colwise()
     if sequence_parallel:
         plan["attention_norm"] = SequenceParallel()
         plan["ffn_norm"] = SequenceParallel()
@@ -92,6 +110,39 @@ def block_plan(block: nn.Module, *, sequence_parallel: bool, float8_recipe: str 
         # replicated DTensor weight over a head-sharded input gets its gradient summed over TP.
         plan["attention.q_norm"] = SequenceParallel(sequence_dim=2, use_local_output=True)
         plan["attention.k_norm"] = SequenceParallel(sequence_dim=2, use_local_output=True)
+    return plan
+
+
+def moe_plan(
+    layer: MoEFeedForward, stream: Placement, colwise: type, rowwise: type, prepare_input: type
+) -> dict[str, Any]:
+    """The plan of an MoE feed-forward (see module docstring): TP over the shared experts only.
+
+    The layer gets a plain, all-gathered tensor (the router needs every token of the
+    sequence; a DTensor would not mix with its plain weights) and returns a plain full
+    one, which is sliced to ``stream``. Its input gradient is complete on every TP rank:
+    the routed path's by construction, the shared experts' because their input is made a
+    ``Replicate`` DTensor once, whose ``Partial`` gradient (``w1`` and ``w3`` summed) is
+    all-reduced once on the way back to the plain tensor.
+    """
+    plan: dict[str, Any] = {
+        "feed_forward": PrepareModuleInputOutput(
+            input_layouts=(stream,),
+            desired_input_layouts=(Replicate(),),
+            use_local_input=True,
+            output_layouts=(Replicate(),),
+            desired_output_layouts=(stream,),
+            use_local_output=True,
+        )
+    }
+    if layer.shared_experts is not None:
+        plan["feed_forward.shared_experts"] = prepare_input(
+            input_layouts=(Replicate(),), desired_input_layouts=(Replicate(),)
+        )
+        plan["feed_forward.shared_experts.w1"] = colwise()
+        plan["feed_forward.shared_experts.w2"] = rowwise(output_layouts=Replicate())
+        if layer.shared_experts.w3 is not None:
+            plan["feed_forward.shared_experts.w3"] = colwise()
     return plan
 
 

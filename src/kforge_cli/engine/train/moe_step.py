@@ -11,8 +11,9 @@ aux loss's, the reported ``loss`` stays the language-model loss, and the aux val
 are logged separately (``moe/<layer>/aux_loss``).
 
 Balancing: after the last backward, `finish_moe_step` all-reduces the step's expert
-counts over the data-parallel ranks (every rank that routes tokens), updates the
-selection biases identically everywhere and returns the per-layer load metrics.
+counts over the data-parallel ranks (every rank that routes distinct tokens: tensor-parallel
+peers route the same ones, see engine.parallel.tensor_parallel, and are not summed), updates
+the selection biases identically everywhere and returns the per-layer load metrics.
 """
 
 from __future__ import annotations

@@ -16,7 +16,9 @@ without activation checkpointing keeps (``/t`` = split over tensor-parallel rank
 - the input of the following linears, ``cND`` (all-gathered to full ``N`` under SP);
 - attention: rotated ``q`` and the SDPA output (``cN*q_dim/t`` each), ``k`` and ``v``
   (``cN*kv_dim/t`` each), the log-sum-exp (``4N*heads/t``);
-- SwiGLU MLP: gate, ``silu(gate)``, up and their product (``4cNF/t``); GELU: 2 of them;
+- SwiGLU MLP: gate, ``silu(gate)``, up and their product (``4cNF/t``); GELU: 2 of them; an
+  MoE block's routed experts are not split over TP (only its shared experts are), so its
+  per-rank width ``F_local`` is given (``ffn_local``) rather than ``F/t``;
 - in a single process under autocast, the compute-dtype copies of the block's weights.
 
 Under context parallelism (``cp`` ranks per sequence) ``N`` is the local ``B*T/cp`` tokens,
@@ -67,6 +69,12 @@ class ActivationInputs:
     ac_every_n_blocks: int = 2
     cp: int = 1  # context-parallel degree: each rank holds seq_len / cp tokens of every sequence
     ring: bool = False  # cp_attention = ring: K/V saved local (N tokens) at the query heads' width
+    ffn_local: int = 0  # the MLP hidden width one TP rank computes (0 = ffn / tp; MoE: routed experts whole)
+
+    @property
+    def local_ffn(self) -> int:
+        """MLP hidden units per TP rank: ``ffn_local`` when given, else the dense split ``ffn / tp``."""
+        return self.ffn_local or self.ffn // self.tp
 
     @property
     def stream_bytes(self) -> int:
@@ -119,7 +127,7 @@ def _sequence_parallel_norms(a: ActivationInputs) -> bool:
 
 
 def _mlp_saved(a: ActivationInputs) -> int:
-    return (4 if a.gated else 2) * a.compute_bytes * a.tokens * a.ffn // a.tp
+    return (4 if a.gated else 2) * a.compute_bytes * a.tokens * a.local_ffn
 
 
 def block_full_bytes(a: ActivationInputs) -> int:
@@ -140,7 +148,7 @@ def block_input_bytes(a: ActivationInputs) -> int:
 def block_op_bytes(a: ActivationInputs) -> int:
     """Selective op-level AC: the block input plus every matmul and SDPA output."""
     n, c, t = a.tokens, a.compute_bytes, a.tp
-    column = c * n * (a.q_dim + 2 * a.kv_dim + (2 if a.gated else 1) * a.ffn) // t  # wq, wk, wv, w1 (, w3)
+    column = c * n * (a.q_dim + 2 * a.kv_dim) // t + c * n * (2 if a.gated else 1) * a.local_ffn  # wq..w1 (, w3)
     row = 2 * c * n * a.dim  # wo, w2: full-size partial sums before TP's reduction
     sdpa = c * n * a.q_dim // t + FP32 * n * a.n_heads // t if a.cuda else 0
     return block_input_bytes(a) + column + row + sdpa
@@ -164,7 +172,7 @@ def block_backward_bytes(a: ActivationInputs) -> int:
     while the saved one it replaces is freed, next to the gradient of the block's output.
     """
     n, c = a.tokens, a.compute_bytes
-    return c * n * a.ffn // a.tp + max(a.stream_bytes * a.stream_tokens, c * n) * a.dim
+    return c * n * a.local_ffn + max(a.stream_bytes * a.stream_tokens, c * n) * a.dim
 
 
 def head_saved_bytes(a: ActivationInputs) -> int:

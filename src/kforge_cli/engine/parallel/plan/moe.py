@@ -7,6 +7,10 @@ back, forward and again in the backward (and once more forward in the recompute 
 activation-checkpointed block), of which the ``(ep - 1) / ep`` share leaves the rank (a
 balanced router's average). Without expert parallelism (``distributed.ep = 1``) there is
 no all-to-all.
+
+Under tensor parallelism only the shared experts are split (engine.parallel.tensor_parallel):
+every TP rank routes all tokens of its data-parallel rank and runs the routed experts whole,
+so it holds them unsplit and sends the same all-to-all volume as without TP.
 """
 
 from __future__ import annotations
@@ -53,4 +57,11 @@ def moe_notes(settings: JobSettings, params: list[ParamShard], block_ids: list[i
         f"(ep = {ep}); expert weights on this rank {size_text(expert_bytes(params))}",
         f"MoE all-to-all: {size_text(a2a)} sent per step by this rank" if a2a else "MoE all-to-all: none (ep = 1)",
     ]
+    tp = settings.distributed.tp
+    if tp > 1 and here:
+        shared = "shared experts split over them, " if moe.num_shared_experts else ""
+        out.append(
+            f"MoE x TP: {shared}router and routed experts whole on each of the tp = {tp} ranks "
+            f"(every TP rank computes the routed experts for all tokens of its data-parallel rank)"
+        )
     return out

@@ -132,6 +132,7 @@ def _activation_inputs(settings: JobSettings, dims: ParallelDims, compute_bytes:
         kv_dim=m.kv_heads * m.head_dim,
         n_heads=m.n_heads,
         ffn=active_ffn_hidden(m),
+        ffn_local=active_ffn_hidden(m, dims.tp),
         gated=m.activation == "swiglu",
         vocab=m.vocab_size,
         norm=m.norm,
