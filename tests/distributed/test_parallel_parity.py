@@ -48,6 +48,8 @@ MOE = [  # aux-loss-free bias, aux + z losses, two micro-batches: all must agree
     "--train.grad_accum_steps=2",
 ]
 
+EVAL = ["--eval.interval=5", "--eval.steps=2"]
+
 # case -> (distributed settings, reference settings: the same global batch on one process)
 TWO_RANKS: dict[str, tuple[list[str], list[str]]] = {
     "fsdp": ([], ["--train.batch_size=4"]),
@@ -65,6 +67,19 @@ TWO_RANKS: dict[str, tuple[list[str], list[str]]] = {
     "moe_ep2_one_micro": (
         [*MOE, "--distributed.ep=2", "--train.grad_accum_steps=1", "--train.batch_size=4"],
         ["--train.batch_size=8", *MOE, "--train.grad_accum_steps=1"],
+    ),
+    # MoE through the pipeline schedule: aux-loss gradients fed on every stage, biases per stage; with
+    # evaluation (the schedule re-infers shapes after it) and zero bubble's split backward under AC
+    "moe_pp2": ([*MOE, *PP, *EVAL], [*MOE, *EVAL]),
+    "moe_pp2_zbv_ac_full": (
+        [
+            *MOE,
+            *PP,
+            "--distributed.pp_schedule=zbv_zero_bubble",
+            "--distributed.pp_stages_per_rank=2",
+            "--train.activation_checkpointing=full",
+        ],
+        MOE,
     ),
     "tp_ac_selective_op": (
         ["--distributed.tp=2", "--train.activation_checkpointing=selective", "--train.ac_selective_mode=op"],
@@ -110,8 +125,11 @@ FOUR_RANKS: dict[str, tuple[list[str], list[str]]] = {
         [*MOE, "--distributed.ep=2", "--distributed.dp_replicate=2", "--train.batch_size=1"],
         ["--train.batch_size=4", *MOE],
     ),
+    # pipeline x expert parallelism: pp 2 x (dp_shard 2 = ep 2)
+    "moe_pp2_ep2": ([*MOE, *PP, "--distributed.ep=2"], ["--train.batch_size=4", *MOE]),
 }
 EP_CASES = ("moe_ep2", "moe_ep2_one_micro", "moe_ep2_fsdp2", "moe_hsdp2_ep2")
+MOE_PP_CASES = ("moe_pp2", "moe_pp2_zbv_ac_full", "moe_pp2_ep2")
 
 
 # Not fp32-exact, checked against each other: float8 (torchao's CPU path) against bf16, both FSDP.
@@ -142,7 +160,9 @@ def check_case(results: dict[str, list[dict]], cases: dict[str, tuple[list[str],
     rel = COMPILE_REL if "compile" in name else REL
     for rank, r in enumerate(ranks):  # every rank reports the global loss (pp: sent from the last stage)
         assert_close_losses(r["losses"], ref["losses"], rel, f"{name} rank {rank}")
-        if name in EP_CASES:  # Adam hides a wrongly scaled expert gradient from the loss, not from the norm
+        if (
+            name in EP_CASES + MOE_PP_CASES
+        ):  # Adam hides a wrongly scaled expert gradient from the loss, not from the norm
             assert_close_losses(r["grad_norms"], ref["grad_norms"], REL, f"{name} grad norm rank {rank}")
     if ref["eval_loss"] is not None:
         for r in ranks:
@@ -171,6 +191,23 @@ def test_moe_bias_is_identical_on_every_rank(two: dict[str, list[dict]], name: s
             assert got == pytest.approx(want, abs=1e-6)
     if name == "moe_ep2_one_micro":  # splitting the step into micro-batches changes no bias
         assert ranks[0]["expert_bias"] == completed(two["moe_ep2"], "moe_ep2")[0]["expert_bias"]
+
+
+@pytest.mark.parametrize("name", MOE_PP_CASES)
+def test_moe_pipeline_bias_is_identical_on_every_rank(
+    two: dict[str, list[dict]], four: dict[str, list[dict]], name: str
+) -> None:
+    """Each stage's layers hold one process's biases, bit-identical on the stage's data-parallel ranks."""
+    results, cases = (four, FOUR_RANKS) if name in FOUR_RANKS else (two, TWO_RANKS)
+    ref = reference(tuple(cases[name][1]))["expert_bias_by_layer"]
+    assert len(ref) == 3 and all(any(v != 0 for v in b) for b in ref.values())  # 3 MoE blocks, balancing moved
+    seen: dict[str, list[float]] = {}
+    for r in completed(results[name], name):
+        for layer, bias in r["expert_bias_by_layer"].items():
+            assert seen.setdefault(layer, bias) == bias, layer  # all-reduced counts: bit-identical
+    assert sorted(seen) == sorted(ref)  # the stages together hold every MoE layer
+    for layer, want in ref.items():
+        assert seen[layer] == pytest.approx(want, abs=1e-6), layer
 
 
 def test_pipeline_ranks_run_their_own_stages(two: dict[str, list[dict]]) -> None:
