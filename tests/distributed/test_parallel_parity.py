@@ -69,13 +69,17 @@ TWO_RANKS: dict[str, tuple[list[str], list[str]]] = {
         ["--train.batch_size=8", *MOE, "--train.grad_accum_steps=1"],
     ),
     # MoE through the pipeline schedule: aux-loss gradients fed on every stage, biases per stage; with
-    # evaluation (the schedule re-infers shapes after it) and zero bubble's split backward under AC
+    # evaluation (the schedule re-infers shapes after it), zero bubble's split backward, and AC recompute
     "moe_pp2": ([*MOE, *PP, *EVAL], [*MOE, *EVAL]),
-    "moe_pp2_zbv_ac_full": (
+    "moe_pp2_zbv": (
+        [*MOE, *PP, "--distributed.pp_schedule=zbv_zero_bubble", "--distributed.pp_stages_per_rank=2"],
+        MOE,
+    ),
+    "moe_pp2_interleaved_ac_full": (
         [
             *MOE,
             *PP,
-            "--distributed.pp_schedule=zbv_zero_bubble",
+            "--distributed.pp_schedule=interleaved_1f1b",
             "--distributed.pp_stages_per_rank=2",
             "--train.activation_checkpointing=full",
         ],
@@ -129,7 +133,7 @@ FOUR_RANKS: dict[str, tuple[list[str], list[str]]] = {
     "moe_pp2_ep2": ([*MOE, *PP, "--distributed.ep=2"], ["--train.batch_size=4", *MOE]),
 }
 EP_CASES = ("moe_ep2", "moe_ep2_one_micro", "moe_ep2_fsdp2", "moe_hsdp2_ep2")
-MOE_PP_CASES = ("moe_pp2", "moe_pp2_zbv_ac_full", "moe_pp2_ep2")
+MOE_PP_CASES = ("moe_pp2", "moe_pp2_zbv", "moe_pp2_interleaved_ac_full", "moe_pp2_ep2")
 
 
 # Not fp32-exact, checked against each other: float8 (torchao's CPU path) against bf16, both FSDP.
@@ -208,6 +212,13 @@ def test_moe_pipeline_bias_is_identical_on_every_rank(
     assert sorted(seen) == sorted(ref)  # the stages together hold every MoE layer
     for layer, want in ref.items():
         assert seen[layer] == pytest.approx(want, abs=1e-6), layer
+    # every rank (the logging rank holds the first stage) has every layer's metrics; loads are global counts
+    want_metrics = reference(tuple(cases[name][1]))["moe_metrics"]
+    for r in results[name]:
+        assert sorted(r["moe_metrics"]) == sorted(want_metrics)
+        for key, value in want_metrics.items():
+            if "load_max_over_mean" in key or "dropped" in key:
+                assert r["moe_metrics"][key] == pytest.approx(value, rel=1e-12), key
 
 
 def test_pipeline_ranks_run_their_own_stages(two: dict[str, list[dict]]) -> None:
