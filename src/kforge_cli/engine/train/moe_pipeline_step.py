@@ -88,6 +88,9 @@ class AuxLossFeed:
             raise RuntimeError(f"MoE layers ran {wrong} training forwards in one pipeline step, expected {want} each")
 
     def _hook(self, key: str) -> Any:
+        # Kept out of torch.compile'd blocks (a graph break): it counts forwards in Python, which
+        # a traced graph would specialise on, recompiling for every micro-batch index.
+        @torch.compiler.disable
         def after_forward(layer: nn.Module, inputs: Any, output: torch.Tensor) -> torch.Tensor | None:
             if self.weights is None or not (layer.training and torch.is_grad_enabled()) or in_backward():
                 return None
