@@ -36,6 +36,8 @@ class Recorder(TrainHook):
         self.full_param_numel = 0
         self.pipeline: dict[str, Any] | None = None
         self.expert_bias: list[list[float]] = []  # MoE selection biases after the last step
+        self.expert_bias_by_layer: dict[str, list[float]] = {}  # the same by name (a pipeline rank: its stages')
+        self.moe_metrics: dict[str, float] = {}  # the last step's moe/... metrics as this rank would log them
 
     def on_train_begin(self, session: Any) -> None:
         for p in session.model.parameters():
@@ -49,7 +51,11 @@ class Recorder(TrainHook):
     def on_step_end(self, session: Any, info: Any) -> None:
         self.losses.append(info.loss)
         self.grad_norms.append(info.grad_norm)
-        self.expert_bias = [b.tolist() for n, b in session.model.named_buffers() if n.endswith("expert_bias")]
+        self.expert_bias_by_layer = {
+            n: b.tolist() for n, b in session.model.named_buffers() if n.endswith("expert_bias")
+        }
+        self.expert_bias = list(self.expert_bias_by_layer.values())
+        self.moe_metrics = {k: v for k, v in info.extra.items() if k.startswith("moe/")}
 
 
 def run_case(name: str, overrides: list[str], out_dir: Path) -> dict[str, Any]:
@@ -66,6 +72,8 @@ def run_case(name: str, overrides: list[str], out_dir: Path) -> dict[str, Any]:
         "pipeline": rec.pipeline,
         "eval_loss": outcome.last_eval_loss,
         "expert_bias": rec.expert_bias,
+        "expert_bias_by_layer": rec.expert_bias_by_layer,
+        "moe_metrics": rec.moe_metrics,
     }
 
 

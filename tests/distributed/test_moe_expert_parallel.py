@@ -4,7 +4,9 @@ One uninterrupted 2-rank EP=2 run (checkpoints at 3 and 6) is the reference. Fro
 an EP=2 run stopped by SIGTERM on one rank resumes to the same losses bit for bit; its
 step-3 checkpoint resumes on one process (EP=1) and on 4 ranks (EP=4, each holding one
 expert) and the curve continues (same global batch; only the order of float sums
-differs); and the one-process continuation, stopped by SIGTERM and resumed, is bit-exact.
+differs); and the one-process continuation, stopped by SIGTERM and resumed, is bit-exact. A pipeline
+(pp=2) MoE run stopped by SIGTERM resumes bit for bit too (biases restored per stage, the
+schedule's shape inference after the restart not counted as load).
 Each rank is a real ``kforge train`` process.
 """
 
@@ -45,6 +47,7 @@ MOE_ARGS = [
     "--resilience.stop_check_interval=1",  # ranks agree to stop at the step the signal lands in
 ]
 EP2 = [*MOE_ARGS, "--distributed.ep=2"]
+PP2 = [*MOE_ARGS, "--distributed.pp=2", "--train.grad_accum_steps=2"]  # one MoE block per stage
 
 
 @pytest.fixture(scope="module")
@@ -86,3 +89,12 @@ def test_ep2_checkpoint_resumes_at_another_ep_degree(
         ok(launch(1, again, args))  # the same command again: it resumes its own step_5, not load_path
         resumed = losses(again)
         assert {step: resumed[step] for step in got} == got
+
+
+def test_pp2_sigterm_then_resume_is_bit_exact(tmp_path: Path) -> None:
+    ref, run = tmp_path / "ref", tmp_path / "run"
+    ok(launch(2, ref, PP2))
+    ok(launch(2, run, [*PP2, HOOK], _sigterm(4, 1)), 75)  # rank 1: the last stage
+    assert read_latest(run / "checkpoints") == run / "checkpoints" / "step_4"
+    ok(launch(2, run, PP2))
+    assert len(losses(ref)) == 6 and losses(run) == losses(ref)  # all 6 steps, bit for bit

@@ -52,6 +52,8 @@ MOE = [  # aux-loss-free bias, aux + z losses, two micro-batches: all must agree
 # the losses within 1e-6; with these weights every step's norm is within 3e-7).
 MOE_TP = [*MOE, "--model.moe.aux_loss_weight=1.0", "--model.moe.z_loss_weight=0.1"]
 
+EVAL = ["--eval.interval=5", "--eval.steps=2"]
+
 # case -> (distributed settings, reference settings: the same global batch on one process)
 TWO_RANKS: dict[str, tuple[list[str], list[str]]] = {
     "fsdp": ([], ["--train.batch_size=4"]),
@@ -75,6 +77,22 @@ TWO_RANKS: dict[str, tuple[list[str], list[str]]] = {
     "moe_tp_no_sp": (
         [*MOE_TP, "--distributed.tp=2", "--distributed.sequence_parallel=false", "--distributed.loss_parallel=false"],
         MOE_TP,
+    # MoE through the pipeline schedule: aux-loss gradients fed on every stage, biases per stage; with
+    # evaluation (the schedule re-infers shapes after it), zero bubble's split backward, and AC recompute
+    "moe_pp2": ([*MOE, *PP, *EVAL], [*MOE, *EVAL]),
+    "moe_pp2_zbv": (
+        [*MOE, *PP, "--distributed.pp_schedule=zbv_zero_bubble", "--distributed.pp_stages_per_rank=2"],
+        MOE,
+    ),
+    "moe_pp2_interleaved_ac_full": (
+        [
+            *MOE,
+            *PP,
+            "--distributed.pp_schedule=interleaved_1f1b",
+            "--distributed.pp_stages_per_rank=2",
+            "--train.activation_checkpointing=full",
+        ],
+        MOE,
     ),
     "tp_ac_selective_op": (
         ["--distributed.tp=2", "--train.activation_checkpointing=selective", "--train.ac_selective_mode=op"],
@@ -122,7 +140,10 @@ FOUR_RANKS: dict[str, tuple[list[str], list[str]]] = {
     ),
     # EP x TP: dp_shard 2 = ep 2; each TP index has its own EP group exchanging the same tokens
     "moe_ep2_tp2": ([*MOE, "--distributed.ep=2", "--distributed.tp=2"], ["--train.batch_size=4", *MOE]),
+    # pipeline x expert parallelism: pp 2 x (dp_shard 2 = ep 2)
+    "moe_pp2_ep2": ([*MOE, *PP, "--distributed.ep=2"], ["--train.batch_size=4", *MOE]),
 }
+MOE_PP_CASES = ("moe_pp2", "moe_pp2_zbv", "moe_pp2_interleaved_ac_full", "moe_pp2_ep2")
 # Adam hides a wrongly scaled expert/router gradient from the loss, not from the norm
 GRAD_NORM_CASES = (
     "moe_ep2",
@@ -132,6 +153,7 @@ GRAD_NORM_CASES = (
     "moe_tp",
     "moe_tp_no_sp",
     "moe_ep2_tp2",
+    *MOE_PP_CASES,
 )
 
 
@@ -196,6 +218,30 @@ def test_moe_bias_is_identical_on_every_rank(request: pytest.FixtureRequest, nam
             assert got == pytest.approx(want, abs=1e-6)
     if name == "moe_ep2_one_micro":  # splitting the step into micro-batches changes no bias
         assert ranks[0]["expert_bias"] == completed(results["moe_ep2"], "moe_ep2")[0]["expert_bias"]
+
+
+@pytest.mark.parametrize("name", MOE_PP_CASES)
+def test_moe_pipeline_bias_is_identical_on_every_rank(
+    two: dict[str, list[dict]], four: dict[str, list[dict]], name: str
+) -> None:
+    """Each stage's layers hold one process's biases, bit-identical on the stage's data-parallel ranks."""
+    results, cases = (four, FOUR_RANKS) if name in FOUR_RANKS else (two, TWO_RANKS)
+    ref = reference(tuple(cases[name][1]))["expert_bias_by_layer"]
+    assert len(ref) == 3 and all(any(v != 0 for v in b) for b in ref.values())  # 3 MoE blocks, balancing moved
+    seen: dict[str, list[float]] = {}
+    for r in completed(results[name], name):
+        for layer, bias in r["expert_bias_by_layer"].items():
+            assert seen.setdefault(layer, bias) == bias, layer  # all-reduced counts: bit-identical
+    assert sorted(seen) == sorted(ref)  # the stages together hold every MoE layer
+    for layer, want in ref.items():
+        assert seen[layer] == pytest.approx(want, abs=1e-6), layer
+    # every rank (the logging rank holds the first stage) has every layer's metrics; loads are global counts
+    want_metrics = reference(tuple(cases[name][1]))["moe_metrics"]
+    for r in results[name]:
+        assert sorted(r["moe_metrics"]) == sorted(want_metrics)
+        for key, value in want_metrics.items():
+            if "load_max_over_mean" in key or "dropped" in key:
+                assert r["moe_metrics"][key] == pytest.approx(value, rel=1e-12), key
 
 
 def test_pipeline_ranks_run_their_own_stages(two: dict[str, list[dict]]) -> None:

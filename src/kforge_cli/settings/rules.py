@@ -349,14 +349,6 @@ def _combination_issues(s: JobSettings) -> list[ConfigIssue]:
         )
     if d.tp > 1 and m.tie_embeddings:
         out.append(ConfigIssue("model.tie_embeddings", "not supported with distributed.tp > 1; untie, or use tp = 1"))
-    if m.moe is not None and d.pp > 1:
-        out.append(
-            ConfigIssue(
-                "distributed.pp",
-                "pipeline parallelism is not supported with [model.moe] yet (the pipeline step does not apply "
-                "the routers' aux losses and bias updates); use distributed.pp = 1",
-            )
-        )
     if m.moe is not None and s.vlm is not None:
         out.append(ConfigIssue("model.moe", "MoE language models are not supported for VLMs yet; drop [model.moe]"))
     if d.tp > 1 and t.loss_chunk_size and not d.loss_parallel:

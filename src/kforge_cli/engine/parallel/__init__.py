@@ -5,7 +5,7 @@ from kforge_cli.engine.parallel.build import build_parallel_model, compute_dtype
 from kforge_cli.engine.parallel.context_parallel import shard_batch
 from kforge_cli.engine.parallel.float8 import fsdp_float8_all_gather, precompute_scales_after_each_step
 from kforge_cli.engine.parallel.grad_norm import clip_grad_norm, total_grad_norm
-from kforge_cli.engine.parallel.pipeline import PipelineBundle, PipelineModel, StageLoss
+from kforge_cli.engine.parallel.pipeline import PipelineBundle, PipelineModel, StageLoss, training_step_infers_metadata
 from kforge_cli.engine.parallel.tensor_parallel import vocab_parallel_loss_sum
 
 __all__ = [
@@ -21,5 +21,6 @@ __all__ = [
     "precompute_scales_after_each_step",
     "shard_batch",
     "total_grad_norm",
+    "training_step_infers_metadata",
     "vocab_parallel_loss_sum",
 ]

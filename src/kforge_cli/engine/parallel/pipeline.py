@@ -140,6 +140,27 @@ class PipelineBundle:
         return self.num_stages - 1 in self.stage_ids
 
 
+def training_step_infers_metadata(schedule: Any) -> bool:
+    """Whether the schedule's next training ``step`` first runs its metadata inference.
+
+    torch's schedules infer the stages' activation shapes with one extra forward (and an
+    input-gradient backward) per stage before the real micro-batches, at the first step and
+    again after each switch between ``eval`` and ``step``. That forward runs on stand-in
+    activations, so state a module keeps across forwards (the MoE layers' token counts) must
+    skip it. The flags read here are private to torch; a version without them is refused
+    rather than guessed at.
+    """
+    for prefix in ("_stages", "_stage"):  # multi-stage, single-stage schedules
+        fwd = getattr(schedule, f"{prefix}_forward_initialized", None)
+        bwd = getattr(schedule, f"{prefix}_backward_initialized", None)
+        if fwd is not None and bwd is not None:
+            return not (fwd and bwd)
+    raise RuntimeError(
+        f"{type(schedule).__name__} of torch {torch.__version__} does not say when it infers stage shapes; "
+        "Mixture-of-Experts under pipeline parallelism needs a torch whose schedules do (torch 2.13's do)"
+    )
+
+
 def _schedule_class(name: str) -> type:
     from torch.distributed.pipelining import schedules
 

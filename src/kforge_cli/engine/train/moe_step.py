@@ -30,16 +30,21 @@ if TYPE_CHECKING:
     from kforge_cli.engine.train.session import TrainingSession
 
 
+def share_load_over_data_parallel(session: TrainingSession) -> None:
+    """Let every MoE layer's load-balance loss use the expert load of all data-parallel ranks."""
+    distributed = session.runtime.dp_size > 1
+    for _, layer in moe_layers(session.model):
+        layer.load_group, layer.global_load = session.runtime.dp_group(), distributed
+
+
 class MoEStep(PlainStep):
     """Plain step + aux losses in the backward + bias update and load metrics once per step."""
 
     def __init__(self) -> None:
-        self.metrics: dict[str, float] = {}
+        self.metrics: dict[str, torch.Tensor] = {}
 
     def before_forward(self, session: TrainingSession) -> None:
-        distributed = session.runtime.dp_size > 1
-        for _, layer in moe_layers(session.model):
-            layer.load_group, layer.global_load = session.runtime.dp_group(), distributed
+        share_load_over_data_parallel(session)
 
     def adjust_loss(self, session: TrainingSession, batch: Batch, loss_sum: torch.Tensor) -> torch.Tensor:
         aux = moe_aux_loss(session.model)
@@ -51,5 +56,5 @@ class MoEStep(PlainStep):
     def after_backward(self, session: TrainingSession) -> None:
         self.metrics = finish_moe_step(session.model, session.runtime.dp_group())
 
-    def extra(self) -> dict[str, float]:
+    def extra(self) -> dict[str, torch.Tensor]:
         return dict(self.metrics)

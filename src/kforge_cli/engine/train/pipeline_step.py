@@ -19,6 +19,7 @@ attention gathers K/V over the CP group. The loss sums then span dp x cp
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -95,22 +96,43 @@ def _reduce_over_stages_and_dp(session: TrainingSession, local: torch.Tensor) ->
     return all_reduce_sum(local, session.runtime.loss_group())  # dp (x cp) ranks: their tokens differ
 
 
-def pipeline_step(session: TrainingSession, micro_batches: list[Batch]) -> StepResult:
-    """One optimizer step's forward/backward through the pipeline schedule."""
-    bundle = _bundle(session)
-    runtime = session.runtime
-    micro_batches = [shard_batch(mb, runtime.cp_rank, runtime.cp_size) for mb in micro_batches]
-    norm = TokenNormaliser.for_step(session, micro_batches)
-    batch = {k: torch.cat([mb[k] for mb in micro_batches]) for k in micro_batches[0]}
-    bundle.loss.scale = norm.scale
-    try:
-        local = _run_schedule(session, batch, train=True)
-    finally:
-        bundle.loss.scale = 1.0
-    # sum over micro-batches, stages and dp x cp ranks of (loss sum * scale) = loss_ranks * mean loss
-    mean = _reduce_over_stages_and_dp(session, local) / runtime.loss_ranks
-    grad_norm = clip_gradients(session)
-    return StepResult(loss=mean, grad_norm=grad_norm, valid_tokens=norm.n_valid)
+class PipelineStep:
+    """One optimizer step's forward/backward through the pipeline schedule, then clipping.
+
+    Like `engine.train.step.PlainStep`, variants override one phase: `MoEPipelineStep`
+    feeds the routers' aux-loss gradients and updates the balancing biases.
+    """
+
+    def __call__(self, session: TrainingSession, micro_batches: list[Batch]) -> StepResult:
+        bundle = _bundle(session)
+        runtime = session.runtime
+        micro_batches = [shard_batch(mb, runtime.cp_rank, runtime.cp_size) for mb in micro_batches]
+        norm = TokenNormaliser.for_step(session, micro_batches)
+        batch = {k: torch.cat([mb[k] for mb in micro_batches]) for k in micro_batches[0]}
+        self.before_schedule(session, micro_batches, norm)
+        bundle.loss.scale = norm.scale
+        try:
+            local = _run_schedule(session, batch, train=True)
+        finally:
+            bundle.loss.scale = 1.0
+        # sum over micro-batches, stages and dp x cp ranks of (loss sum * scale) = loss_ranks * mean loss
+        mean = _reduce_over_stages_and_dp(session, local) / runtime.loss_ranks
+        self.after_backward(session)
+        grad_norm = clip_gradients(session)
+        return StepResult(loss=mean, grad_norm=grad_norm, valid_tokens=norm.n_valid, extra=dict(self.extra()))
+
+    def before_schedule(self, session: TrainingSession, micro_batches: list[Batch], norm: TokenNormaliser) -> None:
+        """Runs before the schedule (nothing for dense models)."""
+
+    def after_backward(self, session: TrainingSession) -> None:
+        """Runs after the schedule's last backward, before clipping (nothing for dense models)."""
+
+    def extra(self) -> Mapping[str, float | torch.Tensor]:
+        """Step metrics of this variant, merged into `StepResult.extra` (device scalars are read only when logged)."""
+        return {}
+
+
+pipeline_step = PipelineStep()
 
 
 @torch.no_grad()

@@ -35,14 +35,16 @@ def moe_aux_loss(model: nn.Module) -> torch.Tensor | None:
 
 
 @torch.no_grad()
-def finish_moe_step(model: nn.Module, group: dist.ProcessGroup | None = None) -> dict[str, float]:
+def finish_moe_step(model: nn.Module, group: dist.ProcessGroup | None = None) -> dict[str, torch.Tensor]:
     """All-reduce this step's expert counts, update the biases, reset the counters; return metrics.
 
     Call exactly once per optimizer step on every rank of ``group`` (None = the default
     group when distributed is initialised, else no reduction). Metrics per MoE layer
     ``L``: ``moe/L/load_max_over_mean`` (max / mean tokens per expert), ``moe/L/dropped``
     (token-expert pairs over capacity), ``moe/L/aux_loss`` (mean weighted aux loss per
-    forward on this rank), plus ``moe/load_max_over_mean`` averaged over layers.
+    forward on this rank), plus ``moe/load_max_over_mean`` averaged over layers. They are
+    device scalars and nothing here reads the device: the step's metrics are read on the
+    host only on logging steps.
     """
     layers = list(moe_layers(model))
     if not layers:
@@ -51,21 +53,20 @@ def finish_moe_step(model: nn.Module, group: dist.ProcessGroup | None = None) ->
     if dist.is_available() and dist.is_initialized():
         dist.all_reduce(stats, op=dist.ReduceOp.SUM, group=group)  # int64: exact
     stats = stats.double()
-    metrics: dict[str, float] = {}
-    ratios = []
-    for (key, layer), row in zip(layers, stats, strict=True):
-        tokens, dropped = row[:-1], row[-1]
-        mean = tokens.mean()
-        ratio = float(tokens.max() / mean) if mean > 0 else 1.0
-        ratios.append(ratio)
-        metrics[f"moe/{key}/load_max_over_mean"] = ratio
-        metrics[f"moe/{key}/dropped"] = float(dropped)
-        if layer.step_forwards > 0 and (layer.moe.aux_loss_weight > 0 or layer.moe.z_loss_weight > 0):
-            metrics[f"moe/{key}/aux_loss"] = float(layer.step_aux / layer.step_forwards)
+    tokens, dropped = stats[:, :-1], stats[:, -1]
+    mean = tokens.mean(dim=1)
+    busy = mean > 0
+    ratios = torch.where(busy, tokens.amax(dim=1) / torch.where(busy, mean, 1.0), 1.0)  # no tokens: balanced
+    metrics: dict[str, torch.Tensor] = {}
+    for i, (key, layer) in enumerate(layers):
+        metrics[f"moe/{key}/load_max_over_mean"] = ratios[i]
+        metrics[f"moe/{key}/dropped"] = dropped[i]
+        if layer.moe.aux_loss_weight > 0 or layer.moe.z_loss_weight > 0:
+            metrics[f"moe/{key}/aux_loss"] = layer.step_aux / layer.step_forwards.clamp(min=1)
         rate = layer.moe.bias_update_rate
-        if rate > 0 and mean > 0:
-            delta = rate * torch.sign(mean - tokens)
+        if rate > 0:  # sign(mean - tokens) is 0 everywhere when no tokens came: the bias stays
+            delta = rate * torch.sign(mean[i] - tokens[i])
             layer.expert_bias.copy_((layer.expert_bias.double() + delta - delta.mean()).to(layer.expert_bias.dtype))
         layer.reset_step_stats()
-    metrics["moe/load_max_over_mean"] = sum(ratios) / len(ratios)
+    metrics["moe/load_max_over_mean"] = ratios.mean()
     return metrics
