@@ -74,7 +74,7 @@ class _RMSNormFn(torch.autograd.Function):
             grad_w = grad_w if weight.dtype == torch.float32 else grad_w.to(weight.dtype)
         grad_x = None
         if ctx.needs_input_grad[0]:
-            rstd_mean = torch.matmul(gxhat, w.unsqueeze(-1)).mul_(rstd)  # rstd * sum(g w xhat) per row
+            rstd_mean = torch.matmul(gxhat, w).unsqueeze_(-1).mul_(rstd)  # rstd * sum(g w xhat) per row (an mv)
             grad_x = torch.mul(g, w, out=gxhat).mul_(rstd).addcmul_(xhat, rstd_mean, value=-1.0 / dim)
             grad_x = grad_x if grad.dtype == torch.float32 else grad_x.to(grad.dtype)
         return grad_x, grad_w, None
