@@ -12,8 +12,9 @@ slowly (about as slow as the MLP's matmul on small widths). Here each is one sma
   the closed form ``rstd * (g w - xhat * mean(g w xhat))``, ``sum(g xhat)`` for the weight.
   It saves the normalised input and ``rstd`` (what the fused CUDA kernel saves, in bytes),
   not the composite's input *and* normalised input.
-- RoPE: the rotation written into one output buffer (a mul, then a product added into
-  each half); its backward is the transposed rotation. It saves only the cos/sin tables.
+- RoPE: ``x * cos + roll(x) * [-s1, s2]`` for q and k in one call, with per-head tables built
+  once per position slice (:class:`_RopeTables`); its backward is the transposed rotation.
+  It saves no activation, only (a reference to) the tables.
 - tanh-GELU: ``0.5 x (1 + tanh(u)) = x * sigmoid(2u)`` exactly (``u = sqrt(2/pi)(x + 0.044715 x^3)``),
   and sigmoid is a fast CPU kernel; the backward recomputes from the saved input, as
   ``aten::gelu_backward`` does. fp32 inputs only (a bf16 composite would round more often
