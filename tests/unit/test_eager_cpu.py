@@ -58,10 +58,37 @@ def test_rotary_is_rotate_half_exactly_forward_and_transposed_backward(per_token
         c, s = cos.unsqueeze(-2), sin.unsqueeze(-2)
         return x * c + rotate_half(x) * s
 
-    ours, (gx,) = _grads(lambda x: eager_cpu.rotary(x, cos, sin), x)
+    ours, (gx,) = _grads(lambda x: eager_cpu.rotary((x,), cos, sin)[0], x)
     theirs, (px,) = _grads(plain, x)
     assert torch.equal(ours, theirs)
     torch.testing.assert_close(gx, px, rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("per_token", [False, True])
+def test_rotary_of_queries_and_keys_in_one_call_is_two_plain_calls(per_token: bool) -> None:
+    """q and k (grouped-query: fewer key heads) through one call: each bitwise its plain rotation, grads close."""
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(2, 16, 4, 8, generator=g, requires_grad=True)
+    k = torch.randn(2, 16, 2, 8, generator=g, requires_grad=True)
+    cos, sin = rope_tables(8, 32, 10_000.0)
+    cos, sin = cos[:16], sin[:16]
+    if per_token:
+        pos = torch.randint(0, 32, (2, 16), generator=g)
+        cos, sin = rope_tables(8, 32, 10_000.0)
+        cos, sin = cos[pos], sin[pos]
+
+    def plain(x: torch.Tensor) -> torch.Tensor:
+        return x * cos.unsqueeze(-2) + rotate_half(x) * sin.unsqueeze(-2)
+
+    def ours_fn(q: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
+        rq, rk = eager_cpu.rotary((q, k), cos, sin)
+        return torch.cat((rq, rk), dim=2)
+
+    ours, (gq, gk) = _grads(ours_fn, q, k)
+    theirs, (pq, pk) = _grads(lambda q, k: torch.cat((plain(q), plain(k)), dim=2), q, k)
+    assert torch.equal(ours, theirs)
+    torch.testing.assert_close(gq, pq, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(gk, pk, rtol=1e-6, atol=1e-6)
 
 
 def test_gelu_tanh_via_sigmoid_is_the_native_kernel_up_to_rounding() -> None:

@@ -10,7 +10,7 @@ from torch import nn
 
 from kforge_cli.engine.model.attention_mask import AttentionMask
 from kforge_cli.engine.model.kv_cache import KVCache, self_attention
-from kforge_cli.engine.model.layers import apply_rotary, build_norm, reset_norm
+from kforge_cli.engine.model.layers import apply_rotary_pair, build_norm, reset_norm
 from kforge_cli.settings.training import ModelSettings
 
 
@@ -68,9 +68,8 @@ class Attention(nn.Module):
         if self.q_norm is not None and self.k_norm is not None:
             q = self.q_norm(q)
             k = self.k_norm(k)
-        q = apply_rotary(q, cos, sin).transpose(1, 2)  # [B, H, T, hd]
-        k = apply_rotary(k, cos, sin).transpose(1, 2)
-        v = v.transpose(1, 2)
+        q, k = apply_rotary_pair(q, k, cos, sin)
+        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # [B, H, T, hd]
         out = self_attention(q, k, v, mask, self.kv_cache, self)
         out = out.transpose(1, 2).reshape(bsz, seqlen, -1)
         return self.wo(out)

@@ -12,8 +12,9 @@ slowly (about as slow as the MLP's matmul on small widths). Here each is one sma
   the closed form ``rstd * (g w - xhat * mean(g w xhat))``, ``sum(g xhat)`` for the weight.
   It saves the normalised input and ``rstd`` (what the fused CUDA kernel saves, in bytes),
   not the composite's input *and* normalised input.
-- RoPE: the rotation written into one output buffer (a mul, then a product added into
-  each half); its backward is the transposed rotation. It saves only the cos/sin tables.
+- RoPE: ``x * cos + roll(x) * [-s1, s2]`` for q and k in one call, with per-head tables built
+  once per position slice (:class:`_RopeTables`); its backward is the transposed rotation.
+  It saves no activation, only (a reference to) the tables.
 - tanh-GELU: ``0.5 x (1 + tanh(u)) = x * sigmoid(2u)`` exactly (``u = sqrt(2/pi)(x + 0.044715 x^3)``),
   and sigmoid is a fast CPU kernel; the backward recomputes from the saved input, as
   ``aten::gelu_backward`` does. fp32 inputs only (a bf16 composite would round more often
@@ -51,26 +52,32 @@ class _RMSNormFn(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-        xf = x.float()
-        rstd = xf.pow(2).mean(-1, keepdim=True).add_(eps).rsqrt_()
+        fp32 = x.dtype == torch.float32 and weight.dtype == torch.float32
+        xf = x if fp32 else x.float()
+        squares = xf * xf  # what pow(2) computes; its buffer then takes the output (one buffer fewer)
+        rstd = squares.mean(-1, keepdim=True).add_(eps).rsqrt_()
         xhat = xf * rstd
         ctx.save_for_backward(xhat, rstd, weight)
-        ctx.x_dtype = x.dtype
+        if fp32:
+            return torch.mul(xhat, weight, out=squares)
         return (xhat * weight.float()).to(x.dtype)
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor | None, None]:
         xhat, rstd, weight = ctx.saved_tensors
-        g = grad.float()
-        w = weight.float()
-        grad_w = None
+        dim = xhat.shape[-1]
+        g = grad if grad.dtype == torch.float32 else grad.float()
+        w = weight if weight.dtype == torch.float32 else weight.float()
         gxhat = g * xhat
+        grad_w = None
         if ctx.needs_input_grad[1]:
-            grad_w = gxhat.reshape(-1, xhat.shape[-1]).sum(0).to(weight.dtype)
+            grad_w = gxhat.reshape(-1, dim).sum(0)
+            grad_w = grad_w if weight.dtype == torch.float32 else grad_w.to(weight.dtype)
         grad_x = None
         if ctx.needs_input_grad[0]:
-            mean_gwx = torch.matmul(gxhat, w).unsqueeze(-1).div_(xhat.shape[-1])  # mean(g w xhat) per row
-            grad_x = (g * w).mul_(rstd).addcmul_(xhat, mean_gwx.mul_(rstd), value=-1.0).to(ctx.x_dtype)
+            rstd_mean = torch.matmul(gxhat, w).unsqueeze_(-1).mul_(rstd)  # rstd * sum(g w xhat) per row (an mv)
+            grad_x = torch.mul(g, w, out=gxhat).mul_(rstd).addcmul_(xhat, rstd_mean, value=-1.0 / dim)
+            grad_x = grad_x if grad.dtype == torch.float32 else grad_x.to(grad.dtype)
         return grad_x, grad_w, None
 
 
@@ -81,50 +88,101 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return out
 
 
-def _rotate_into(out: torch.Tensor, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, inverse: bool) -> None:
-    """``out = x * cos + rotate_half(x) * sin`` (or its transpose) in three kernels, no ``neg``/``cat``.
+_TABLE_CAP = 1 << 20  # elements of one expanded per-head table; larger ones stay broadcast views
 
-    With halves ``x = [x1, x2]``: ``out1 = c1 x1 - s1 x2``, ``out2 = c2 x2 + s2 x1``. The transpose
-    (the backward) is ``out1 = c1 x1 + s2 x2``, ``out2 = c2 x2 - s1 x1``.
+
+class _RopeTables:
+    """The tables one RoPE position table pair ``(cos, sin)`` needs, per head count.
+
+    With halves ``s = [s1, s2]``: ``x * cos + rotate_half(x) * sin = x * cos + roll(x) * [-s1, s2]``
+    (``roll`` swaps the halves), and the transpose is ``g * cos + roll(g) * [s2, -s1]``. Shared
+    ``[T, hd]`` tables are expanded over the heads, so each product runs as one contiguous loop
+    over ``T * heads * hd`` elements rather than ``T * heads`` loops of ``hd``; per-token
+    ``[B, T, hd]`` tables (and very long ones) stay broadcast views. They are built for the
+    first layer and reused by every other layer, by the backward and by later forwards over
+    the same positions: on this path every tensor call costs microseconds, whatever its size.
     """
-    half = x.shape[-1] // 2
-    x1, x2 = x[..., :half], x[..., half:]
-    s1, s2 = sin[..., :half], sin[..., half:]
-    torch.mul(x, cos, out=out)
-    if inverse:
-        out[..., :half].addcmul_(x2, s2)
-        out[..., half:].addcmul_(x1, s1, value=-1.0)
-    else:  # a product, then a sum (no fused multiply-add): bitwise the plain formulation's (and HF's) forward
-        out[..., :half].sub_(x2 * s1)
-        out[..., half:].add_(x1 * s2)
+
+    def __init__(self, cos: torch.Tensor, sin: torch.Tensor) -> None:
+        half = cos.shape[-1] // 2
+        s1, s2 = sin.split(half, -1)
+        self.key = _table_key(cos, sin)
+        self._cos, self._sin = cos, sin  # holds their storage, so no other tensor can take its address
+        self._base = (cos, torch.cat((-s1, s2), -1), torch.cat((s2, -s1), -1))
+        self._per_heads: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
+
+    def get(self, heads: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``(cos, sin for the forward, sin for the transpose)``, each broadcastable to ``[..., T, heads, hd]``."""
+        tables = self._per_heads.get(heads)
+        if tables is None:
+            shape = (*self._cos.shape[:-1], heads, self._cos.shape[-1])
+            expand = self._cos.dim() == 2 and math.prod(shape) <= _TABLE_CAP
+            views = [t.unsqueeze(-2) for t in self._base]
+            c, fwd, bwd = [v.expand(shape).contiguous() for v in views] if expand else views
+            tables = self._per_heads[heads] = (c, fwd, bwd)
+        return tables
+
+
+def _table_key(cos: torch.Tensor, sin: torch.Tensor) -> tuple[object, ...]:
+    """Same key, same numbers: the same memory, viewed the same way, not written since (a view shares
+    its base's version counter, so an in-place write to the buffer changes the key)."""
+    return tuple((t.data_ptr(), t.shape, t.stride(), t.dtype, t._version) for t in (cos, sin))
+
+
+_last_tables: _RopeTables | None = None
+
+
+def _rope_tables(cos: torch.Tensor, sin: torch.Tensor) -> _RopeTables:
+    """The :class:`_RopeTables` of this ``(cos, sin)`` pair, reused while the same table slices come
+    back unmodified: every layer of a forward, and every forward at the same sequence length."""
+    global _last_tables
+    last = _last_tables
+    if last is None or last.key != _table_key(cos, sin):
+        last = _last_tables = _RopeTables(cos, sin)
+    return last
+
+
+def _rotate(x: torch.Tensor, cos: torch.Tensor, swapped_sin: torch.Tensor) -> torch.Tensor:
+    """``x * cos + roll(x) * swapped_sin`` in fp32, cast back to ``x``'s dtype.
+
+    Each element is one product plus one product, rounded as the plain ``rotate_half``
+    formulation rounds them (``x2 * -s1`` is ``-(x2 * s1)`` exactly), so the forward is
+    bitwise the plain one.
+    """
+    xf = x if x.dtype == torch.float32 else x.float()
+    out = torch.mul(xf, cos).add_(xf.roll(x.shape[-1] // 2, -1).mul_(swapped_sin))
+    return out if out.dtype == x.dtype else out.to(x.dtype)
 
 
 class _RotaryFn(torch.autograd.Function):
-    """RoPE in fp32; the rotation is linear in ``x``, so the backward is its transpose and only
-    the (broadcast views of the) tables are saved."""
+    """RoPE in fp32 of any number of ``[B, T, H, hd]`` tensors at the same positions (q and k in
+    one call). The rotation is linear in ``x``, so the backward is its transpose; nothing is
+    saved but the tables (derived from the model's RoPE buffers, shared by every layer)."""
 
     @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        cos, sin = cos.unsqueeze(-2), sin.unsqueeze(-2)  # broadcast over heads
-        ctx.save_for_backward(cos, sin)
-        xf = x.float()
-        out = torch.empty_like(xf)
-        _rotate_into(out, xf, cos, sin, inverse=False)
-        return out.to(x.dtype)
+    def forward(ctx: Any, cos: torch.Tensor, sin: torch.Tensor, *xs: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        tables = _rope_tables(cos, sin)
+        ctx.tables = tables
+        out = []
+        for x in xs:
+            c, s_fwd, _ = tables.get(x.shape[-2])
+            out.append(_rotate(x, c, s_fwd))
+        return tuple(out)
 
     @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
-        cos, sin = ctx.saved_tensors
-        g = grad.float()
-        out = torch.empty_like(g)
-        _rotate_into(out, g, cos, sin, inverse=True)
-        return out.to(grad.dtype), None, None
+    def backward(ctx: Any, *grads: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        out: list[torch.Tensor | None] = [None, None]
+        for g in grads:
+            c, _, s_bwd = ctx.tables.get(g.shape[-2])
+            out.append(_rotate(g, c, s_bwd))
+        return tuple(out)
 
 
-def rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """``x * cos + rotate_half(x) * sin`` (``cos``/``sin`` without the heads dimension), in fp32, cast back."""
-    out = _RotaryFn.apply(x, cos, sin)
-    assert isinstance(out, torch.Tensor)
+def rotary(xs: tuple[torch.Tensor, ...], cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """``x * cos + rotate_half(x) * sin`` of each ``[B, T, H, hd]`` ``x`` (``cos``/``sin`` ``[T, hd]`` or
+    ``[B, T, hd]``, without the heads dimension), in fp32, cast back."""
+    out = _RotaryFn.apply(cos, sin, *xs)
+    assert isinstance(out, tuple)
     return out
 
 
@@ -134,17 +192,18 @@ class _GeluTanhFn(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor) -> torch.Tensor:
         ctx.save_for_backward(x)
-        return torch.addcmul(x, x * x, x, value=_GELU_A).mul_(2.0 * _GELU_K).sigmoid_().mul_(x)
+        u = x * x  # one buffer, reused in place: every fresh activation-sized buffer costs page faults on CPU
+        return torch.addcmul(x, u, x, value=_GELU_A, out=u).mul_(2.0 * _GELU_K).sigmoid_().mul_(x)
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:
-        # d/dx [x s(v)] = s + x s (1 - s) v',  v = 2k (x + a x^3),  v' = 2k (1 + 3 a x^2)
+        # d/dx [x s(v)] = s + x s (1 - s) v',  v = 2k (x + a x^3),  x v' = 2k (x + 3a x^3)
         (x,) = ctx.saved_tensors
-        x2 = x * x
-        s = torch.addcmul(x, x2, x, value=_GELU_A).mul_(2.0 * _GELU_K).sigmoid_()
-        x_dv = x2.mul_(6.0 * _GELU_K * _GELU_A).add_(2.0 * _GELU_K).mul_(x)
-        s_1ms = torch.addcmul(s, s, s, value=-1.0)
-        return s.addcmul_(x_dv, s_1ms).mul_(grad)
+        x_dv = x * x
+        s = torch.addcmul(x, x_dv, x, value=_GELU_A).mul_(2.0 * _GELU_K).sigmoid_()
+        torch.addcmul(x, x_dv, x, value=3.0 * _GELU_A, out=x_dv)  # x v' / 2k
+        torch.ops.aten.sigmoid_backward(x_dv, s, grad_input=x_dv)  # x v' s (1 - s) / 2k
+        return s.add_(x_dv, alpha=2.0 * _GELU_K).mul_(grad)
 
 
 def gelu_tanh(x: torch.Tensor) -> torch.Tensor:

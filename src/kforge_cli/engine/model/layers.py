@@ -97,8 +97,19 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
     The rotation runs in fp32 (angles of long positions need it) and is cast back.
     """
     if eager_cpu.eager_cpu(x, cos, sin):
-        return eager_cpu.rotary(x, cos, sin)
+        return eager_cpu.rotary((x,), cos, sin)[0]
     cos = cos.unsqueeze(-2)  # broadcast over heads
     sin = sin.unsqueeze(-2)
     xf = x.float()
     return (xf * cos + rotate_half(xf) * sin).to(x.dtype)
+
+
+def apply_rotary_pair(
+    q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`apply_rotary` of queries and keys at the same positions (on eager CPU in one call
+    that builds the tables once)."""
+    if eager_cpu.eager_cpu(q, k, cos, sin):
+        rq, rk = eager_cpu.rotary((q, k), cos, sin)
+        return rq, rk
+    return apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)

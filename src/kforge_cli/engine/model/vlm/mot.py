@@ -20,7 +20,7 @@ import torch
 from torch import nn
 
 from kforge_cli.engine.model.kv_cache import KVCache, self_attention
-from kforge_cli.engine.model.layers import apply_rotary
+from kforge_cli.engine.model.layers import apply_rotary_pair
 from kforge_cli.engine.model.transformer import TransformerBlock
 from kforge_cli.settings.training import ModelSettings
 
@@ -119,8 +119,10 @@ class MoTBlock(nn.Module):
         bsz, seqlen, dim = x.shape
         flat = x.reshape(-1, dim)
         q, k, v = self._qkv(flat, routes)
-        q = apply_rotary(q.view(bsz, seqlen, -1, self.head_dim), cos, sin).transpose(1, 2)
-        k = apply_rotary(k.view(bsz, seqlen, -1, self.head_dim), cos, sin).transpose(1, 2)
+        q, k = apply_rotary_pair(
+            q.view(bsz, seqlen, -1, self.head_dim), k.view(bsz, seqlen, -1, self.head_dim), cos, sin
+        )
+        q, k = q.transpose(1, 2), k.transpose(1, 2)
         v = v.view(bsz, seqlen, -1, self.head_dim).transpose(1, 2)
         att = self_attention(q, k, v, mask, self.kv_cache, self)
         experts = dict(self.experts.items())
