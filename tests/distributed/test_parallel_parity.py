@@ -77,6 +77,7 @@ TWO_RANKS: dict[str, tuple[list[str], list[str]]] = {
     "moe_tp_no_sp": (
         [*MOE_TP, "--distributed.tp=2", "--distributed.sequence_parallel=false", "--distributed.loss_parallel=false"],
         MOE_TP,
+    ),
     # MoE through the pipeline schedule: aux-loss gradients fed on every stage, biases per stage; with
     # evaluation (the schedule re-infers shapes after it), zero bubble's split backward, and AC recompute
     "moe_pp2": ([*MOE, *PP, *EVAL], [*MOE, *EVAL]),
