@@ -140,7 +140,7 @@ FOUR_RANKS: dict[str, tuple[list[str], list[str]]] = {
         ["--train.batch_size=4", *MOE],
     ),
     # EP x TP: dp_shard 2 = ep 2; each TP index has its own EP group exchanging the same tokens
-    "moe_ep2_tp2": ([*MOE, "--distributed.ep=2", "--distributed.tp=2"], ["--train.batch_size=4", *MOE]),
+    "moe_ep2_tp2": ([*MOE_TP, "--distributed.ep=2", "--distributed.tp=2"], ["--train.batch_size=4", *MOE_TP]),
     # pipeline x expert parallelism: pp 2 x (dp_shard 2 = ep 2)
     "moe_pp2_ep2": ([*MOE, *PP, "--distributed.ep=2"], ["--train.batch_size=4", *MOE]),
 }
