@@ -1,30 +1,34 @@
-"""Cheaper eager CPU formulations of RMSNorm, RoPE and tanh-GELU, with closed-form backwards.
+"""Cheaper eager CPU formulations of the block's layers, with closed-form backwards.
 
 Why: on CPU, eager autograd runs every elementwise op as its own kernel over the whole
-activation, and three of the model's layers are composites of many such ops. ``F.rms_norm``
-is a composite (pow, mean, add, rsqrt, two muls) whose backward runs another ten kernels;
-``rotate_half`` costs a ``neg``, a ``cat`` and, in the backward, two zero-filled slice
-gradients; and ``F.gelu(approximate="tanh")`` calls a tanh that the CPU kernel computes
-slowly (about as slow as the MLP's matmul on small widths). Here each is one small
-``autograd.Function`` computing the same function with fewer kernels:
+activation and every call costs microseconds of dispatch, and three of the model's layers
+are composites of many such ops. ``F.rms_norm`` is a composite (pow, mean, add, rsqrt, two
+muls) whose backward runs another ten kernels; ``rotate_half`` costs a ``neg``, a ``cat``
+and, in the backward, two zero-filled slice gradients; and ``F.gelu(approximate="tanh")``
+calls a tanh that the CPU kernel computes slowly (about as slow as the MLP's matmul on
+small widths). Here they are ``autograd.Function``s computing the same functions with
+fewer kernels and calls:
 
 - RMSNorm: the forward is the composite's own op sequence (bitwise equal); the backward is
   the closed form ``rstd * (g w - xhat * mean(g w xhat))``, ``sum(g xhat)`` for the weight.
   It saves the normalised input and ``rstd`` (what the fused CUDA kernel saves, in bytes),
   not the composite's input *and* normalised input.
-- RoPE: ``x * cos + roll(x) * [-s1, s2]`` for q and k in one call, with per-head tables built
+- RoPE: ``x * cos + roll(x) * [-s1, s2]`` for q and k in one pass, with per-head tables built
   once per position slice (:class:`_RopeTables`); its backward is the transposed rotation.
   It saves no activation, only (a reference to) the tables.
-- tanh-GELU: ``0.5 x (1 + tanh(u)) = x * sigmoid(2u)`` exactly (``u = sqrt(2/pi)(x + 0.044715 x^3)``),
-  and sigmoid is a fast CPU kernel; the backward recomputes from the saved input, as
-  ``aten::gelu_backward`` does. fp32 inputs only (a bf16 composite would round more often
-  than the native kernel, which computes in fp32).
+- Attention's input side (:func:`qkv_rope`): the block's RMSNorm, the q/k/v projections as
+  one matmul over the stacked weights, and RoPE, in one call.
+- The MLP's input side (:func:`linear_gelu`): the block's RMSNorm, ``w1`` and tanh-GELU as
+  ``h * sigmoid(2u)`` (exactly ``0.5 h (1 + tanh(u))``; sigmoid is a fast CPU kernel), whose
+  derivative is computed in the forward and saved in place of its input.
 
-The results differ from the composite formulations by float rounding only (tests compare
-forward and gradients); the RMSNorm and RoPE forwards are bitwise the plain ones. They run only for plain CPU tensors outside ``torch.compile``
-(:func:`eager_cpu`): under compile the plain formulations are what the compiler fuses (the
-fast path on GPU), DTensor inputs need the plain ops DTensor knows how to shard, and CUDA
-has fused kernels of its own.
+Everything saves the same bytes as the unfused layers (the planner's formula test checks
+it). The results differ from the plain formulations by float rounding only (tests compare
+forwards and gradients); the RMSNorm and RoPE forwards are bitwise the plain ones. They run
+only for plain fp32 CPU tensors outside ``torch.compile`` (:func:`eager_cpu`, :func:`fusable`):
+under compile the plain formulations are what the compiler fuses (the fast path on GPU),
+DTensor inputs need the plain ops DTensor knows how to shard, and CUDA has fused kernels of
+its own.
 """
 
 from __future__ import annotations
@@ -47,38 +51,47 @@ def eager_cpu(*tensors: torch.Tensor) -> bool:
     return all(type(t) in _PLAIN and t.device.type == "cpu" for t in tensors)
 
 
+def _rms_forward(xf: torch.Tensor, weight: torch.Tensor, eps: float) -> tuple[torch.Tensor, ...]:
+    """``(xhat, rstd, xhat * weight)`` of an fp32 ``xf``: the composite's own op sequence (bitwise equal)."""
+    squares = xf * xf  # what pow(2) computes; its buffer then takes the output (one buffer fewer)
+    rstd = squares.mean(-1, keepdim=True).add_(eps).rsqrt_()
+    xhat = xf * rstd
+    w = weight if weight.dtype == torch.float32 else weight.float()
+    return xhat, rstd, torch.mul(xhat, w, out=squares)
+
+
+def _rms_backward(
+    g: torch.Tensor, xhat: torch.Tensor, rstd: torch.Tensor, weight: torch.Tensor, need_weight: bool
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """fp32 ``(grad_x, grad_weight)`` from the fp32 gradient ``g`` of the norm's output (closed form)."""
+    dim = xhat.shape[-1]
+    w = weight if weight.dtype == torch.float32 else weight.float()
+    gxhat = g * xhat
+    grad_w = gxhat.reshape(-1, dim).sum(0) if need_weight else None
+    rstd_mean = torch.matmul(gxhat, w).unsqueeze_(-1).mul_(rstd)  # rstd * sum(g w xhat) per row (an mv)
+    grad_x = torch.mul(g, w, out=gxhat).mul_(rstd).addcmul_(xhat, rstd_mean, value=-1.0 / dim)
+    return grad_x, grad_w
+
+
 class _RMSNormFn(torch.autograd.Function):
     """RMSNorm over the last dimension in fp32 (see the module docstring)."""
 
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-        fp32 = x.dtype == torch.float32 and weight.dtype == torch.float32
-        xf = x if fp32 else x.float()
-        squares = xf * xf  # what pow(2) computes; its buffer then takes the output (one buffer fewer)
-        rstd = squares.mean(-1, keepdim=True).add_(eps).rsqrt_()
-        xhat = xf * rstd
+        xhat, rstd, out = _rms_forward(x if x.dtype == torch.float32 else x.float(), weight, eps)
         ctx.save_for_backward(xhat, rstd, weight)
-        if fp32:
-            return torch.mul(xhat, weight, out=squares)
-        return (xhat * weight.float()).to(x.dtype)
+        return out if out.dtype == x.dtype else out.to(x.dtype)
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor | None, None]:
         xhat, rstd, weight = ctx.saved_tensors
-        dim = xhat.shape[-1]
         g = grad if grad.dtype == torch.float32 else grad.float()
-        w = weight if weight.dtype == torch.float32 else weight.float()
-        gxhat = g * xhat
-        grad_w = None
-        if ctx.needs_input_grad[1]:
-            grad_w = gxhat.reshape(-1, dim).sum(0)
-            grad_w = grad_w if weight.dtype == torch.float32 else grad_w.to(weight.dtype)
-        grad_x = None
-        if ctx.needs_input_grad[0]:
-            rstd_mean = torch.matmul(gxhat, w).unsqueeze_(-1).mul_(rstd)  # rstd * sum(g w xhat) per row (an mv)
-            grad_x = torch.mul(g, w, out=gxhat).mul_(rstd).addcmul_(xhat, rstd_mean, value=-1.0 / dim)
-            grad_x = grad_x if grad.dtype == torch.float32 else grad_x.to(grad.dtype)
-        return grad_x, grad_w, None
+        grad_x, grad_w = _rms_backward(g, xhat, rstd, weight, ctx.needs_input_grad[1])
+        if grad_w is not None and grad_w.dtype != weight.dtype:
+            grad_w = grad_w.to(weight.dtype)
+        if grad_x.dtype != grad.dtype:
+            grad_x = grad_x.to(grad.dtype)
+        return (grad_x if ctx.needs_input_grad[0] else None), grad_w, None
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -121,6 +134,14 @@ class _RopeTables:
             c, fwd, bwd = [v.expand(shape).contiguous() for v in views] if expand else views
             tables = self._per_heads[heads] = (c, fwd, bwd)
         return tables
+
+    def head_major(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The base tables as views broadcastable to head-major ``[B, heads, T, hd]`` tensors, where
+        they need no expansion over the heads (each is one contiguous run of ``T * hd``)."""
+        if self._cos.dim() == 2:
+            return self._base
+        c, fwd, bwd = self._base
+        return c.unsqueeze(1), fwd.unsqueeze(1), bwd.unsqueeze(1)
 
 
 def _table_key(cos: torch.Tensor, sin: torch.Tensor) -> tuple[object, ...]:
@@ -186,28 +207,148 @@ def rotary(xs: tuple[torch.Tensor, ...], cos: torch.Tensor, sin: torch.Tensor) -
     return out
 
 
-class _GeluTanhFn(torch.autograd.Function):
-    """``x * sigmoid(2 sqrt(2/pi) (x + 0.044715 x^3))``, equal to tanh-GELU; saves only ``x``."""
+def fusable(*tensors: torch.Tensor) -> bool:
+    """The fused projections below apply: :func:`eager_cpu`, fp32 throughout, and no CPU autocast."""
+    return (
+        eager_cpu(*tensors) and all(t.dtype == torch.float32 for t in tensors) and not torch.is_autocast_enabled("cpu")
+    )
+
+
+def _normed_input(
+    x: torch.Tensor, norm_weight: torch.Tensor | None, eps: float
+) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+    """``(linear input, xhat, rstd)``: the RMSNorm of ``x`` when there is a norm weight, else ``x`` itself."""
+    if norm_weight is None:
+        return x, None, None
+    xhat, rstd, normed = _rms_forward(x, norm_weight, eps)
+    return normed, xhat, rstd
+
+
+def _input_grads(
+    ctx: Any, grad_normed: torch.Tensor, xhat: torch.Tensor | None, rstd: torch.Tensor | None, nw: torch.Tensor | None
+) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """``(grad_x, grad_norm_weight)`` of a fused projection from the gradient of its linear input."""
+    if nw is None or xhat is None or rstd is None:
+        return grad_normed, None
+    return _rms_backward(grad_normed, xhat, rstd, nw, ctx.needs_input_grad[1])
+
+
+def _weight_grad(g: torch.Tensor, inputs: torch.Tensor) -> torch.Tensor:
+    """``g^T @ inputs`` over all leading dimensions: a linear layer's weight gradient."""
+    return torch.mm(g.flatten(0, -2).t(), inputs.flatten(0, -2))
+
+
+class _QKVRopeFn(torch.autograd.Function):
+    """Attention's input side in one call: optional RMSNorm, the q/k/v projections as one matmul
+    over the stacked weights, and RoPE of q and k (see :func:`qkv_rope`)."""
 
     @staticmethod
-    def forward(ctx: Any, x: torch.Tensor) -> torch.Tensor:
-        ctx.save_for_backward(x)
-        u = x * x  # one buffer, reused in place: every fresh activation-sized buffer costs page faults on CPU
-        return torch.addcmul(x, u, x, value=_GELU_A, out=u).mul_(2.0 * _GELU_K).sigmoid_().mul_(x)
+    def forward(
+        ctx: Any,
+        x: torch.Tensor,
+        norm_weight: torch.Tensor | None,
+        eps: float,
+        wq: torch.Tensor,
+        wk: torch.Tensor,
+        wv: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        head_dim: int,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        normed, xhat, rstd = _normed_input(x, norm_weight, eps)
+        q_dim, kv_dim = wq.shape[0], wk.shape[0]
+        qkv = torch.nn.functional.linear(normed, torch.cat((wq, wk, wv)))  # [B, T, q + 2 kv]
+        hq, hk = q_dim // head_dim, kv_dim // head_dim
+        tables = _rope_tables(cos, sin)
+        c, s_fwd, _ = tables.get(hq + hk)
+        # q and k are rotated in one pass into one token-major buffer: attention's output then comes
+        # out token-major too, so the output projection's input is a view of it, not a copy.
+        rotated = _rotate(qkv[..., : q_dim + kv_dim].unflatten(-1, (hq + hk, head_dim)), c, s_fwd)
+        # A copy, so attention keeps only v alive for its backward, not the whole q/k/v buffer.
+        v = qkv[..., q_dim + kv_dim :].unflatten(-1, (hk, head_dim)).contiguous()
+        ctx.save_for_backward(normed, xhat, rstd, norm_weight, wq, wk, wv)
+        ctx.tables = tables
+        ctx.heads = (hq, hk, head_dim)
+        return rotated[..., :hq, :], rotated[..., hq:, :], v
 
     @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:
-        # d/dx [x s(v)] = s + x s (1 - s) v',  v = 2k (x + a x^3),  x v' = 2k (x + 3a x^3)
-        (x,) = ctx.saved_tensors
-        x_dv = x * x
-        s = torch.addcmul(x, x_dv, x, value=_GELU_A).mul_(2.0 * _GELU_K).sigmoid_()
-        torch.addcmul(x, x_dv, x, value=3.0 * _GELU_A, out=x_dv)  # x v' / 2k
-        torch.ops.aten.sigmoid_backward(x_dv, s, grad_input=x_dv)  # x v' s (1 - s) / 2k
-        return s.add_(x_dv, alpha=2.0 * _GELU_K).mul_(grad)
+    def backward(ctx: Any, gq: torch.Tensor, gk: torch.Tensor, gv: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        normed, xhat, rstd, nw, wq, wk, wv = ctx.saved_tensors
+        hq, hk, hd = ctx.heads
+        c, _, s_bwd = ctx.tables.head_major()
+        g = gv.new_empty(*gv.shape[:-2], (hq + 2 * hk) * hd)  # the stacked projection's output gradient
+        for grad, first, heads in ((gq, 0, hq), (gk, hq * hd, hk)):
+            # Attention's backward returns head-major gradients, where the tables broadcast over the
+            # heads as they are: rotate there, then write token-major into the projection's gradient.
+            grad_hm = grad.transpose(1, 2)
+            rotated = torch.addcmul(grad_hm.roll(hd // 2, -1).mul_(s_bwd), grad_hm, c)  # the transposed rotation
+            g[..., first : first + heads * hd].unflatten(-1, (heads, hd)).copy_(rotated.transpose(1, 2))
+        g[..., (hq + hk) * hd :].unflatten(-1, (hk, hd)).copy_(gv)
+        grad_x, grad_nw = _input_grads(ctx, torch.matmul(g, torch.cat((wq, wk, wv))), xhat, rstd, nw)
+        gw = _weight_grad(g, normed)
+        gwq, gwk, gwv = gw.split((wq.shape[0], wk.shape[0], wv.shape[0]))
+        return grad_x, grad_nw, None, gwq, gwk, gwv, None, None, None
 
 
-def gelu_tanh(x: torch.Tensor) -> torch.Tensor:
-    """tanh-approximated GELU of an fp32 tensor (see :class:`_GeluTanhFn`)."""
-    out = _GeluTanhFn.apply(x)
+def qkv_rope(
+    x: torch.Tensor,
+    norm_weight: torch.Tensor | None,
+    eps: float,
+    weights: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    head_dim: int,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(q, k, v)`` ``[B, T, heads, head_dim]`` of ``x`` ``[B, T, D]``: RMSNorm (with ``norm_weight``; none
+    without), the projections ``wq, wk, wv`` and RoPE of q and k, in fp32.
+
+    One matmul over the stacked weights instead of three (and one for the input gradient
+    instead of three plus two adds); q and k are rotated in one pass over a view of its
+    output and come back as views of one buffer; v is copied out so attention does not keep
+    the whole buffer. It saves what the unfused layers save: the norm's normalised input and
+    ``rstd`` and its output (the projections' input); RoPE saves nothing. The forward is the
+    unfused one's arithmetic (each output element is the same dot product).
+    """
+    wq, wk, wv = weights
+    out = _QKVRopeFn.apply(x, norm_weight, eps, wq, wk, wv, cos, sin, head_dim)
+    assert isinstance(out, tuple)
+    return out
+
+
+class _LinearGeluFn(torch.autograd.Function):
+    """The MLP's input side in one call: optional RMSNorm, ``w1`` and tanh-GELU (see :func:`linear_gelu`)."""
+
+    @staticmethod
+    def forward(
+        ctx: Any, x: torch.Tensor, norm_weight: torch.Tensor | None, eps: float, w1: torch.Tensor, grad: bool
+    ) -> torch.Tensor:
+        normed, xhat, rstd = _normed_input(x, norm_weight, eps)
+        h = torch.nn.functional.linear(normed, w1)
+        u = h * h  # one buffer, reused in place: every fresh activation-sized buffer costs page faults on CPU
+        s = torch.addcmul(h, u, h, value=_GELU_A).mul_(2.0 * _GELU_K).sigmoid_()
+        out = h * s
+        if grad:  # d/dh [h s(v)] = s + h s (1 - s) v',  v = 2k (h + a h^3),  h v' = 2k (h + 3a h^3)
+            hv = torch.addcmul(h, u, h, value=3.0 * _GELU_A, out=u)  # h v' / 2k
+            torch.ops.aten.sigmoid_backward(hv, s, grad_input=hv)  # h v' s (1 - s) / 2k
+            ctx.save_for_backward(normed, xhat, rstd, norm_weight, w1, s.add_(hv, alpha=2.0 * _GELU_K))
+        return out
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        normed, xhat, rstd, nw, w1, derivative = ctx.saved_tensors
+        gh = grad * derivative
+        grad_x, grad_nw = _input_grads(ctx, torch.matmul(gh, w1), xhat, rstd, nw)
+        return grad_x, grad_nw, None, _weight_grad(gh, normed), None
+
+
+def linear_gelu(x: torch.Tensor, norm_weight: torch.Tensor | None, eps: float, w1: torch.Tensor) -> torch.Tensor:
+    """``gelu_tanh(w1 @ rms_norm(x))`` (no norm without ``norm_weight``) of fp32 ``x``, in one call.
+
+    tanh-GELU is computed as ``h * sigmoid(2u)`` (``u = sqrt(2/pi)(h + 0.044715 h^3)``: equal to
+    ``0.5 h (1 + tanh(u))``, and sigmoid is a much faster CPU kernel than tanh). The forward
+    also computes the GELU's derivative and saves it *instead of* its input (same bytes), so
+    the backward is one multiply rather than the native kernel's tanh recomputation.
+    """
+    out = _LinearGeluFn.apply(x, norm_weight, eps, w1, torch.is_grad_enabled())
     assert isinstance(out, torch.Tensor)
     return out

@@ -7,6 +7,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from kforge_cli.engine.model import eager_cpu
+from kforge_cli.engine.model.layers import RMSNorm
 from kforge_cli.settings.training import ModelSettings
 
 
@@ -32,10 +33,15 @@ class FeedForward(nn.Module):
             nn.init.normal_(self.w3.weight, mean=0.0, std=std)
         nn.init.normal_(self.w2.weight, mean=0.0, std=out_std)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, norm: nn.Module | None = None) -> torch.Tensor:
+        """``norm``: a pre-norm to apply to ``x`` first. The block passes its own only on the eager
+        CPU path, where GELU's input side runs fused with an RMSNorm (``eager_cpu.linear_gelu``)."""
+        if self.w3 is None and type(self.w1) is nn.Linear and eager_cpu.fusable(x, self.w1.weight):
+            if isinstance(norm, RMSNorm) and eager_cpu.fusable(norm.weight):
+                return self.w2(eager_cpu.linear_gelu(x, norm.weight, norm.eps, self.w1.weight))
+            return self.w2(eager_cpu.linear_gelu(x if norm is None else norm(x), None, 0.0, self.w1.weight))
+        if norm is not None:
+            x = norm(x)
         if self.w3 is not None:
             return self.w2(F.silu(self.w1(x)) * self.w3(x))
-        hidden = self.w1(x)
-        if hidden.dtype == torch.float32 and eager_cpu.eager_cpu(hidden):
-            return self.w2(eager_cpu.gelu_tanh(hidden))  # same function, a faster CPU kernel
-        return self.w2(F.gelu(hidden, approximate="tanh"))
+        return self.w2(F.gelu(self.w1(x), approximate="tanh"))

@@ -17,6 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from kforge_cli.engine.model import eager_cpu
 from kforge_cli.engine.model.attention import Attention, residual_std
 from kforge_cli.engine.model.attention_mask import AttentionMask, build_attention_mask
 from kforge_cli.engine.model.kv_cache import KVCache
@@ -51,6 +52,11 @@ class TransformerBlock(nn.Module):
     def forward(
         self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: AttentionMask | torch.Tensor | None = None
     ) -> torch.Tensor:
+        if eager_cpu.fusable(x):  # the norms run fused with the projections after them
+            h = x + self.attention(x, cos, sin, mask, norm=self.attention_norm)
+            if isinstance(self.feed_forward, FeedForward):
+                return h + self.feed_forward(h, norm=self.ffn_norm)
+            return h + self.feed_forward(self.ffn_norm(h))
         h = x + self.attention(self.attention_norm(x), cos, sin, mask)
         return h + self.feed_forward(self.ffn_norm(h))
 
