@@ -52,13 +52,23 @@ class TransformerBlock(nn.Module):
     def forward(
         self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: AttentionMask | torch.Tensor | None = None
     ) -> torch.Tensor:
-        if eager_cpu.fusable(x):  # the norms run fused with the projections after them
+        if self._fuses_norms(x):  # the norms run fused with the projections after them
             h = x + self.attention(x, cos, sin, mask, norm=self.attention_norm)
             if isinstance(self.feed_forward, FeedForward):
                 return h + self.feed_forward(h, norm=self.ffn_norm)
             return h + self.feed_forward(self.ffn_norm(h))
         h = x + self.attention(self.attention_norm(x), cos, sin, mask)
         return h + self.feed_forward(self.ffn_norm(h))
+
+    def _fuses_norms(self, x: torch.Tensor) -> bool:
+        """Eager CPU with plain fp32 norm weights and no hooks on the norms, attention or MLP (tensor
+        and sequence parallelism hook them and expect the normed input): the norms may then run
+        inside the projections' fused calls (``eager_cpu.qkv_rope``/``linear_gelu``)."""
+        parts = (self.attention_norm, self.attention, self.ffn_norm, self.feed_forward)
+        if any(m._forward_hooks or m._forward_pre_hooks for m in parts):
+            return False
+        norms = (self.attention_norm, self.ffn_norm)
+        return eager_cpu.fusable(x, *(p for m in norms for p in m.parameters(recurse=False)))
 
 
 class Transformer(nn.Module):

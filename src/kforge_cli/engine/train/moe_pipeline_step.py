@@ -33,7 +33,6 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
-from kforge_cli.engine.data.tokens import IGNORE_INDEX
 from kforge_cli.engine.model.moe import MoEFeedForward, finish_moe_step, moe_layers
 from kforge_cli.engine.model.moe.layer import in_backward
 from kforge_cli.engine.parallel import training_step_infers_metadata
@@ -121,9 +120,8 @@ class MoEPipelineStep(PipelineStep):
         if self.feed is None:
             self.feed = AuxLossFeed(session.pipeline.modules)
         share_load_over_data_parallel(session)
-        valid = torch.stack([(mb["labels"] != IGNORE_INDEX).sum() for mb in micro_batches]).to(norm.scale.device)
         infers = training_step_infers_metadata(session.pipeline.schedule)
-        self.feed.start(valid.float() * norm.scale, infers_metadata=infers)
+        self.feed.start(norm.per_micro_batch.float() * norm.scale, infers_metadata=infers)
 
     def after_backward(self, session: TrainingSession) -> None:
         if self.feed is not None:

@@ -114,17 +114,19 @@ class TokenNormaliser:
 
     n_valid: torch.Tensor  # global valid tokens (int64 scalar on the device)
     scale: torch.Tensor  # loss_ranks / n_valid (times the fp16 loss scale)
+    per_micro_batch: torch.Tensor  # this rank's valid tokens of each micro-batch (int64 vector on the device)
 
     @classmethod
     def for_step(cls, session: TrainingSession, micro_batches: list[Batch]) -> TokenNormaliser:
         """Counted on the device (no host read; under CP after sharding, so each rank counts its part)."""
-        local = torch.stack([(mb["labels"] != IGNORE_INDEX).sum() for mb in micro_batches]).sum()
         runtime = session.runtime
-        n_valid = all_reduce_sum(local.to(runtime.device, torch.int64), runtime.loss_group())
+        counts = torch.stack([(mb["labels"] != IGNORE_INDEX).sum() for mb in micro_batches])
+        counts = counts.to(runtime.device, torch.int64)
+        n_valid = all_reduce_sum(counts.sum(), runtime.loss_group())
         scale = runtime.loss_ranks / n_valid.clamp(min=1).float()
         if session.grad_scaler is not None:
             scale = session.grad_scaler.scale(scale)  # fp16: gradients scaled up so they do not underflow
-        return cls(n_valid=n_valid, scale=scale)
+        return cls(n_valid=n_valid, scale=scale, per_micro_batch=counts)
 
     def mean(self, global_loss_sum: torch.Tensor) -> torch.Tensor:
         """The step's mean loss per valid token from the global loss sum (device scalar)."""
