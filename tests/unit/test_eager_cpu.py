@@ -122,6 +122,11 @@ def test_linear_gelu_is_norm_linear_and_the_native_gelu_up_to_rounding(normed: b
         torch.testing.assert_close(ours(*leaves), out, rtol=0, atol=0)
 
 
+def _unpair(x: torch.Tensor) -> torch.Tensor:
+    """Each head's dimensions from qkv_rope's pair order (0, h, 1, h + 1, ...) back to 0, 1, ..., 2h - 1."""
+    return x.unflatten(-1, (-1, 2)).transpose(-1, -2).flatten(-2)
+
+
 @pytest.mark.parametrize("normed", [True, False], ids=["rmsnorm", "no-norm"])
 @pytest.mark.parametrize("per_token", [False, True])
 def test_qkv_rope_is_norm_three_projections_and_rotate_half(normed: bool, per_token: bool) -> None:
@@ -142,7 +147,7 @@ def test_qkv_rope_is_norm_three_projections_and_rotate_half(normed: bool, per_to
     def ours(x: torch.Tensor, wq: torch.Tensor, wk: torch.Tensor, wv: torch.Tensor, *nw: torch.Tensor) -> torch.Tensor:
         q, k, v = eager_cpu.qkv_rope(x, nw[0] if nw else None, 1e-5, (wq, wk, wv), cos, sin, hd)
         assert q.shape == (2, 16, 4, hd) and k.shape == v.shape == (2, 16, 2, hd)
-        return torch.cat((q, k, v), dim=2)
+        return torch.cat((_unpair(q), _unpair(k), v), dim=2)
 
     def plain(x: torch.Tensor, wq: torch.Tensor, wk: torch.Tensor, wv: torch.Tensor, *nw: torch.Tensor) -> torch.Tensor:
         h = _plain_norm(x, nw[0] if nw else None)
@@ -155,6 +160,20 @@ def test_qkv_rope_is_norm_three_projections_and_rotate_half(normed: bool, per_to
     torch.testing.assert_close(out, ref, rtol=1e-6, atol=1e-6)
     for got, want in zip(grads, ref_grads, strict=True):
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_qkv_rope_scores_are_rotate_halfs_and_other_tables_are_not_paired() -> None:
+    """Attention's scores q . k from the pair-ordered q and k equal the plain layout's; tables whose
+    halves differ (not RoPE's) are refused by ``paired_rope``, so the block keeps them unfused."""
+    g = torch.Generator().manual_seed(0)
+    x, wq, wk = torch.randn(1, 6, 8, generator=g), torch.randn(8, 8, generator=g), torch.randn(8, 8, generator=g)
+    cos, sin = rope_tables(8, 6, 10_000.0)
+    q, k, _ = eager_cpu.qkv_rope(x, None, 0.0, (wq, wk, torch.randn(8, 8, generator=g)), cos, sin, 8)
+    plain = [(x @ w.t()).unflatten(-1, (1, 8)) for w in (wq, wk)]
+    pq, pk = (t * cos.unsqueeze(-2) + rotate_half(t) * sin.unsqueeze(-2) for t in plain)
+    assert not torch.equal(q, pq)  # the pair order is real
+    torch.testing.assert_close(torch.einsum("bqhd,bkhd->bhqk", q, k), torch.einsum("bqhd,bkhd->bhqk", pq, pk))
+    assert eager_cpu.paired_rope(cos, sin) and not eager_cpu.paired_rope(cos, sin * torch.linspace(0.5, 1.5, 8))
 
 
 def test_qkv_rope_keeps_only_v_of_the_projection_buffer() -> None:

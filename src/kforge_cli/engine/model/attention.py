@@ -84,6 +84,7 @@ class Attention(nn.Module):
             self.q_norm is None
             and all(type(m) is nn.Linear for m in linears)
             and eager_cpu.fusable(x, cos, sin, *weights)
+            and eager_cpu.paired_rope(cos, sin)
         ):
             if isinstance(norm, RMSNorm) and eager_cpu.fusable(norm.weight):
                 return eager_cpu.qkv_rope(x, norm.weight, norm.eps, weights, cos, sin, self.head_dim)

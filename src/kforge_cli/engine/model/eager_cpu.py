@@ -123,6 +123,9 @@ class _RopeTables:
         self._cos, self._sin = cos, sin  # holds their storage, so no other tensor can take its address
         self._base = (cos, torch.cat((-s1, s2), -1), torch.cat((s2, -s1), -1))
         self._per_heads: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
+        self._paired: bool | None = None
+        self._phases: dict[int, torch.Tensor] = {}
+        self._inverse: torch.Tensor | None = None
 
     def get(self, heads: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """``(cos, sin for the forward, sin for the transpose)``, each broadcastable to ``[..., T, heads, hd]``."""
@@ -135,13 +138,33 @@ class _RopeTables:
             tables = self._per_heads[heads] = (c, fwd, bwd)
         return tables
 
-    def head_major(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """The base tables as views broadcastable to head-major ``[B, heads, T, hd]`` tensors, where
-        they need no expansion over the heads (each is one contiguous run of ``T * hd``)."""
-        if self._cos.dim() == 2:
-            return self._base
-        c, fwd, bwd = self._base
-        return c.unsqueeze(1), fwd.unsqueeze(1), bwd.unsqueeze(1)
+    def paired(self) -> bool:
+        """Both halves of ``cos`` and of ``sin`` are equal (RoPE's tables: each frequency twice), so
+        the rotation is a complex multiplication of the pairs ``(x_i, x_{i + hd/2})``."""
+        if self._paired is None:
+            c1, c2 = self._cos.chunk(2, -1)
+            s1, s2 = self._sin.chunk(2, -1)
+            self._paired = bool(torch.equal(c1, c2) and torch.equal(s1, s2))
+        return self._paired
+
+    def phases(self, heads: int) -> torch.Tensor:
+        """``exp(i theta)`` ``[..., T, heads, hd/2]`` (complex), for token-major pairs; see :meth:`get`."""
+        table = self._phases.get(heads)
+        if table is None:
+            half = self._cos.shape[-1] // 2
+            base = torch.complex(self._cos[..., :half], self._sin[..., :half]).unsqueeze(-2)
+            shape = (*base.shape[:-2], heads, half)
+            expand = self._cos.dim() == 2 and math.prod(shape) <= _TABLE_CAP
+            table = self._phases[heads] = base.expand(shape).contiguous() if expand else base
+        return table
+
+    def inverse_phases_head_major(self) -> torch.Tensor:
+        """``exp(-i theta)`` broadcastable to head-major ``[B, heads, T, hd/2]`` pairs without expansion."""
+        if self._inverse is None:
+            half = self._cos.shape[-1] // 2
+            table = torch.complex(self._cos[..., :half], -self._sin[..., :half])
+            self._inverse = table if table.dim() == 2 else table.unsqueeze(1)
+        return self._inverse
 
 
 def _table_key(cos: torch.Tensor, sin: torch.Tensor) -> tuple[object, ...]:
@@ -238,6 +261,25 @@ def _weight_grad(g: torch.Tensor, inputs: torch.Tensor) -> torch.Tensor:
     return torch.mm(g.flatten(0, -2).t(), inputs.flatten(0, -2))
 
 
+def _pair_order(heads: int, kv_heads: int, head_dim: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Row order of the stacked ``[wq; wk; wv]`` whose q and k heads come out with their RoPE pairs
+    ``(i, i + hd/2)`` adjacent (``0, h, 1, h + 1, ...``; v as it is), and its inverse."""
+    key = (heads, kv_heads, head_dim, device)
+    order = _PAIR_ORDERS.get(key)
+    if order is None:
+        half = head_dim // 2
+        within = torch.arange(head_dim, device=device).view(2, half).t().reshape(-1)  # 0, h, 1, h + 1, ...
+        rotated = (torch.arange(heads, device=device) * head_dim).unsqueeze(1) + within
+        rows = torch.cat(
+            (rotated.reshape(-1), torch.arange(heads * head_dim, (heads + kv_heads) * head_dim, device=device))
+        )
+        order = _PAIR_ORDERS[key] = (rows, torch.argsort(rows))
+    return order
+
+
+_PAIR_ORDERS: dict[tuple[int, int, int, torch.device], tuple[torch.Tensor, torch.Tensor]] = {}
+
+
 class _QKVRopeFn(torch.autograd.Function):
     """Attention's input side in one call: optional RMSNorm, the q/k/v projections as one matmul
     over the stacked weights, and RoPE of q and k (see :func:`qkv_rope`)."""
@@ -257,13 +299,15 @@ class _QKVRopeFn(torch.autograd.Function):
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         normed, xhat, rstd = _normed_input(x, norm_weight, eps)
         q_dim, kv_dim = wq.shape[0], wk.shape[0]
-        qkv = torch.nn.functional.linear(normed, torch.cat((wq, wk, wv)))  # [B, T, q + 2 kv]
         hq, hk = q_dim // head_dim, kv_dim // head_dim
+        order, _ = _pair_order(hq + hk, hk, head_dim, x.device)
+        qkv = torch.nn.functional.linear(normed, torch.cat((wq, wk, wv)).index_select(0, order))
         tables = _rope_tables(cos, sin)
-        c, s_fwd, _ = tables.get(hq + hk)
-        # q and k are rotated in one pass into one token-major buffer: attention's output then comes
-        # out token-major too, so the output projection's input is a view of it, not a copy.
-        rotated = _rotate(qkv[..., : q_dim + kv_dim].unflatten(-1, (hq + hk, head_dim)), c, s_fwd)
+        # q and k come out pair-interleaved: RoPE is one complex product per pair, written into one
+        # token-major buffer (attention's output then comes out token-major too, so the output
+        # projection's input is a view of it, not a copy).
+        pairs = torch.view_as_complex(qkv[..., : q_dim + kv_dim].unflatten(-1, (hq + hk, head_dim // 2, 2)))
+        rotated = torch.view_as_real(pairs * tables.phases(hq + hk)).flatten(-2)
         # A copy, so attention keeps only v alive for its backward, not the whole q/k/v buffer.
         v = qkv[..., q_dim + kv_dim :].unflatten(-1, (hk, head_dim)).contiguous()
         ctx.save_for_backward(normed, xhat, rstd, norm_weight, wq, wk, wv)
@@ -275,19 +319,30 @@ class _QKVRopeFn(torch.autograd.Function):
     def backward(ctx: Any, gq: torch.Tensor, gk: torch.Tensor, gv: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         normed, xhat, rstd, nw, wq, wk, wv = ctx.saved_tensors
         hq, hk, hd = ctx.heads
-        c, _, s_bwd = ctx.tables.head_major()
+        order, inverse = _pair_order(hq + hk, hk, hd, normed.device)
         g = gv.new_empty(*gv.shape[:-2], (hq + 2 * hk) * hd)  # the stacked projection's output gradient
+        phases = ctx.tables.inverse_phases_head_major()
         for grad, first, heads in ((gq, 0, hq), (gk, hq * hd, hk)):
-            # Attention's backward returns head-major gradients, where the tables broadcast over the
-            # heads as they are: rotate there, then write token-major into the projection's gradient.
+            # Attention's backward returns head-major gradients, where the table broadcasts over the
+            # heads as it is: the transposed rotation (times exp(-i theta)) is written token-major.
             grad_hm = grad.transpose(1, 2)
-            rotated = torch.addcmul(grad_hm.roll(hd // 2, -1).mul_(s_bwd), grad_hm, c)  # the transposed rotation
-            g[..., first : first + heads * hd].unflatten(-1, (heads, hd)).copy_(rotated.transpose(1, 2))
+            if grad_hm.stride(-1) != 1:
+                grad_hm = grad_hm.contiguous()
+            dst = g[..., first : first + heads * hd].unflatten(-1, (heads, hd // 2, 2)).transpose(1, 2)
+            torch.mul(
+                torch.view_as_complex(grad_hm.unflatten(-1, (hd // 2, 2))), phases, out=torch.view_as_complex(dst)
+            )
         g[..., (hq + hk) * hd :].unflatten(-1, (hk, hd)).copy_(gv)
-        grad_x, grad_nw = _input_grads(ctx, torch.matmul(g, torch.cat((wq, wk, wv))), xhat, rstd, nw)
-        gw = _weight_grad(g, normed)
+        stacked = torch.cat((wq, wk, wv)).index_select(0, order)
+        grad_x, grad_nw = _input_grads(ctx, torch.matmul(g, stacked), xhat, rstd, nw)
+        gw = _weight_grad(g, normed).index_select(0, inverse)
         gwq, gwk, gwv = gw.split((wq.shape[0], wk.shape[0], wv.shape[0]))
         return grad_x, grad_nw, None, gwq, gwk, gwv, None, None, None
+
+
+def paired_rope(cos: torch.Tensor, sin: torch.Tensor) -> bool:
+    """These tables rotate pairs ``(i, i + hd/2)`` by one angle (RoPE's always do): :func:`qkv_rope` applies."""
+    return _rope_tables(cos, sin).paired()
 
 
 def qkv_rope(
@@ -300,14 +355,21 @@ def qkv_rope(
     head_dim: int,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(q, k, v)`` ``[B, T, heads, head_dim]`` of ``x`` ``[B, T, D]``: RMSNorm (with ``norm_weight``; none
-    without), the projections ``wq, wk, wv`` and RoPE of q and k, in fp32.
+    without), the projections ``wq, wk, wv`` and RoPE of q and k, in fp32, for attention only:
+    **q and k come back with each head's dimensions reordered** so RoPE's pairs ``(i, i + hd/2)``
+    sit side by side (``0, hd/2, 1, hd/2 + 1, ...``). Attention's scores ``q . k`` are the same
+    sums over a permuted order, so nothing downstream changes (v keeps its order); a KV cache
+    filled by this path must be read by it, which one model on one device and dtype always does.
+    Needs tables whose halves are equal (:func:`paired_rope`).
 
-    One matmul over the stacked weights instead of three (and one for the input gradient
-    instead of three plus two adds); q and k are rotated in one pass over a view of its
-    output and come back as views of one buffer; v is copied out so attention does not keep
-    the whole buffer. It saves what the unfused layers save: the norm's normalised input and
-    ``rstd`` and its output (the projections' input); RoPE saves nothing. The forward is the
-    unfused one's arithmetic (each output element is the same dot product).
+    Why: the projection becomes one matmul over the stacked, row-reordered weights instead of
+    three (and one for the input gradient instead of three plus two adds), and RoPE becomes
+    one complex multiplication per pair in the forward and one (by ``exp(-i theta)``, on
+    attention's head-major gradients) per tensor in the backward, instead of
+    ``x * cos + rotate_half(x) * sin``'s four passes with a copy. q and k are views of one
+    buffer; v is copied out so attention does not keep the whole projection output. It saves
+    what the unfused layers save: the norm's normalised input and ``rstd`` and its output (the
+    projections' input); RoPE saves nothing. Same numbers up to float rounding.
     """
     wq, wk, wv = weights
     out = _QKVRopeFn.apply(x, norm_weight, eps, wq, wk, wv, cos, sin, head_dim)
