@@ -48,7 +48,10 @@ def eager_cpu(*tensors: torch.Tensor) -> bool:
     """True outside ``torch.compile`` when every tensor is a plain (non-DTensor) CPU tensor."""
     if torch.compiler.is_compiling():
         return False
-    return all(type(t) in _PLAIN and t.device.type == "cpu" for t in tensors)
+    for t in tensors:  # noqa: SIM110 (a loop, not all(...): this runs several times per block and layer)
+        if type(t) not in _PLAIN or t.device.type != "cpu":
+            return False
+    return True
 
 
 def _rms_forward(xf: torch.Tensor, weight: torch.Tensor, eps: float) -> tuple[torch.Tensor, ...]:
@@ -232,9 +235,12 @@ def rotary(xs: tuple[torch.Tensor, ...], cos: torch.Tensor, sin: torch.Tensor) -
 
 def fusable(*tensors: torch.Tensor) -> bool:
     """The fused projections below apply: :func:`eager_cpu`, fp32 throughout, and no CPU autocast."""
-    return (
-        eager_cpu(*tensors) and all(t.dtype == torch.float32 for t in tensors) and not torch.is_autocast_enabled("cpu")
-    )
+    if not eager_cpu(*tensors) or torch.is_autocast_enabled("cpu"):
+        return False
+    for t in tensors:  # noqa: SIM110 (as in eager_cpu)
+        if t.dtype != torch.float32:
+            return False
+    return True
 
 
 def _normed_input(

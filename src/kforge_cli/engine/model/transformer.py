@@ -64,11 +64,11 @@ class TransformerBlock(nn.Module):
         """Eager CPU with plain fp32 norm weights and no hooks on the norms, attention or MLP (tensor
         and sequence parallelism hook them and expect the normed input): the norms may then run
         inside the projections' fused calls (``eager_cpu.qkv_rope``/``linear_gelu``)."""
-        parts = (self.attention_norm, self.attention, self.ffn_norm, self.feed_forward)
-        if any(m._forward_hooks or m._forward_pre_hooks for m in parts):
-            return False
-        norms = (self.attention_norm, self.ffn_norm)
-        return eager_cpu.fusable(x, *(p for m in norms for p in m.parameters(recurse=False)))
+        for m in (self.attention_norm, self.attention, self.ffn_norm, self.feed_forward):
+            if m._forward_hooks or m._forward_pre_hooks:
+                return False
+        a, f = getattr(self.attention_norm, "weight", None), getattr(self.ffn_norm, "weight", None)
+        return a is not None and f is not None and eager_cpu.fusable(x, a, f)
 
 
 class Transformer(nn.Module):
