@@ -13,18 +13,20 @@ fewer kernels and calls:
   the closed form ``rstd * (g w - xhat * mean(g w xhat))``, ``sum(g xhat)`` for the weight.
   It saves the normalised input and ``rstd`` (what the fused CUDA kernel saves, in bytes),
   not the composite's input *and* normalised input.
-- RoPE: ``x * cos + roll(x) * [-s1, s2]`` for q and k in one pass, with per-head tables built
-  once per position slice (:class:`_RopeTables`); its backward is the transposed rotation.
-  It saves no activation, only (a reference to) the tables.
+- RoPE (:func:`rotary`, where the projections are not fused: QK-norm, MoT):
+  ``x * cos + roll(x) * [-s1, s2]`` for q and k in one pass, with per-head tables built once
+  per position slice (:class:`_RopeTables`); its backward is the transposed rotation. It
+  saves no activation, only (a reference to) the tables.
 - Attention's input side (:func:`qkv_rope`): the block's RMSNorm, the q/k/v projections as
-  one matmul over the stacked weights, and RoPE, in one call.
+  one matmul over the stacked weights, and RoPE as one complex multiplication per pair (the
+  q/k rows are reordered so each head's pairs sit side by side), in one call.
 - The MLP's input side (:func:`linear_gelu`): the block's RMSNorm, ``w1`` and tanh-GELU as
   ``h * sigmoid(2u)`` (exactly ``0.5 h (1 + tanh(u))``; sigmoid is a fast CPU kernel), whose
   derivative is computed in the forward and saved in place of its input.
 
 Everything saves the same bytes as the unfused layers (the planner's formula test checks
 it). The results differ from the plain formulations by float rounding only (tests compare
-forwards and gradients); the RMSNorm and RoPE forwards are bitwise the plain ones. They run
+forwards and gradients); the standalone RMSNorm and RoPE forwards are bitwise the plain ones. They run
 only for plain fp32 CPU tensors outside ``torch.compile`` (:func:`eager_cpu`, :func:`fusable`):
 under compile the plain formulations are what the compiler fuses (the fast path on GPU),
 DTensor inputs need the plain ops DTensor knows how to shard, and CUDA has fused kernels of
