@@ -1,4 +1,5 @@
-"""The eager CPU RMSNorm, RoPE and fused projections (engine.model.eager_cpu) against the plain formulations.
+"""The eager CPU RMSNorm and RoPE (engine.model.eager_cpu) and fused block input sides (engine.model.eager_fused)
+against the plain formulations.
 
 Forwards of RMSNorm and RoPE must be bitwise the plain ones (HF export compares logits);
 the fused projections, GELU and every gradient may differ by float rounding only. What they save for the
@@ -11,7 +12,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from kforge_cli.engine.model import Transformer, eager_cpu
+from kforge_cli.engine.model import Transformer, eager_cpu, eager_fused
 from kforge_cli.engine.model.layers import rope_tables, rotate_half
 from kforge_cli.settings.training import ModelSettings
 
@@ -107,7 +108,7 @@ def test_linear_gelu_is_norm_linear_and_the_native_gelu_up_to_rounding(normed: b
     leaves = [x.requires_grad_(), w1.requires_grad_()] + ([nw.requires_grad_()] if nw is not None else [])
 
     def ours(x: torch.Tensor, w1: torch.Tensor, *nw: torch.Tensor) -> torch.Tensor:
-        return eager_cpu.linear_gelu(x, nw[0] if nw else None, 1e-5, w1)
+        return eager_fused.linear_gelu(x, nw[0] if nw else None, 1e-5, w1)
 
     def plain(x: torch.Tensor, w1: torch.Tensor, *nw: torch.Tensor) -> torch.Tensor:
         return F.gelu(F.linear(_plain_norm(x, nw[0] if nw else None), w1), approximate="tanh")
@@ -145,7 +146,7 @@ def test_qkv_rope_is_norm_three_projections_and_rotate_half(normed: bool, per_to
     leaves = [x, *ws] + ([nw] if nw is not None else [])
 
     def ours(x: torch.Tensor, wq: torch.Tensor, wk: torch.Tensor, wv: torch.Tensor, *nw: torch.Tensor) -> torch.Tensor:
-        q, k, v = eager_cpu.qkv_rope(x, nw[0] if nw else None, 1e-5, (wq, wk, wv), cos, sin, hd)
+        q, k, v = eager_fused.qkv_rope(x, nw[0] if nw else None, 1e-5, (wq, wk, wv), cos, sin, hd)
         assert q.shape == (2, 16, 4, hd) and k.shape == v.shape == (2, 16, 2, hd)
         return torch.cat((_unpair(q), _unpair(k), v), dim=2)
 
@@ -168,12 +169,12 @@ def test_qkv_rope_scores_are_rotate_halfs_and_other_tables_are_not_paired() -> N
     g = torch.Generator().manual_seed(0)
     x, wq, wk = torch.randn(1, 6, 8, generator=g), torch.randn(8, 8, generator=g), torch.randn(8, 8, generator=g)
     cos, sin = rope_tables(8, 6, 10_000.0)
-    q, k, _ = eager_cpu.qkv_rope(x, None, 0.0, (wq, wk, torch.randn(8, 8, generator=g)), cos, sin, 8)
+    q, k, _ = eager_fused.qkv_rope(x, None, 0.0, (wq, wk, torch.randn(8, 8, generator=g)), cos, sin, 8)
     plain = [(x @ w.t()).unflatten(-1, (1, 8)) for w in (wq, wk)]
     pq, pk = (t * cos.unsqueeze(-2) + rotate_half(t) * sin.unsqueeze(-2) for t in plain)
     assert not torch.equal(q, pq)  # the pair order is real
     torch.testing.assert_close(torch.einsum("bqhd,bkhd->bhqk", q, k), torch.einsum("bqhd,bkhd->bhqk", pq, pk))
-    assert eager_cpu.paired_rope(cos, sin) and not eager_cpu.paired_rope(cos, sin * torch.linspace(0.5, 1.5, 8))
+    assert eager_fused.paired_rope(cos, sin) and not eager_fused.paired_rope(cos, sin * torch.linspace(0.5, 1.5, 8))
 
 
 def test_qkv_rope_keeps_only_v_of_the_projection_buffer() -> None:
@@ -182,7 +183,7 @@ def test_qkv_rope_keeps_only_v_of_the_projection_buffer() -> None:
     x = torch.randn(2, 4, 8)
     ws = tuple(torch.randn(8, 8) for _ in range(3))
     cos, sin = rope_tables(4, 4, 10_000.0)
-    q, k, v = eager_cpu.qkv_rope(x, None, 0.0, ws, cos, sin, 4)  # type: ignore[arg-type]
+    q, k, v = eager_fused.qkv_rope(x, None, 0.0, ws, cos, sin, 4)  # type: ignore[arg-type]
     assert v.untyped_storage().nbytes() == v.numel() * 4
     assert q.untyped_storage().data_ptr() == k.untyped_storage().data_ptr()  # one rotated buffer
     assert v.is_contiguous() and torch.cat((q, k), 2).stride() == q.stride()  # [B, T, 2 + 2 heads, hd] underneath
@@ -217,13 +218,13 @@ def test_model_on_the_eager_path_equals_the_plain_formulations(
     tokens = torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(1))
     calls = {"qkv_rope": 0, "linear_gelu": 0}
     for name in calls:
-        real = getattr(eager_cpu, name)
+        real = getattr(eager_fused, name)
 
         def counted(*args: object, _real: object = real, _name: str = name) -> object:
             calls[_name] += 1
             return _real(*args)  # type: ignore[operator]
 
-        monkeypatch.setattr(eager_cpu, name, counted)
+        monkeypatch.setattr(eager_fused, name, counted)
     runs = []
     for on in (True, False):
         if not on:

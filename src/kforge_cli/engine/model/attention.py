@@ -8,10 +8,10 @@ import math
 import torch
 from torch import nn
 
-from kforge_cli.engine.model import eager_cpu
+from kforge_cli.engine.model import eager_fused
 from kforge_cli.engine.model.attention_mask import AttentionMask
 from kforge_cli.engine.model.kv_cache import KVCache, self_attention
-from kforge_cli.engine.model.layers import RMSNorm, apply_rotary_pair, build_norm, reset_norm
+from kforge_cli.engine.model.layers import apply_rotary_pair, build_norm, reset_norm
 from kforge_cli.settings.training import ModelSettings
 
 
@@ -65,7 +65,7 @@ class Attention(nn.Module):
         """``x`` ``[B, T, D]`` -> ``[B, T, D]``; causal, or per ``mask`` (an AttentionMask, or bool: True = attend).
 
         ``norm``: a pre-norm to apply to ``x`` first. The block passes its own only on the
-        eager CPU path, where an RMSNorm runs fused with the projections (``eager_cpu.qkv_rope``).
+        eager CPU path, where an RMSNorm runs fused with the projections (``eager_fused.qkv_rope``).
         """
         bsz, seqlen, _ = x.shape
         q, k, v = self._qkv(x, cos, sin, norm)
@@ -83,12 +83,10 @@ class Attention(nn.Module):
         if (
             self.q_norm is None
             and all(type(m) is nn.Linear for m in linears)
-            and eager_cpu.fusable(x, cos, sin, *weights)
-            and eager_cpu.paired_rope(cos, sin)
+            and eager_fused.fusable(x, cos, sin, *weights)
+            and eager_fused.paired_rope(cos, sin)
         ):
-            if isinstance(norm, RMSNorm) and eager_cpu.fusable(norm.weight):
-                return eager_cpu.qkv_rope(x, norm.weight, norm.eps, weights, cos, sin, self.head_dim)
-            return eager_cpu.qkv_rope(x if norm is None else norm(x), None, 0.0, weights, cos, sin, self.head_dim)
+            return eager_fused.qkv_rope(*eager_fused.split_norm(x, norm), weights, cos, sin, self.head_dim)
         if norm is not None:
             x = norm(x)
         bsz, seqlen, _ = x.shape

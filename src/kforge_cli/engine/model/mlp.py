@@ -6,8 +6,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kforge_cli.engine.model import eager_cpu
-from kforge_cli.engine.model.layers import RMSNorm
+from kforge_cli.engine.model import eager_fused
 from kforge_cli.settings.training import ModelSettings
 
 
@@ -35,11 +34,9 @@ class FeedForward(nn.Module):
 
     def forward(self, x: torch.Tensor, norm: nn.Module | None = None) -> torch.Tensor:
         """``norm``: a pre-norm to apply to ``x`` first. The block passes its own only on the eager
-        CPU path, where GELU's input side runs fused with an RMSNorm (``eager_cpu.linear_gelu``)."""
-        if self.w3 is None and type(self.w1) is nn.Linear and eager_cpu.fusable(x, self.w1.weight):
-            if isinstance(norm, RMSNorm) and eager_cpu.fusable(norm.weight):
-                return self.w2(eager_cpu.linear_gelu(x, norm.weight, norm.eps, self.w1.weight))
-            return self.w2(eager_cpu.linear_gelu(x if norm is None else norm(x), None, 0.0, self.w1.weight))
+        CPU path, where GELU's input side runs fused with an RMSNorm (``eager_fused.linear_gelu``)."""
+        if self.w3 is None and type(self.w1) is nn.Linear and eager_fused.fusable(x, self.w1.weight):
+            return self.w2(eager_fused.linear_gelu(*eager_fused.split_norm(x, norm), self.w1.weight))
         if norm is not None:
             x = norm(x)
         if self.w3 is not None:
