@@ -36,12 +36,13 @@ from typing import Any
 
 import torch
 
-from kforge_cli.engine.checkpoint import CheckpointManager
+from kforge_cli.engine.checkpoint import CheckpointManager, RunParts
 from kforge_cli.engine.checkpoint.dcp_io import state_nbytes, training_state_dict
 from kforge_cli.engine.parallel import build_parallel_model
 from kforge_cli.engine.runtime import init_runtime
-from kforge_cli.engine.train.optimizer import build_optimizer
-from kforge_cli.engine.train.scheduler import build_scheduler
+from kforge_cli.engine.train.optim.optimizer import build_optimizer
+from kforge_cli.engine.train.optim.scheduler import build_scheduler
+from kforge_cli.engine.train.recipe import build_checkpointer
 from kforge_cli.engine.train.train_state import TrainState
 from kforge_cli.settings import load_settings
 
@@ -63,9 +64,7 @@ def build(run_dir: Path, args: argparse.Namespace, extra: list[str]) -> Checkpoi
     runtime = init_runtime(s)
     model, _ = build_parallel_model(s, runtime)
     opt = build_optimizer(model, s)
-    mgr = CheckpointManager(
-        s, runtime, run_dir, model=model, optimizer=opt, scheduler=build_scheduler(opt, s), train_state=TrainState()
-    )
+    mgr = build_checkpointer(s, runtime, run_dir, RunParts(model, opt, build_scheduler(opt, s), TrainState()))
     training_state_dict(model, opt)  # materialises the AdamW moments (zeros), as after a first step
     return mgr
 

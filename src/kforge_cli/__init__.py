@@ -8,7 +8,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from kforge_cli.engine.checkpoint.load_model import load_model
+    from kforge_cli.engine.interop.load_model import load_model
 
 __version__ = "0.1.0"
 
@@ -17,7 +17,7 @@ __all__ = ["__version__", "load_model"]
 
 def __getattr__(name: str) -> Any:
     if name == "load_model":
-        from kforge_cli.engine.checkpoint.load_model import load_model
+        from kforge_cli.engine.interop.load_model import load_model
 
         return load_model
     raise AttributeError(f"module 'kforge_cli' has no attribute {name!r}")

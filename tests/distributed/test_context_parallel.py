@@ -31,6 +31,7 @@ from kforge_cli.engine.parallel.context_parallel import shard_batch
 from kforge_cli.settings.training import ModelSettings
 from tests.distributed.driver import run_case
 from tests.distributed.parity import TINY, assert_close_losses, completed, launch, reference
+from tests.distributed.test_parallel_parity import MOE_TP
 
 pytestmark = [pytest.mark.distributed, pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")]
 
@@ -128,6 +129,7 @@ def two_ranks(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict[str, list[
         "cp2": [*CP2, *CKPT],
         "cp2_docs_eval": [*CP2, *DOCS_EVAL],
         "cp2_resume": [*CP2, f"--checkpoint.load_path={step5}"],
+        "cp2_moe_docs": [*CP2, *MOE_TP, *DOCS],
     }
     return launch(2, cases, out), step5
 
@@ -148,6 +150,18 @@ def test_cp2_trains_like_one_process_on_the_same_batch(two_ranks: tuple[dict[str
     # tokens_seen counts each token once (not once per CP rank): 10 steps x 2 sequences x 32 tokens.
     records = read_metrics(Path(two_ranks[1]).parents[2] / "cp2" / "metrics.jsonl")
     assert [r["tokens_seen"] for r in records if "loss" in r][-1] == 10 * 2 * 32
+
+
+def test_moe_with_cp2_trains_like_one_process(two_ranks: tuple[dict[str, list[dict]], str]) -> None:
+    """MoE (shared expert, aux-loss-free bias, strong aux and z losses, two micro-batches) with
+    document masking at cp=2: losses and pre-clip gradient norms equal one process's within 1e-5
+    (the router's aux-loss gradient is weighted per whole sequence, the expert load all-reduced
+    over the CP group)."""
+    res, _ = two_ranks
+    ref = reference((*MOE_TP, *DOCS))
+    for r in completed(res["cp2_moe_docs"], "cp2_moe_docs"):
+        assert_close_losses(r["losses"], ref["losses"], REL, "MoE cp=2 vs one process")
+        assert_close_losses(r["grad_norms"], ref["grad_norms"], REL, "MoE cp=2 grad norm vs one process")
 
 
 def test_cp2_resume_is_bit_exact_and_a_cp2_checkpoint_resumes_at_cp1(
@@ -179,6 +193,8 @@ FOUR_RANKS: dict[str, tuple[list[str], list[str]]] = {
         [],
     ),
     "cp2_pp2_docs_eval": ([*CP2, *PP2, *DOCS_EVAL], [*PP2[1:], *DOCS_EVAL]),
+    # MoE inside pipeline stages at cp=2: the aux-loss gradient fed per micro-batch within the schedule.
+    "cp2_pp2_moe_docs": ([*CP2, "--distributed.pp=2", *MOE_TP, *DOCS], [*MOE_TP, *DOCS]),
 }
 
 
@@ -201,6 +217,8 @@ def test_cp2_composed_on_four_ranks_trains_like_one_process(
         assert_close_losses(r["losses"], ref["losses"], REL, f"{name} vs one process")
         if ref["eval_loss"] is not None:
             assert r["eval_loss"] == pytest.approx(ref["eval_loss"], rel=REL)
+        if "moe" in name:
+            assert_close_losses(r["grad_norms"], ref["grad_norms"], REL, f"{name} grad norm vs one process")
     steps = [r for r in read_metrics(out / name / "metrics.jsonl") if "loss" in r]
     batch = 4 if name == "cp2_fsdp2_docs" else 2 * (2 if "pp2" in name else 1)  # sequences per step
     assert steps[-1]["tokens_seen"] == 10 * batch * 32

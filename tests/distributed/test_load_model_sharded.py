@@ -45,11 +45,12 @@ def _worker(cases_file: str, out: str) -> None:
     import torch.distributed as dist
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
-    from kforge_cli.engine.checkpoint import CheckpointManager
+    from kforge_cli.engine.checkpoint import RunParts
     from kforge_cli.engine.parallel import build_parallel_model
     from kforge_cli.engine.runtime import init_runtime
-    from kforge_cli.engine.train.optimizer import build_optimizer
-    from kforge_cli.engine.train.scheduler import build_scheduler
+    from kforge_cli.engine.train.optim.optimizer import build_optimizer
+    from kforge_cli.engine.train.optim.scheduler import build_scheduler
+    from kforge_cli.engine.train.recipe import build_checkpointer
     from kforge_cli.engine.train.train_state import TrainState
     from kforge_cli.settings import load_settings
 
@@ -63,15 +64,7 @@ def _worker(cases_file: str, out: str) -> None:
             runtime = init_runtime(s)
             model, _ = build_parallel_model(s, runtime)
             opt = build_optimizer(model, s)
-            mgr = CheckpointManager(
-                s,
-                runtime,
-                run_dir,
-                model=model,
-                optimizer=opt,
-                scheduler=build_scheduler(opt, s),
-                train_state=TrainState(),
-            )
+            mgr = build_checkpointer(s, runtime, run_dir, RunParts(model, opt, build_scheduler(opt, s), TrainState()))
             mgr.restore()
             mgr.save(0, blocking=True)
             full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True))
@@ -103,7 +96,7 @@ def _single_process_model() -> dict[str, torch.Tensor]:
 @pytest.fixture(scope="module")
 def launched(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
     """Runs the four cases; returns (output dir, the HF directory the warm-start cases read)."""
-    from kforge_cli.engine.checkpoint.hf_export import export_hf
+    from kforge_cli.engine.interop.hf_export import export_hf
     from tests.unit.test_inspect_ckpt import train_and_save
 
     root = tmp_path_factory.mktemp("sharded")

@@ -99,7 +99,7 @@ def measure(overrides: list[str], *, run_step: bool = True) -> dict[str, Any]:
     from kforge_cli.engine.parallel import build_parallel_model, compute_dtype
     from kforge_cli.engine.runtime import init_runtime
     from kforge_cli.engine.train.loss import build_loss_fn
-    from kforge_cli.engine.train.optimizer import build_optimizer
+    from kforge_cli.engine.train.optim.optimizer import build_optimizer
     from kforge_cli.engine.train.step import loss_sum_from_output, model_computes_loss
     from kforge_cli.settings import load_settings
 

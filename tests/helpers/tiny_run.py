@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-import logging
+from contextlib import ExitStack
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -10,17 +10,13 @@ from typing import Any
 import torch
 
 from kforge_cli.engine.checkpoint import CheckpointManager
-from kforge_cli.engine.observe import ProgressReporter, Tracker, build_profiler
-from kforge_cli.engine.parallel import build_parallel_model, compute_dtype
-from kforge_cli.engine.resilience import NanGuard, ShutdownHandler
+from kforge_cli.engine.observe import Tracker
+from kforge_cli.engine.resilience import NanGuard
 from kforge_cli.engine.runtime import RuntimeContext, init_runtime
-from kforge_cli.engine.train.loss import build_loss_fn
-from kforge_cli.engine.train.optimizer import build_optimizer
-from kforge_cli.engine.train.recipe import build_session
-from kforge_cli.engine.train.scheduler import build_scheduler
+from kforge_cli.engine.train.recipe import Recipe, assemble
 from kforge_cli.engine.train.session import TrainingSession
 from kforge_cli.engine.train.train_state import TrainState
-from kforge_cli.engine.train.update import LossScaler, build_loss_scaler
+from kforge_cli.engine.train.update import LossScaler
 from kforge_cli.settings import JobSettings, load_settings
 
 # A 2-layer, 32-wide GQA model over a 64-token vocabulary, fp32 on the CPU.
@@ -56,6 +52,16 @@ class FakeLoader:
 
 
 @dataclass
+class FakeData:
+    """Training data for tests that never iterate it: a loader position the checkpoint must bring back."""
+
+    train: FakeLoader = field(default_factory=FakeLoader)
+    val: None = None
+    vocab_size: int = 64
+    dataset_names: list[str] = field(default_factory=list)
+
+
+@dataclass
 class TinyRun:
     """One process's model, optimizer, schedule and checkpoint manager over one run directory."""
 
@@ -65,54 +71,39 @@ class TinyRun:
     optimizer: torch.optim.Optimizer
     scheduler: torch.optim.lr_scheduler.LRScheduler
     manager: CheckpointManager
-    state: TrainState = field(default_factory=TrainState)
-    guard: NanGuard | None = None
-    loader: FakeLoader = field(default_factory=FakeLoader)
-    grad_scaler: LossScaler | None = None
+    state: TrainState
+    guard: NanGuard
+    loader: FakeLoader
+    grad_scaler: LossScaler | None
+    session: TrainingSession
+
+
+def tiny_session(run_dir: Path, settings: JobSettings, data: Any = None) -> TrainingSession:
+    """A session assembled by kforge's own recipe (`assemble`), with ``data`` (default `FakeData`), no
+    tracker, no restore and no signal handlers; its cleanups are left to the process's end."""
+    recipe = Recipe(
+        data=lambda _s, _r: data if data is not None else FakeData(),
+        tracker=lambda *_: Tracker.null(),
+    )
+    runtime = init_runtime(settings)
+    return assemble(settings, runtime, run_dir, recipe, ExitStack(), restore=False, install_signals=False)
 
 
 def tiny_run(run_dir: Path, settings: JobSettings) -> TinyRun:
     """The pieces `run_training` builds before the loop, the manager holding all that it checkpoints."""
-    runtime = init_runtime(settings)
-    model, _ = build_parallel_model(settings, runtime)
-    optimizer = build_optimizer(model, settings)
-    scheduler = build_scheduler(optimizer, settings)
-    state, guard, loader = TrainState(), NanGuard.from_settings(settings.resilience), FakeLoader()
-    scaler = build_loss_scaler(compute_dtype(settings, runtime.device), runtime)
-    manager = CheckpointManager(
-        settings,
-        runtime,
-        run_dir,
-        model=model,
-        optimizer=optimizer,
-        scheduler=scheduler,
-        train_state=state,
-        nan_guard=guard,
+    session = tiny_session(run_dir, settings)
+    loader = session.data.train
+    assert isinstance(loader, FakeLoader)
+    return TinyRun(
+        settings=settings,
+        runtime=session.runtime,
+        model=session.model,
+        optimizer=session.optimizer,
+        scheduler=session.scheduler,
+        manager=session.checkpointer,
+        state=session.state,
+        guard=session.nan_guard,
         loader=loader,
-        grad_scaler=scaler,
-    )
-    return TinyRun(settings, runtime, model, optimizer, scheduler, manager, state, guard, loader, scaler)
-
-
-def tiny_session(run_dir: Path, settings: JobSettings, data: Any = None) -> TrainingSession:
-    """A `TrainingSession` from `build_session` (no tracker, profiler off, no signals handled)."""
-    run = tiny_run(run_dir, settings)
-    return build_session(
-        settings,
-        run.runtime,
-        run_dir,
-        model=run.model,
-        pipeline=None,
-        optimizer=run.optimizer,
-        scheduler=run.scheduler,
-        loss_fn=build_loss_fn(settings),
-        data=data,
-        checkpointer=run.manager,
-        metrics=Tracker.null(),
-        profiler=build_profiler(settings.profiling, run_dir, 0),
-        progress=ProgressReporter(1, 0, "off", False, logging.getLogger("kforge")),
-        nan_guard=run.guard or NanGuard.from_settings(settings.resilience),
-        shutdown=ShutdownHandler([]),
-        state=run.state,
-        grad_scaler=run.grad_scaler,
+        grad_scaler=session.grad_scaler,
+        session=session,
     )

@@ -71,7 +71,7 @@ def test_heldout_loss_equals_the_runs_own_eval_loss(run_dir: Path) -> None:
 
 def test_multiple_choice_logliks_equal_transformers_on_the_export(run_dir: Path, tmp_path: Path) -> None:
     transformers = pytest.importorskip("transformers")
-    from kforge_cli.engine.checkpoint.hf_export import export_hf
+    from kforge_cli.engine.interop.hf_export import export_hf
 
     loaded = open_for_inference(run_dir)
     hf_dir = export_hf(loaded.path, tmp_path / "hf").out_dir

@@ -8,12 +8,12 @@ from pathlib import Path
 import pytest
 
 from kforge_cli.engine.checkpoint import CheckpointError
-from kforge_cli.engine.checkpoint.hf_format import (
+from kforge_cli.engine.checkpoint.layout import is_hf_dir
+from kforge_cli.engine.interop.hf_format import (
     export_problems,
     from_hf_name,
     hf_config,
     hf_weight_files,
-    is_hf_dir,
     model_fields_from_hf,
     to_hf_name,
 )

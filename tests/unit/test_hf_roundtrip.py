@@ -14,14 +14,15 @@ import pytest
 import torch
 
 from kforge_cli import load_model
-from kforge_cli.engine.checkpoint import CheckpointError, CheckpointManager
-from kforge_cli.engine.checkpoint.hf_export import export_hf
+from kforge_cli.engine.checkpoint import CheckpointError, RunParts
 from kforge_cli.engine.checkpoint.inspection import summarize
 from kforge_cli.engine.checkpoint.reader import open_checkpoint
+from kforge_cli.engine.interop.hf_export import export_hf
 from kforge_cli.engine.parallel import build_parallel_model
 from kforge_cli.engine.runtime import init_runtime
-from kforge_cli.engine.train.optimizer import build_optimizer
-from kforge_cli.engine.train.scheduler import build_scheduler
+from kforge_cli.engine.train.optim.optimizer import build_optimizer
+from kforge_cli.engine.train.optim.scheduler import build_scheduler
+from kforge_cli.engine.train.recipe import build_checkpointer
 from kforge_cli.engine.train.train_state import TrainState
 from kforge_cli.settings import load_settings
 from tests.unit.test_inspect_ckpt import TINY, train_and_save
@@ -149,15 +150,7 @@ def test_init_from_a_transformers_directory_gives_transformers_logits(tmp_path: 
     runtime = init_runtime(s)
     model, _ = build_parallel_model(s, runtime)
     opt = build_optimizer(model, s)
-    mgr = CheckpointManager(
-        s,
-        runtime,
-        tmp_path / "run",
-        model=model,
-        optimizer=opt,
-        scheduler=build_scheduler(opt, s),
-        train_state=TrainState(),
-    )
+    mgr = build_checkpointer(s, runtime, tmp_path / "run", RunParts(model, opt, build_scheduler(opt, s), TrainState()))
     restored = mgr.restore()
     assert restored is not None and restored.kind == "warm_start" and restored.step == 0
     toks = tokens()
@@ -182,15 +175,7 @@ def test_init_from_a_differently_shaped_hf_model_says_which_overrides_fit(tmp_pa
     runtime = init_runtime(s)
     model, _ = build_parallel_model(s, runtime)
     opt = build_optimizer(model, s)
-    mgr = CheckpointManager(
-        s,
-        runtime,
-        tmp_path / "run",
-        model=model,
-        optimizer=opt,
-        scheduler=build_scheduler(opt, s),
-        train_state=TrainState(),
-    )
+    mgr = build_checkpointer(s, runtime, tmp_path / "run", RunParts(model, opt, build_scheduler(opt, s), TrainState()))
     with pytest.raises(CheckpointError, match="differently shaped") as info:
         mgr.restore()
     message = str(info.value)
@@ -260,15 +245,7 @@ def test_moe_export_loads_as_qwen3_moe_with_the_same_logits(tmp_path: Path, reno
     runtime = init_runtime(s)
     model, _ = build_parallel_model(s, runtime)
     opt = build_optimizer(model, s)
-    mgr = CheckpointManager(
-        s,
-        runtime,
-        tmp_path / "run2",
-        model=model,
-        optimizer=opt,
-        scheduler=build_scheduler(opt, s),
-        train_state=TrainState(),
-    )
+    mgr = build_checkpointer(s, runtime, tmp_path / "run2", RunParts(model, opt, build_scheduler(opt, s), TrainState()))
     restored = mgr.restore()
     assert restored is not None and restored.kind == "warm_start"
     with torch.no_grad():

@@ -1,7 +1,7 @@
 """No import circles in kforge_cli, counting every import (TYPE_CHECKING and function-local ones too).
 
 import-linter's layer contract only checks imports between layers; a circle inside a package
-(step <-> pipeline_step, hooks <-> session, tracker <-> its backends) goes unnoticed there,
+(step core <-> schedule, hooks <-> session, tracker <-> its backends) goes unnoticed there,
 and a function-local import can hide one at run time. grimp (import-linter's graph) sees them.
 """
 

@@ -16,18 +16,19 @@ import torch
 from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
 
 from kforge_cli import load_model
-from kforge_cli.engine.checkpoint import CheckpointError, CheckpointManager
+from kforge_cli.engine.checkpoint import CheckpointError, RunParts
 from kforge_cli.engine.checkpoint.dcp_io import quiet_single_process
-from kforge_cli.engine.checkpoint.mot_convert import convert_mot, dense_name
 from kforge_cli.engine.checkpoint.reader import open_checkpoint
+from kforge_cli.engine.interop.mot_convert import convert_mot, dense_name
 from kforge_cli.engine.model.vlm import VisionLanguageModel, build_vlm
 from kforge_cli.engine.parallel import build_parallel_model
 from kforge_cli.engine.runtime import init_runtime
 from kforge_cli.engine.train import run_training
 from kforge_cli.engine.train.hooks import TrainHook
-from kforge_cli.engine.train.optimizer import build_optimizer
+from kforge_cli.engine.train.optim.optimizer import build_optimizer
+from kforge_cli.engine.train.optim.scheduler import build_scheduler
+from kforge_cli.engine.train.recipe import build_checkpointer
 from kforge_cli.engine.train.run_dir import write_config
-from kforge_cli.engine.train.scheduler import build_scheduler
 from kforge_cli.engine.train.session import TrainingSession
 from kforge_cli.engine.train.train_state import TrainState
 from kforge_cli.settings import JobSettings
@@ -154,9 +155,9 @@ def _saved_untrained(tmp: Path, s: JobSettings, with_config: bool) -> tuple[Path
     runtime = init_runtime(s)
     model, _ = build_parallel_model(s, runtime)
     opt = build_optimizer(model, s)
-    path = CheckpointManager(
-        s, runtime, tmp, model=model, optimizer=opt, scheduler=build_scheduler(opt, s), train_state=TrainState()
-    ).save(0, blocking=True)
+    path = build_checkpointer(s, runtime, tmp, RunParts(model, opt, build_scheduler(opt, s), TrainState())).save(
+        0, blocking=True
+    )
     if with_config:
         write_config(s, tmp)
     return path, model

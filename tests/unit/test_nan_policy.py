@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from kforge_cli.engine.train import run_training
-from kforge_cli.engine.train.scheduler import lr_multiplier
+from kforge_cli.engine.train.optim.scheduler import lr_multiplier
 from kforge_cli.errors import TrainingAborted
 from kforge_cli.settings import load_settings
 from tests.helpers.nan_hooks import InjectNaN

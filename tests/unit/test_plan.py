@@ -106,7 +106,7 @@ def test_pipeline_rank_builds_only_its_stage() -> None:
 def test_optimizer_state_equals_the_real_optimizer(name: str, tied: bool) -> None:
     from kforge_cli.engine.parallel import build_parallel_model
     from kforge_cli.engine.runtime import init_runtime
-    from kforge_cli.engine.train.optimizer import build_optimizer
+    from kforge_cli.engine.train.optim.optimizer import build_optimizer
 
     s = _settings(
         None,

@@ -8,7 +8,7 @@ import math
 import pytest
 import torch
 
-from kforge_cli.engine.train.scheduler import build_scheduler, lr_multiplier, phase_lr_scale
+from kforge_cli.engine.train.optim.scheduler import build_scheduler, lr_multiplier, phase_lr_scale
 from kforge_cli.errors import ConfigError
 from kforge_cli.settings import JobSettings, load_settings
 from kforge_cli.settings.data import DataPhase

@@ -23,6 +23,8 @@ class NoData:
     """The step reads only `dataset_names` of the session's data (a mixture test sets it)."""
 
     dataset_names: ClassVar[list[str]] = []
+    train = None  # nothing for the checkpoint manager to save
+    val = None
 
 
 def make_batch(n: int = 8, t: int = 16, seed: int = 0) -> dict[str, torch.Tensor]:

@@ -7,15 +7,22 @@ from pathlib import Path
 import pytest
 import torch
 
-from kforge_cli.engine.checkpoint import CheckpointError, CheckpointManager, Restored, dcp_dirs, load_model_weights
-from kforge_cli.engine.checkpoint.mot_convert import convert_mot, dense_name, load_dense_into_mot, maybe_mot_warm_start
+from kforge_cli.engine.checkpoint import (
+    CheckpointError,
+    Restored,
+    RunParts,
+    dcp_dirs,
+    load_model_weights,
+)
 from kforge_cli.engine.checkpoint.reader import open_checkpoint, read_tensors
+from kforge_cli.engine.interop.mot_convert import convert_mot, dense_name, load_dense_into_mot, maybe_mot_warm_start
 from kforge_cli.engine.model import Transformer
 from kforge_cli.engine.model.vlm import build_vlm
 from kforge_cli.engine.parallel import build_parallel_model
 from kforge_cli.engine.runtime import init_runtime
-from kforge_cli.engine.train.optimizer import build_optimizer
-from kforge_cli.engine.train.scheduler import build_scheduler
+from kforge_cli.engine.train.optim.optimizer import build_optimizer
+from kforge_cli.engine.train.optim.scheduler import build_scheduler
+from kforge_cli.engine.train.recipe import build_checkpointer
 from kforge_cli.engine.train.train_state import TrainState
 from kforge_cli.settings import load_settings
 from tests.unit.test_vlm_model import VLM_TINY, inputs, vlm_settings
@@ -35,9 +42,7 @@ def dense_checkpoint(tmp: Path, *extra: str) -> tuple[Path, Transformer]:
             if "norm" in name:
                 p.uniform_(0.5, 1.5)
     opt = build_optimizer(model, s)
-    manager = CheckpointManager(
-        s, runtime, tmp, model=model, optimizer=opt, scheduler=build_scheduler(opt, s), train_state=TrainState()
-    )
+    manager = build_checkpointer(s, runtime, tmp, RunParts(model, opt, build_scheduler(opt, s), TrainState()))
     path = manager.save(3, blocking=True)
     assert isinstance(model, Transformer)
     return path, model

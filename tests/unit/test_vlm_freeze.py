@@ -7,7 +7,7 @@ import torch
 
 from kforge_cli.engine.model.vlm import build_vlm, check_specs, freeze_mismatch, frozen_names, frozen_specs_at
 from kforge_cli.engine.model.vlm.freeze import freeze_record
-from kforge_cli.engine.train.vlm_step import init_optimizer_state
+from kforge_cli.engine.train.features.vlm import init_optimizer_state
 from kforge_cli.errors import InvalidInputError
 from kforge_cli.settings.vlm import VLMSettings
 from tests.unit.test_vlm_model import vlm_settings
@@ -92,7 +92,7 @@ def test_freeze_mismatch_names_the_module_and_when() -> None:
 
 @pytest.mark.parametrize("name", ["adamw", "lion", "muon"])
 def test_zero_initial_optimizer_state_trains_exactly_like_lazy_state(name: str) -> None:
-    from kforge_cli.engine.train.optimizer import build_optimizer
+    from kforge_cli.engine.train.optim.optimizer import build_optimizer
 
     s = vlm_settings("--vlm.arch=joint_decoder", f"--optimizer.name={name}")
     losses = []

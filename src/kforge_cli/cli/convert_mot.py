@@ -34,7 +34,7 @@ def convert_mot(
     from it with --checkpoint.init_from=OUT (or skip this step and set
     --vlm.mot_warm_start_from=SRC on a fresh run).
     """
-    from kforge_cli.engine.checkpoint.mot_convert import convert_mot as run_convert
+    from kforge_cli.engine.interop.mot_convert import convert_mot as run_convert
 
     settings = resolve(profile or MOT_PROFILE, config, list(ctx.args)).settings
     result = run_convert(settings, src, out)

@@ -34,7 +34,7 @@ def export_hf(
     RMSNorm, SwiGLU and no QK-norm only. Continue pre-training an HF Llama with
     --checkpoint.init_from=HF_DIR.
     """
-    from kforge_cli.engine.checkpoint.hf_export import export_hf as run_export
+    from kforge_cli.engine.interop.hf_export import export_hf as run_export
     from kforge_cli.errors import InvalidInputError
 
     if max_shard_gb <= 0:

@@ -79,8 +79,14 @@ def config_issues(s: JobSettings) -> list[ConfigIssue]:
     out += moe_issues(m) + expert_parallel_issues(m, s.distributed.ep, s.distributed.dp_shard)
     if m.attention == "flex" and t.device == "cpu":
         out.append(ConfigIssue("model.attention", FLEX_CPU))
-    if m.moe is not None and s.distributed.cp > 1:
-        out.append(ConfigIssue("distributed.cp", "context parallelism is not supported with model.moe yet; use cp = 1"))
+    if m.moe is not None and s.distributed.cp > 1 and s.distributed.ep > 1:
+        out.append(
+            ConfigIssue(
+                "distributed.cp",
+                "context parallelism with expert parallelism (distributed.ep > 1) is not supported; "
+                "use cp = 1, or ep = 1 (MoE with cp > 1 and ep = 1 works)",
+            )
+        )
     out += _vlm_issues(s)
     return out
 

@@ -12,13 +12,16 @@ from kforge_cli.engine.checkpoint.fingerprint import changed_fields, fingerprint
 from kforge_cli.engine.checkpoint.groups import CheckpointGroups
 from kforge_cli.engine.checkpoint.layout import dcp_dirs, is_complete, newest_complete, read_latest, resolve_checkpoint
 from kforge_cli.engine.checkpoint.manager import CheckpointManager, Restored, SaveRecord
+from kforge_cli.engine.checkpoint.restore import HFLoader, RunParts
 from kforge_cli.engine.checkpoint.safe_metadata import SafeFileSystemReader, SafeLoadPlanner, read_dcp_metadata
 
 __all__ = [
     "CheckpointError",
     "CheckpointGroups",
     "CheckpointManager",
+    "HFLoader",
     "Restored",
+    "RunParts",
     "SafeFileSystemReader",
     "SafeLoadPlanner",
     "SaveRecord",

@@ -249,3 +249,12 @@ def prune(root: Path, keep_last_n: int, protect: set[Path]) -> list[Path]:
     for leftover in root.glob(_TRASH_PREFIX + "*"):
         shutil.rmtree(leftover, ignore_errors=True)
     return deleted
+
+
+HF_CONFIG_FILE = "config.json"
+
+
+def is_hf_dir(path: str | Path) -> bool:
+    """A directory with ``config.json`` and safetensors weights (a Hugging Face model)."""
+    p = Path(path).expanduser()
+    return p.is_dir() and (p / HF_CONFIG_FILE).is_file() and any(p.glob("*.safetensors"))

@@ -23,7 +23,6 @@ from pathlib import Path
 from typing import Any, Literal
 
 import torch
-from torch import nn
 from torch.distributed.checkpoint.state_dict_saver import AsyncSaveResponse, async_save, save
 
 import kforge_cli
@@ -48,8 +47,8 @@ from kforge_cli.engine.checkpoint.layout import (
     step_dir_name,
     write_latest,
 )
-from kforge_cli.engine.checkpoint.resolve import Stateful, data_phase, freeze_config
-from kforge_cli.engine.checkpoint.restore import CheckpointedState, Restored, restore_run
+from kforge_cli.engine.checkpoint.resolve import data_phase, freeze_config
+from kforge_cli.engine.checkpoint.restore import CheckpointedState, HFLoader, Restored, RunParts, restore_run
 from kforge_cli.engine.checkpoint.train_state import FORMAT, write_rank_state
 from kforge_cli.engine.model.names import clean_param_name
 from kforge_cli.engine.model.vlm.freeze import freeze_record
@@ -103,22 +102,15 @@ class CheckpointManager:
         settings: JobSettings,
         runtime: RuntimeContext,
         run_dir: Path,
+        parts: RunParts,
         *,
-        model: nn.Module,
-        optimizer: torch.optim.Optimizer,
-        scheduler: torch.optim.lr_scheduler.LRScheduler,
-        train_state: Stateful,
-        nan_guard: Stateful | None = None,
-        loader: Stateful | None = None,
         groups: CheckpointGroups | None = None,
-        grad_scaler: Stateful | None = None,
+        hf_loader: HFLoader | None = None,
     ) -> None:
-        """Everything a checkpoint holds is given here: `restore` loads into it, `save` writes it."""
+        """`parts` is everything a checkpoint holds: `restore` loads into it, `save` writes it."""
         self.settings, self.cfg, self.runtime = settings, settings.checkpoint, runtime
         self.root = checkpoint_root(settings, run_dir)
-        self.model, self.optimizer, self.scheduler = model, optimizer, scheduler
-        self.train_state, self.nan_guard, self.loader = train_state, nan_guard, loader
-        self.grad_scaler = grad_scaler  # fp16 loss scale (plain numbers, in train_state.json)
+        self.parts = parts
         self.groups = groups or CheckpointGroups.build(runtime)
         self.shaping = shaping_config(settings)
         self.fingerprint = fingerprint(self.shaping)
@@ -128,13 +120,8 @@ class CheckpointManager:
             root=self.root,
             fingerprint=self.fingerprint,
             shaping=self.shaping,
-            model=model,
-            optimizer=optimizer,
-            scheduler=scheduler,
-            train_state=train_state,
-            nan_guard=nan_guard,
-            loader=loader,
-            grad_scaler=grad_scaler,
+            parts=parts,
+            hf_loader=hf_loader,
         )
         self.last_step: int | None = None  # newest step saved (in flight or durable) or restored
         self.history: list[SaveRecord] = []
@@ -188,7 +175,7 @@ class CheckpointManager:
         write_rank_state(step_dir, self.groups.rank)
         if self.is_main:
             self._write_global_state(step_dir, step, reason, metrics_run_ids or {})
-        tensors = training_state_dict(self.model, self.optimizer)
+        tensors = training_state_dict(self.parts.model, self.parts.optimizer)
         target = step_dir / f"pp_{self.groups.stage}" if self.groups.num_stages > 1 else step_dir
         use_async = (self.cfg.async_mode != "disabled") if blocking is None else not blocking
         record = SaveRecord(step, reason, "async" if use_async else "sync", state_nbytes(tensors), 0.0)
@@ -255,19 +242,19 @@ class CheckpointManager:
         return [f"pp_{s}" for s in range(n)] if n > 1 else ["."]
 
     def _frozen_params(self) -> list[str]:
-        return [clean_param_name(name) for name, p in self.model.named_parameters() if not p.requires_grad]
+        return [clean_param_name(name) for name, p in self.parts.model.named_parameters() if not p.requires_grad]
 
     def _write_global_state(self, step_dir: Path, step: int, reason: str, run_ids: dict[str, str]) -> None:
-        progress = self.train_state.state_dict()
+        progress = self.parts.train_state.state_dict()
         dims = asdict(self.runtime.dims)
         state = {
             "format": FORMAT,
             "step": step,
             "progress": progress,
-            "scheduler": self.scheduler.state_dict(),
-            "nan_guard": self.nan_guard.state_dict() if self.nan_guard is not None else None,
-            "grad_scaler": self.grad_scaler.state_dict() if self.grad_scaler is not None else None,
-            "data": self.loader.state_dict() if self.loader is not None else None,
+            "scheduler": self.parts.scheduler.state_dict(),
+            "nan_guard": self.parts.nan_guard.state_dict() if self.parts.nan_guard is not None else None,
+            "grad_scaler": self.parts.grad_scaler.state_dict() if self.parts.grad_scaler is not None else None,
+            "data": self.parts.loader.state_dict() if self.parts.loader is not None else None,
             "data_phase": data_phase(self.settings, step),
             "freeze": freeze_config(self.settings),
             "freeze_effective": freeze_record(self.settings.vlm, step),  # VLM: specs frozen for the next update

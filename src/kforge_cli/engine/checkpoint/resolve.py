@@ -18,11 +18,11 @@ from typing import Any, Literal, Protocol
 
 from kforge_cli.engine.checkpoint.errors import CheckpointError, UnsafeCheckpointError
 from kforge_cli.engine.checkpoint.fingerprint import changed_fields
-from kforge_cli.engine.checkpoint.hf_format import is_hf_dir
 from kforge_cli.engine.checkpoint.layout import (
     TRAIN_STATE_FILE,
     dcp_dirs,
     is_complete,
+    is_hf_dir,
     list_step_dirs,
     read_json,
     read_latest,

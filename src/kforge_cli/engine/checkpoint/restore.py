@@ -8,6 +8,7 @@ the same error instead of waiting forever.
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
@@ -28,8 +29,30 @@ from kforge_cli.engine.checkpoint.train_state import read_rank_state, restore_rn
 from kforge_cli.engine.runtime import seed_everything
 from kforge_cli.errors import KforgeError
 from kforge_cli.settings import JobSettings
+from kforge_cli.settings.training import ModelSettings
 
 log = logging.getLogger("kforge")
+
+
+HFLoader = Callable[[nn.Module, Path, ModelSettings, list[str]], list[str]]
+"""Loads a Hugging Face directory's weights into a model, returns the names it loaded.
+
+``checkpoint.init_from`` may name a Hugging Face model; reading one is interop's job (a layer
+above this one), so the manager is handed the loader instead of importing it.
+"""
+
+
+@dataclass(frozen=True)
+class RunParts:
+    """The pieces of a run a checkpoint holds: `restore` loads into them, `save` writes them."""
+
+    model: nn.Module
+    optimizer: torch.optim.Optimizer
+    scheduler: torch.optim.lr_scheduler.LRScheduler
+    train_state: Stateful
+    nan_guard: Stateful | None = None
+    loader: Stateful | None = None
+    grad_scaler: Stateful | None = None  # fp16 loss scale (plain numbers, in train_state.json)
 
 
 @dataclass
@@ -41,13 +64,8 @@ class CheckpointedState:
     root: Path
     fingerprint: str
     shaping: dict[str, Any]
-    model: nn.Module
-    optimizer: torch.optim.Optimizer
-    scheduler: torch.optim.lr_scheduler.LRScheduler
-    train_state: Stateful
-    nan_guard: Stateful | None = None
-    loader: Stateful | None = None
-    grad_scaler: Stateful | None = None
+    parts: RunParts
+    hf_loader: HFLoader | None = None
 
     @property
     def is_main(self) -> bool:
@@ -83,13 +101,17 @@ def restore_run(manager: CheckpointedState) -> Restored | None:
         return None
     path, cfg = decision.path, manager.settings.checkpoint
     if decision.kind == "warm_start_hf":
-        from kforge_cli.engine.checkpoint.hf_import import load_hf_weights
-
-        names = load_hf_weights(manager.model, path, manager.settings.model, list(cfg.exclude_from_loading))
+        if manager.hf_loader is None:
+            raise CheckpointError(
+                f"checkpoint.init_from = {path} is a Hugging Face model, and this run has no loader for one"
+            )
+        names = manager.hf_loader(manager.parts.model, path, manager.settings.model, list(cfg.exclude_from_loading))
         log.info("warm start: loaded %d tensors from Hugging Face %s (fresh optimizer, step 0)", len(names), path)
         return Restored(kind="warm_start", path=path, step=0, metrics_run_ids={})
     if decision.kind == "warm_start":
-        names = load_model_weights(manager.model, decision.dirs, list(cfg.exclude_from_loading), manager.groups.save)
+        names = load_model_weights(
+            manager.parts.model, decision.dirs, list(cfg.exclude_from_loading), manager.groups.save
+        )
         log.info("warm start: loaded %d tensors from %s (fresh optimizer, step 0)", len(names), path)
         return Restored(kind="warm_start", path=path, step=0, metrics_run_ids={})
     return _resume(manager, decision, path)
@@ -98,25 +120,25 @@ def restore_run(manager: CheckpointedState) -> Restored | None:
 def _resume(manager: CheckpointedState, decision: RestoreDecision, path: Path) -> Restored:
     state = decision.train_state
     check_compatible(state, path, manager.fingerprint, manager.shaping, manager.settings)
-    tensors = training_state_dict(manager.model, manager.optimizer)
+    tensors = training_state_dict(manager.parts.model, manager.parts.optimizer)
     missing = load_from_dirs(tensors, decision.dirs, manager.groups.save, manager.settings.checkpoint.load_threads)
     if missing:
         raise CheckpointError(f"{path} lacks {len(missing)} tensors this run needs, e.g. {sorted(missing)[:5]}")
-    apply_training_state_dict(manager.model, manager.optimizer, tensors)
-    manager.scheduler.load_state_dict(state["scheduler"])
-    _reapply_schedule(manager.scheduler, manager.optimizer)
-    manager.train_state.load_state_dict(state["progress"])
-    if manager.nan_guard is not None and state.get("nan_guard") is not None:
-        manager.nan_guard.load_state_dict(state["nan_guard"])
-    if manager.grad_scaler is not None:  # fp16: the loss scale continues (a checkpoint without one: fresh scale)
+    apply_training_state_dict(manager.parts.model, manager.parts.optimizer, tensors)
+    manager.parts.scheduler.load_state_dict(state["scheduler"])
+    _reapply_schedule(manager.parts.scheduler, manager.parts.optimizer)
+    manager.parts.train_state.load_state_dict(state["progress"])
+    if manager.parts.nan_guard is not None and state.get("nan_guard") is not None:
+        manager.parts.nan_guard.load_state_dict(state["nan_guard"])
+    if manager.parts.grad_scaler is not None:  # fp16: the loss scale continues (a checkpoint without one: fresh scale)
         if state.get("grad_scaler") is not None:
-            manager.grad_scaler.load_state_dict(state["grad_scaler"])
+            manager.parts.grad_scaler.load_state_dict(state["grad_scaler"])
         else:
             log.info("checkpoint %s has no fp16 loss-scaler state: starting from the initial scale", path)
     step = int(state["step"])
     _restore_rng(manager, path, state, step)
-    if manager.loader is not None and state.get("data") is not None:
-        manager.loader.load_state_dict(state["data"])  # the data order continues exactly
+    if manager.parts.loader is not None and state.get("data") is not None:
+        manager.parts.loader.load_state_dict(state["data"])  # the data order continues exactly
     log.info("resumed from %s (step %d)", path, step)
     return Restored(kind="resume", path=path, step=step, metrics_run_ids=dict(state.get("metrics_run_ids") or {}))
 

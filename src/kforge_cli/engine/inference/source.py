@@ -7,11 +7,11 @@ from pathlib import Path
 
 import torch
 
-from kforge_cli.engine.checkpoint.hf_format import is_hf_dir
-from kforge_cli.engine.checkpoint.load_model import LoadedModel, load_model
+from kforge_cli.engine.checkpoint.layout import is_hf_dir
 from kforge_cli.engine.checkpoint.reader import open_checkpoint
 from kforge_cli.engine.data.run_tokenizer import run_tokenizer
 from kforge_cli.engine.data.tokenizer import ByteTokenizer, HFTokenizer
+from kforge_cli.engine.interop.load_model import LoadedModel, load_model
 from kforge_cli.errors import InvalidInputError
 
 

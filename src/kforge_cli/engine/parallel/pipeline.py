@@ -93,7 +93,7 @@ class PipelineModel(nn.Module):
                     setattr(self, name, getattr(stage, name))
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
-        raise RuntimeError("a pipeline-parallel model runs through its schedule (engine.train.pipeline_step)")
+        raise RuntimeError("a pipeline-parallel model runs through its schedule (engine.train.step.schedule)")
 
 
 class StageLoss:

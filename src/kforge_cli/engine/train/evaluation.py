@@ -10,8 +10,8 @@ import torch
 from kforge_cli.engine.data.tokens import IGNORE_INDEX
 from kforge_cli.engine.parallel import shard_batch
 from kforge_cli.engine.runtime import all_reduce_sum
-from kforge_cli.engine.train.pipeline_step import pipeline_eval_loss_sum
-from kforge_cli.engine.train.step import Batch, forward_loss_sum
+from kforge_cli.engine.train.step.core import Batch, forward_loss_sum
+from kforge_cli.engine.train.step.schedule import pipeline_eval_loss_sum
 from kforge_cli.settings import JobSettings
 
 if TYPE_CHECKING:

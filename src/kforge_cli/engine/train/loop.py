@@ -21,7 +21,7 @@ from kforge_cli.engine.resilience import StopVote
 from kforge_cli.engine.train.downstream import downstream_eval
 from kforge_cli.engine.train.evaluation import evaluate
 from kforge_cli.engine.train.session import StepInfo, TrainingSession
-from kforge_cli.engine.train.step import Batch, StepFn, StepResult
+from kforge_cli.engine.train.step import Batch, StepResult
 from kforge_cli.engine.train.update import apply_update
 
 log = logging.getLogger("kforge")
@@ -129,7 +129,7 @@ def _save_checkpoint(session: TrainingSession, reason: str, *, blocking: bool | 
     return True
 
 
-def run_training_loop(session: TrainingSession, step_fn: StepFn) -> TrainOutcome:
+def run_training_loop(session: TrainingSession) -> TrainOutcome:
     """Train until train.max_steps or a shutdown signal (agreed by all ranks at a step boundary)."""
     s = session.settings
     state, device = session.state, session.runtime.device
@@ -155,12 +155,13 @@ def run_training_loop(session: TrainingSession, step_fn: StepFn) -> TrainOutcome
             )
         t0 = time.perf_counter()
         micro = [_to_device(next(batches), device) for _ in range(s.train.grad_accum_steps)]
-        result = step_fn(session, micro)
+        result = session.step_fn(session, micro)
         step = state.step + 1
         lr = session.current_lr()
         skipped = apply_update(session, step, result)  # the NaN policy and fp16 loss scaling decide
         session.optimizer.zero_grad(set_to_none=True)
         session.scheduler.step()  # also on skipped steps: the schedule never drifts from the step
+        session.step_fn.after_update(session)
         state.step = step
         state.tokens_seen += session.tokens_per_step
         elapsed = time.perf_counter() - t0

@@ -1,34 +1,62 @@
-"""`run_training`: the whole run as a recipe, one call per phase, top to bottom.
+"""The recipe: a run's phases as data, and the one function that assembles a session from them.
 
-runtime -> run directory and logs -> shutdown/NaN -> loss -> model -> optimizer ->
-scheduler -> data -> checkpoint manager -> restore -> tracker -> profiler -> session ->
-loop -> teardown.
+A `Recipe` is a frozen record of builders, each defaulting to kforge's own:
 
-An experiment reuses this scaffold and swaps one phase with a keyword argument, each
-defaulting to kforge's own: ``build_model`` (settings, runtime) -> (model, pipeline),
-``build_data`` (settings, runtime) -> TrainData, ``step_fn`` (the step variant) and
-``hooks`` (observers of the loop).
+============  ===============================================  ==============================
+phase         called as                                        default
+============  ===============================================  ==============================
+model         (settings, runtime) -> (model, pipeline|None)    `build_parallel_model`
+data          (settings, runtime) -> TrainData                 `build_train_data`
+loss          (settings) -> LossFn                             `build_loss_fn`
+optimizer     (model, settings, runtime) -> Optimizer          `build_train_optimizer`
+scheduler     (optimizer, settings) -> LRScheduler             `build_scheduler`
+checkpointer  (settings, runtime, run_dir, parts) -> manager   `build_checkpointer`
+tracker       (settings, runtime, run_dir, run_ids) -> Tracker `build_run_tracker`
+features      (settings) -> list[StepFeature]                  `features_for`
+step          (settings, features) -> StepFn                   `build_step`
+hooks         a tuple of `TrainHook` observers                 ()
+============  ===============================================  ==============================
+
+`assemble` builds the session from a recipe in this order: loss -> model -> optimizer ->
+scheduler -> data -> checkpointer -> restore -> tracker -> profiler -> progress -> features
+and step -> session. `run_training` wraps it: runtime -> run directory and logs -> assemble
+-> loop -> teardown. Tests assemble sessions the same way (tests/helpers/tiny_run.py), so
+there is one recipe, not a copy.
+
+An experiment swaps any phase with a keyword argument and keeps the rest::
+
+    from kforge_cli.engine.train import run_training
+    from kforge_cli.engine.train.optim import build_optimizer
+
+    def sgd(model, settings, runtime):
+        return torch.optim.SGD(model.parameters(), lr=settings.optimizer.lr, momentum=0.9)
+
+    run_training(settings, optimizer=sgd, hooks=[MyHook()])
+
+or builds a `Recipe` once (``Recipe().with_phases(optimizer=sgd)``) and passes it as ``recipe=``.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Mapping, Sequence
 from contextlib import ExitStack
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 from torch import nn
 
-from kforge_cli.engine.checkpoint import CheckpointManager
-from kforge_cli.engine.checkpoint.mot_convert import maybe_mot_warm_start
+from kforge_cli.engine.checkpoint import CheckpointManager, RunParts
 from kforge_cli.engine.data import TrainData, build_data
 from kforge_cli.engine.data.vlm import build_vlm_data
+from kforge_cli.engine.interop.hf_import import load_hf_weights
+from kforge_cli.engine.interop.mot_convert import maybe_mot_warm_start
 from kforge_cli.engine.model import flops_per_token
 from kforge_cli.engine.observe import (
     ProgressReporter,
     Tracker,
-    TrainProfiler,
     build_profiler,
     build_tracker,
     device_peak_flops,
@@ -45,24 +73,30 @@ from kforge_cli.engine.parallel import (
 from kforge_cli.engine.resilience import NanGuard, ShutdownHandler
 from kforge_cli.engine.runtime import RuntimeContext, dtype_name, init_runtime, teardown_runtime
 from kforge_cli.engine.train.evaluation import eval_batches
+from kforge_cli.engine.train.features import build_step, features_for
 from kforge_cli.engine.train.hooks import StepInfo, build_hooks
 from kforge_cli.engine.train.loop import TrainOutcome, run_training_loop
 from kforge_cli.engine.train.loss import LossFn, build_loss_fn
-from kforge_cli.engine.train.optimizer import build_optimizer
-from kforge_cli.engine.train.pipeline_step import bind_pipeline_loss
+from kforge_cli.engine.train.optim import build_optimizer, build_scheduler
 from kforge_cli.engine.train.run_dir import release_run_dir, resolve_run_dir, write_config
-from kforge_cli.engine.train.scheduler import build_scheduler
 from kforge_cli.engine.train.session import TrainHook, TrainingSession
-from kforge_cli.engine.train.step import StepFn
-from kforge_cli.engine.train.steps import select_step_fn
+from kforge_cli.engine.train.step import StepFeature, StepFn
+from kforge_cli.engine.train.step.schedule import bind_pipeline_loss
 from kforge_cli.engine.train.train_state import TrainState
-from kforge_cli.engine.train.update import LossScaler, build_loss_scaler
+from kforge_cli.engine.train.update import build_loss_scaler
 from kforge_cli.settings import JobSettings
 
 log = logging.getLogger("kforge")
 
 ModelBuilder = Callable[[JobSettings, RuntimeContext], tuple[nn.Module, PipelineBundle | None]]
 DataBuilder = Callable[[JobSettings, RuntimeContext], TrainData]
+LossBuilder = Callable[[JobSettings], LossFn]
+OptimizerBuilder = Callable[[nn.Module, JobSettings, RuntimeContext], torch.optim.Optimizer]
+SchedulerBuilder = Callable[[torch.optim.Optimizer, JobSettings], torch.optim.lr_scheduler.LRScheduler]
+CheckpointerBuilder = Callable[[JobSettings, RuntimeContext, Path, RunParts], CheckpointManager]
+TrackerBuilder = Callable[[JobSettings, RuntimeContext, Path, Mapping[str, str]], Tracker]
+FeaturesBuilder = Callable[[JobSettings], Sequence[StepFeature]]
+StepBuilder = Callable[[JobSettings, Sequence[StepFeature]], StepFn]
 
 
 def build_train_data(settings: JobSettings, runtime: RuntimeContext) -> TrainData:
@@ -94,29 +128,97 @@ class TrackCheckpoints(TrainHook):
         session.metrics.log_checkpoint(step, path)
 
 
-def build_session(
+def build_train_optimizer(model: nn.Module, settings: JobSettings, runtime: RuntimeContext) -> torch.optim.Optimizer:
+    """The configured optimizer; with float8 FSDP all-gathers it also refreshes the weights' scales
+    after each step (one amax all-reduce per step, not one per weight)."""
+    optimizer = build_optimizer(model, settings)
+    if fsdp_float8_all_gather(settings.train, runtime):
+        precompute_scales_after_each_step(optimizer, model)
+    return optimizer
+
+
+def build_checkpointer(
+    settings: JobSettings, runtime: RuntimeContext, run_dir: Path, parts: RunParts
+) -> CheckpointManager:
+    """kforge's checkpoint manager; ``checkpoint.init_from`` may name a Hugging Face model."""
+    return CheckpointManager(settings, runtime, run_dir, parts, hf_loader=load_hf_weights)
+
+
+def build_run_tracker(
+    settings: JobSettings, runtime: RuntimeContext, run_dir: Path, run_ids: Mapping[str, str]
+) -> Tracker:
+    """metrics.jsonl and the configured experiment trackers on rank 0 (continuing a resumed run's ids)."""
+    return build_tracker(
+        settings, is_main=runtime.is_main, run_dir=run_dir, world_size=runtime.world_size, run_ids=run_ids
+    )
+
+
+@dataclass(frozen=True)
+class Recipe:
+    """A run's phases as data: each field a builder (see the module docstring), kforge's own by default."""
+
+    model: ModelBuilder = build_parallel_model
+    data: DataBuilder = build_train_data
+    loss: LossBuilder = build_loss_fn
+    optimizer: OptimizerBuilder = build_train_optimizer
+    scheduler: SchedulerBuilder = build_scheduler
+    checkpointer: CheckpointerBuilder = build_checkpointer
+    tracker: TrackerBuilder = build_run_tracker
+    features: FeaturesBuilder = features_for
+    step: StepBuilder = build_step
+    hooks: tuple[TrainHook, ...] = ()
+
+    def with_phases(self, **phases: object) -> Recipe:
+        """A copy with the named phases replaced (an unknown name is a TypeError)."""
+        return dataclasses.replace(self, **phases)  # type: ignore[arg-type]
+
+
+def assemble(
     settings: JobSettings,
     runtime: RuntimeContext,
     run_dir: Path,
+    recipe: Recipe,
+    stack: ExitStack,
     *,
-    model: nn.Module,
-    pipeline: PipelineBundle | None,
-    optimizer: torch.optim.Optimizer,
-    scheduler: torch.optim.lr_scheduler.LRScheduler,
-    loss_fn: LossFn,
-    data: TrainData,
-    checkpointer: CheckpointManager,
-    metrics: Tracker,
-    profiler: TrainProfiler,
-    progress: ProgressReporter,
-    nan_guard: NanGuard,
-    shutdown: ShutdownHandler,
-    state: TrainState,
-    hooks: list[TrainHook] | None = None,
-    grad_scaler: LossScaler | None = None,
+    restore: bool = True,
+    install_signals: bool = True,
 ) -> TrainingSession:
-    """The session from its built pieces, plus what is derived from them (dtype, FLOPs, hooks)."""
+    """Build every piece of a run from ``recipe``; ``stack`` receives their cleanups (innermost last).
+
+    ``restore=False`` skips resume/warm start; ``install_signals=False`` leaves the process's
+    signal handlers alone (in-process tests).
+    """
+    shutdown = ShutdownHandler(settings.resilience.shutdown_signals if install_signals else [])
+    if install_signals:
+        shutdown.install()
+    stack.callback(shutdown.close)
+    nan_guard = NanGuard.from_settings(settings.resilience)
+    loss_fn = recipe.loss(settings)
+    model, pipeline = recipe.model(settings, runtime)
+    optimizer = recipe.optimizer(model, settings, runtime)
+    scheduler = recipe.scheduler(optimizer, settings)
+    data = recipe.data(settings, runtime)
+    state = TrainState()
     dtype = compute_dtype(settings, runtime.device)
+    grad_scaler = build_loss_scaler(dtype, runtime)  # fp16 only
+    parts = RunParts(model, optimizer, scheduler, state, nan_guard, data.train, grad_scaler)
+    checkpointer = recipe.checkpointer(settings, runtime, run_dir, parts)
+    stack.callback(checkpointer.close)
+    if restore:
+        restored = checkpointer.restore()  # resume (the data order too) or warm start, if any
+        maybe_mot_warm_start(settings, model, restored, checkpointer.groups.save)  # fresh runs only
+    metrics = recipe.tracker(settings, runtime, run_dir, checkpointer.restored_metrics_run_ids)
+    stack.enter_context(metrics)  # on an exception: the tracked run is marked failed (Ctrl-C: stopped)
+    profiler = build_profiler(settings.profiling, run_dir, runtime.rank, first_step=state.step + 1)
+    stack.callback(profiler.close)
+    progress = ProgressReporter(
+        total_steps=settings.train.max_steps,
+        start_step=state.step,
+        mode=settings.metrics.progress_bar,
+        enabled=runtime.is_main,
+        logger=log,
+    )
+    stack.callback(progress.close)
     session = TrainingSession(
         settings=settings,
         runtime=runtime,
@@ -127,13 +229,14 @@ def build_session(
         scheduler=scheduler,
         loss_fn=loss_fn,
         data=data,
-        hooks=build_hooks(settings, [*(hooks or []), TrackCheckpoints(), SteadyStatePeakMemory()]),
+        hooks=build_hooks(settings, [*recipe.hooks, TrackCheckpoints(), SteadyStatePeakMemory()]),
         metrics=metrics,
         progress=progress,
         profiler=profiler,
         nan_guard=nan_guard,
         shutdown=shutdown,
         checkpointer=checkpointer,
+        step_fn=recipe.step(settings, recipe.features(settings)),
         compute_dtype=dtype,
         flops_per_token=flops_per_token(settings.model, settings.train.seq_len),
         peak_flops=device_peak_flops(runtime.device, dtype_name(dtype), settings.metrics.peak_tflops),
@@ -150,13 +253,18 @@ def build_session(
 
 def run_training(
     settings: JobSettings,
+    recipe: Recipe | None = None,
     *,
-    step_fn: StepFn | None = None,
-    hooks: list[TrainHook] | None = None,
-    build_model: ModelBuilder = build_parallel_model,
-    build_data: DataBuilder = build_train_data,
+    hooks: Sequence[TrainHook] = (),
+    **phases: object,
 ) -> TrainOutcome:
-    """Train per `settings`. The process group is torn down only after a successful run."""
+    """Train per `settings` with ``recipe`` (kforge's own by default), any phase replaced by keyword
+    (``model=``, ``data=``, ``loss=``, ``optimizer=``, ``scheduler=``, ``checkpointer=``,
+    ``tracker=``, ``features=``, ``step=``), ``hooks`` added to the recipe's.
+    The process group is torn down only after a successful run."""
+    recipe = (recipe or Recipe()).with_phases(**phases) if phases else (recipe or Recipe())
+    if hooks:
+        recipe = recipe.with_phases(hooks=(*recipe.hooks, *hooks))
     runtime = init_runtime(settings)
     run_dir = resolve_run_dir(settings, runtime)  # rank 0 holds its lock until the run ends, however it ends
     if runtime.threads is not None:
@@ -166,71 +274,7 @@ def run_training(
         setup_logging(runtime.rank, runtime.world_size, run_dir / "logs")
         if runtime.is_main:
             write_config(settings, run_dir)
-        shutdown = ShutdownHandler(settings.resilience.shutdown_signals).install()
-        stack.callback(shutdown.close)
-        nan_guard = NanGuard.from_settings(settings.resilience)
-        loss_fn = build_loss_fn(settings)
-        model, pipeline = build_model(settings, runtime)
-        optimizer = build_optimizer(model, settings)
-        if fsdp_float8_all_gather(settings.train, runtime):  # one amax all-reduce per step, not one per weight
-            precompute_scales_after_each_step(optimizer, model)
-        scheduler = build_scheduler(optimizer, settings)
-        data = build_data(settings, runtime)
-        state = TrainState()
-        grad_scaler = build_loss_scaler(compute_dtype(settings, runtime.device), runtime)  # fp16 only
-        checkpointer = CheckpointManager(
-            settings,
-            runtime,
-            run_dir,
-            model=model,
-            optimizer=optimizer,
-            scheduler=scheduler,
-            train_state=state,
-            nan_guard=nan_guard,
-            loader=data.train,
-            grad_scaler=grad_scaler,
-        )
-        stack.callback(checkpointer.close)
-        restored = checkpointer.restore()  # resume (the data order too) or warm start, if any
-        maybe_mot_warm_start(settings, model, restored, checkpointer.groups.save)  # fresh runs only
-        metrics = build_tracker(
-            settings,
-            is_main=runtime.is_main,
-            run_dir=run_dir,
-            world_size=runtime.world_size,
-            run_ids=checkpointer.restored_metrics_run_ids,
-        )
-        stack.enter_context(metrics)  # on an exception: the tracked run is marked failed (Ctrl-C: stopped)
-        profiler = build_profiler(settings.profiling, run_dir, runtime.rank, first_step=state.step + 1)
-        stack.callback(profiler.close)
-        progress = ProgressReporter(
-            total_steps=settings.train.max_steps,
-            start_step=state.step,
-            mode=settings.metrics.progress_bar,
-            enabled=runtime.is_main,
-            logger=log,
-        )
-        stack.callback(progress.close)
-        session = build_session(
-            settings,
-            runtime,
-            run_dir,
-            model=model,
-            pipeline=pipeline,
-            optimizer=optimizer,
-            scheduler=scheduler,
-            loss_fn=loss_fn,
-            data=data,
-            checkpointer=checkpointer,
-            metrics=metrics,
-            profiler=profiler,
-            progress=progress,
-            nan_guard=nan_guard,
-            shutdown=shutdown,
-            state=state,
-            hooks=hooks,
-            grad_scaler=grad_scaler,
-        )
+        session = assemble(settings, runtime, run_dir, recipe, stack)
         log.info(
             "training %s on %d process(es), device %s, run dir %s",
             settings.profile or "custom config",
@@ -239,11 +283,11 @@ def run_training(
             run_dir,
         )
         try:
-            outcome = run_training_loop(session, step_fn or select_step_fn(settings))
+            outcome = run_training_loop(session)
         except BaseException:
             session.hooks.on_train_end(session, "failed")
             raise
         session.hooks.on_train_end(session, outcome.status)
-        metrics.close(outcome.status)  # completed, or stopped by a signal (the tracker's run is KILLED)
+        session.metrics.close(outcome.status)  # completed, or stopped by a signal (the tracker's run is KILLED)
     teardown_runtime(runtime)
     return outcome

@@ -1,4 +1,4 @@
-"""`TrainingSession`: every piece of a run, built once by `build_session` and passed explicitly,
+"""`TrainingSession`: every piece of a run, assembled once by `engine.train.recipe.assemble`,
 and the hook interface the loop calls on it (`TrainHook`, `HookList`, `StepInfo`).
 
 The hook interface lives here, next to the session its methods receive, so that neither
@@ -10,7 +10,7 @@ from __future__ import annotations
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 from torch import nn
@@ -27,7 +27,21 @@ from kforge_cli.settings import JobSettings
 
 if TYPE_CHECKING:
     from kforge_cli.engine.train.loss_scaler import LossScaler
-    from kforge_cli.engine.train.step_result import StepResult
+    from kforge_cli.engine.train.step.result import StepResult
+
+Batch = dict[str, torch.Tensor]
+"""One micro-batch on the device: ``input_ids``, ``labels`` and optional model inputs."""
+
+
+class StepFn(Protocol):
+    """What the loop calls: the step once per optimizer step, `after_update` after the optimizer update.
+
+    kforge's are an executor with features (engine.train.step, engine.train.features).
+    """
+
+    def __call__(self, session: TrainingSession, micro_batches: list[Batch], /) -> StepResult: ...
+
+    def after_update(self, session: TrainingSession, /) -> None: ...
 
 
 @dataclass
@@ -130,6 +144,7 @@ class TrainingSession:
     nan_guard: NanGuard
     shutdown: ShutdownHandler
     checkpointer: CheckpointManager
+    step_fn: StepFn  # an executor with its features (engine.train.features.build_step)
     compute_dtype: torch.dtype
     flops_per_token: float
     peak_flops: float | None

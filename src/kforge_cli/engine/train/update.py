@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from kforge_cli.engine.train.loss_scaler import LossScaler, build_loss_scaler
-from kforge_cli.engine.train.step_result import StepResult
+from kforge_cli.engine.train.step.result import StepResult
 
 __all__ = ["LossScaler", "apply_update", "build_loss_scaler", "skips_on_device"]
 

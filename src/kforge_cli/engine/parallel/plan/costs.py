@@ -26,7 +26,7 @@ _T = 1e12
 
 
 def muon_managed(p: ParamShard) -> bool:
-    """Muon's rule (engine.train.optimizer.build_param_groups): 2-D, not an embedding, not the head."""
+    """Muon's rule (engine.train.optim.optimizer.build_param_groups): 2-D, not an embedding, not the head."""
     return p.ndim == 2 and not p.embedding and not p.is_head
 
 

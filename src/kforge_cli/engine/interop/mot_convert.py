@@ -34,19 +34,19 @@ import kforge_cli
 from kforge_cli.engine.checkpoint.dcp_io import OPTIONS, load_from_dirs, quiet_single_process
 from kforge_cli.engine.checkpoint.errors import CheckpointError
 from kforge_cli.engine.checkpoint.fingerprint import fingerprint, shaping_config
-from kforge_cli.engine.checkpoint.hf_format import is_hf_dir
-from kforge_cli.engine.checkpoint.hf_import import check_matches, read_hf_tensors
 from kforge_cli.engine.checkpoint.layout import (
     COMMIT_FILE,
     SUMMARY_FILE,
     TRAIN_STATE_FILE,
     atomic_write_json,
     dcp_dirs,
+    is_hf_dir,
     read_json,
     resolve_checkpoint,
 )
 from kforge_cli.engine.checkpoint.resolve import freeze_config
 from kforge_cli.engine.checkpoint.train_state import FORMAT
+from kforge_cli.engine.interop.hf_import import check_matches, read_hf_tensors
 from kforge_cli.errors import InvalidInputError
 from kforge_cli.settings import JobSettings
 

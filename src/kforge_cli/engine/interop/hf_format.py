@@ -17,8 +17,9 @@ from pathlib import Path
 from typing import Any
 
 from kforge_cli.engine.checkpoint.errors import CheckpointError
+from kforge_cli.engine.checkpoint.layout import HF_CONFIG_FILE
 
-CONFIG_FILE = "config.json"
+CONFIG_FILE = HF_CONFIG_FILE
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
 
@@ -74,7 +75,7 @@ def export_problems(model: dict[str, Any], has_vlm: bool) -> list[str]:
     if model.get("activation") != "swiglu":
         problems.append(f"model.activation = {model.get('activation')!r}: Llama uses a SwiGLU MLP")
     if model.get("moe"):
-        from kforge_cli.engine.checkpoint.hf_moe import moe_export_problems
+        from kforge_cli.engine.interop.hf_moe import moe_export_problems
 
         return problems + moe_export_problems(model)
     if model.get("qk_norm"):
@@ -116,12 +117,6 @@ def hf_config(model: dict[str, Any], *, ffn_hidden_dim: int, torch_dtype: str) -
     }
 
 
-def is_hf_dir(path: str | Path) -> bool:
-    """A directory with ``config.json`` and safetensors weights (a Hugging Face model)."""
-    p = Path(path).expanduser()
-    return p.is_dir() and (p / CONFIG_FILE).is_file() and any(p.glob("*.safetensors"))
-
-
 def read_hf_config(hf_dir: Path) -> dict[str, Any]:
     path = hf_dir / CONFIG_FILE
     try:
@@ -145,7 +140,7 @@ def _rope_theta(config: dict[str, Any], problems: list[str]) -> float:
 def model_fields_from_hf(config: dict[str, Any]) -> dict[str, Any]:
     """kforge ``model.*`` settings equivalent to a Hugging Face Llama config; refuses what kforge lacks."""
     if config.get("model_type") == "qwen3_moe":
-        from kforge_cli.engine.checkpoint.hf_moe import moe_fields_from_hf
+        from kforge_cli.engine.interop.hf_moe import moe_fields_from_hf
 
         return moe_fields_from_hf(config, model_fields_from_hf)
     problems: list[str] = []

@@ -1,4 +1,4 @@
-"""The VLM step: the plain step (token-normalised accumulation) plus the freeze schedule.
+"""The VLM freeze schedule as a step feature.
 
 Freezing never touches ``requires_grad``, the optimizer's parameter groups or FSDP's
 shards: after the backward, the gradients of the parameters frozen for this update are
@@ -18,13 +18,14 @@ module's state survives save/resume bit for bit.
 from __future__ import annotations
 
 import logging
+from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING
 
 import torch
 
 from kforge_cli.engine.model.names import clean_param_name
 from kforge_cli.engine.model.vlm import check_specs, frozen_names, frozen_specs_at
-from kforge_cli.engine.train.step import PlainStep
+from kforge_cli.engine.train.step.core import Batch, StepFeature
 
 if TYPE_CHECKING:
     from kforge_cli.engine.train.session import TrainingSession
@@ -89,14 +90,14 @@ class FreezeController:
         return self._frozen
 
 
-class VLMStep(PlainStep):
-    """The plain step plus the freeze schedule: frozen parameters' gradients are dropped after the backward."""
+class FreezeFeature(StepFeature):
+    """Frozen parameters' gradients are dropped after the backward, per the freeze schedule."""
 
     def __init__(self) -> None:
         self.freeze: FreezeController | None = None
         self._frozen: list[torch.Tensor] = []
 
-    def before_forward(self, session: TrainingSession) -> None:
+    def before_step(self, session: TrainingSession, micro_batches: Sequence[Batch]) -> None:
         if self.freeze is None:
             self.freeze = FreezeController(session)
         if init_optimizer_state(session.optimizer):
@@ -107,5 +108,5 @@ class VLMStep(PlainStep):
         for p in self._frozen:
             p.grad = None
 
-    def extra(self) -> dict[str, float]:
+    def metrics(self) -> Mapping[str, float | torch.Tensor]:
         return {"frozen_params": float(self.freeze.frozen_numel if self.freeze is not None else 0)}

@@ -19,8 +19,8 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_
 
 from kforge_cli.engine.checkpoint.dcp_io import OPTIONS, _excluded
 from kforge_cli.engine.checkpoint.errors import CheckpointError
-from kforge_cli.engine.checkpoint.hf_format import from_hf_name, hf_weight_files, model_fields_from_hf, read_hf_config
-from kforge_cli.engine.checkpoint.hf_moe import FUSED_GATE, FUSED_UP, ROUTER_GATE, SKIPPED, from_hf_moe_name
+from kforge_cli.engine.interop.hf_format import from_hf_name, hf_weight_files, model_fields_from_hf, read_hf_config
+from kforge_cli.engine.interop.hf_moe import FUSED_GATE, FUSED_UP, ROUTER_GATE, SKIPPED, from_hf_moe_name
 from kforge_cli.settings.training import ModelSettings
 
 log = logging.getLogger("kforge")

@@ -1,45 +1,51 @@
-"""The MoE step under pipeline parallelism: aux-loss gradients inside the schedule, balancing after it.
+"""MoE as a step feature: the routers' aux losses in the backward, balancing once per step.
 
-The schedule computes the loss on the last stage only, and each stage runs each
-micro-batch's forward and backward separately, so the routers' aux losses cannot be
-added to the loss as the plain MoE step does (`engine.train.moe_step`). Instead a
-forward hook on every MoE layer wraps the layer's output in `_AuxLossGradient`: the
-output passes through unchanged, and its backward also gives the layer's aux loss the
-gradient it gets in the plain step, ``valid tokens of the micro-batch x the step's
-scale`` (the `TokenNormaliser`'s ``loss_ranks / global valid tokens``). Every stage's
-MoE layers therefore train exactly as on one process, whatever the schedule.
+Aux losses: each MoE layer keeps the weighted load-balance and z-loss of its latest
+forward, a mean over this rank's tokens of the micro-batch. Its gradient is that of the
+term weighted by the micro-batch's valid tokens (`TokenNormaliser.term_counts`), so after
+the step's division by the global token count (and the gradient average over data-parallel
+ranks) it is the token-weighted mean over all micro-batches and ranks; the load-balance
+loss's expert shares are those of the whole global micro-batch (all-reduced in the forward
+over dp x cp, every rank whose tokens differ), so data and context parallelism train exactly
+like one process on the same global batch. The reported ``loss`` stays the language-model
+loss; the aux values are logged separately (``moe/<layer>/aux_loss``).
 
-Which micro-batch a forward belongs to: every torch schedule runs a stage's forwards in
-micro-batch order, so the hook counts a layer's forwards within the step. It counts only
-training forwards outside the autograd engine (the recompute of activation checkpointing
-runs inside it and is neither counted nor wrapped again; the original forward's wrapper
-is the one in the graph). At the first step, and after each evaluation, the schedule
-first runs one forward per stage on stand-in activations to infer shapes
-(`training_step_infers_metadata`); the hook leaves that forward unwrapped and clears
-the token counts it made, so it is neither a micro-batch nor load.
+How the term reaches the gradient depends on the executor:
 
-After the schedule, `finish_moe_step` all-reduces the counts over the stage's
-data-parallel ranks (EP included) and updates the biases, as in the plain MoE step.
-Its metrics exist only on the stage that holds the layer, and the logging rank holds
-the first stage: they are summed over the pipeline group into one vector with a slot
-per MoE layer of the whole model, on the device, so no host read is added to a step.
+- accumulating: `loss_term` returns the model's summed aux loss after each micro-batch's
+  forward, and the executor adds it (weighted) to that micro-batch's loss sum;
+- pipeline schedule: the loss exists on the last stage only and each stage runs each
+  micro-batch's forward and backward separately, so `AuxLossFeed` puts a forward hook on
+  every MoE layer of this rank's stages that wraps the layer's output in
+  `_AuxLossGradient`: the output passes through unchanged, and its backward also gives the
+  layer's aux loss its weight for that micro-batch. Every torch schedule runs a stage's
+  forwards in micro-batch order, so the hook counts a layer's forwards within the step. It
+  counts only training forwards outside the autograd engine (the recompute of activation
+  checkpointing runs inside it and is neither counted nor wrapped again). At the first step,
+  and after each evaluation, the schedule first runs one forward per stage on stand-in
+  activations to infer shapes (`training_step_infers_metadata`); the hook leaves that
+  forward unwrapped and clears the token counts it made.
+
+Balancing: after the last backward, `finish_moe_step` all-reduces the step's expert counts
+over dp x cp (tensor-parallel peers route the same tokens and are not summed), updates the
+selection biases identically everywhere and returns the per-layer load metrics. Under a
+pipeline these exist only on the stage that holds the layer: they are summed over the
+pipeline group into one vector with a slot per MoE layer, on the device (no host read).
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
 
-from kforge_cli.engine.model.moe import MoEFeedForward, finish_moe_step, moe_layers
+from kforge_cli.engine.model.moe import MoEFeedForward, finish_moe_step, moe_aux_loss, moe_layers
 from kforge_cli.engine.model.moe.layer import in_backward
 from kforge_cli.engine.parallel import training_step_infers_metadata
 from kforge_cli.engine.runtime import all_reduce_sum
-from kforge_cli.engine.train.moe_step import share_load_over_data_parallel
-from kforge_cli.engine.train.pipeline_step import PipelineStep
-from kforge_cli.engine.train.step import Batch, TokenNormaliser
+from kforge_cli.engine.train.step.core import Batch, StepFeature
 
 if TYPE_CHECKING:
     from torch.utils.hooks import RemovableHandle
@@ -107,30 +113,42 @@ class AuxLossFeed:
         return after_forward
 
 
-class MoEPipelineStep(PipelineStep):
-    """Pipeline step + aux-loss gradients per micro-batch + bias update and load metrics once per step."""
+def share_load_over_ranks(session: TrainingSession) -> None:
+    """Let every MoE layer's load-balance loss use the expert load of all ranks whose tokens differ."""
+    distributed = session.runtime.loss_ranks > 1
+    for _, layer in moe_layers(session.model):
+        layer.load_group, layer.global_load = session.runtime.loss_group(), distributed
+
+
+class MoEFeature(StepFeature):
+    """Aux losses in the backward (per executor, see the module docstring), bias update and load metrics."""
 
     def __init__(self) -> None:
         self.feed: AuxLossFeed | None = None
-        self.metrics: dict[str, torch.Tensor] = {}
+        self.metrics_: dict[str, torch.Tensor] = {}
 
-    def before_schedule(self, session: TrainingSession, micro_batches: list[Batch], norm: TokenNormaliser) -> None:
+    def before_step(self, session: TrainingSession, micro_batches: Sequence[Batch]) -> None:
+        share_load_over_ranks(session)
+
+    def loss_term(self, session: TrainingSession, batch: Batch) -> torch.Tensor | None:
+        return moe_aux_loss(session.model)
+
+    def before_schedule(self, session: TrainingSession, weights: torch.Tensor) -> None:
         if session.pipeline is None:
-            raise RuntimeError("the pipeline step needs a model built with distributed.pp > 1")
+            raise RuntimeError("the schedule executor needs a model built with distributed.pp > 1")
         if self.feed is None:
             self.feed = AuxLossFeed(session.pipeline.modules)
-        share_load_over_data_parallel(session)
         infers = training_step_infers_metadata(session.pipeline.schedule)
-        self.feed.start(norm.per_micro_batch.float() * norm.scale, infers_metadata=infers)
+        self.feed.start(weights, infers_metadata=infers)
 
     def after_backward(self, session: TrainingSession) -> None:
         if self.feed is not None:
             self.feed.finish()
-        local = finish_moe_step(session.model, session.runtime.dp_group())
-        self.metrics = gather_over_stages(session, local)
+        local = finish_moe_step(session.model, session.runtime.loss_group())
+        self.metrics_ = gather_over_stages(session, local) if session.pipeline is not None else local
 
-    def extra(self) -> Mapping[str, float | torch.Tensor]:
-        return dict(self.metrics)
+    def metrics(self) -> Mapping[str, float | torch.Tensor]:
+        return dict(self.metrics_)
 
 
 def gather_over_stages(session: TrainingSession, local: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:

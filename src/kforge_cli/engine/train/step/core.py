@@ -1,19 +1,20 @@
-"""The step core: one optimizer step's forward/backward over the micro-batches, written once.
+"""The step core: what both executors share, and the features a step is composed with.
 
-A step function takes the session and the step's micro-batches (already on the device)
-and returns a `StepResult`; the loop owns the optimizer update, NaN policy and logging.
+A step is an *executor* plus *features*. The executor runs one optimizer step's
+forward/backward over the micro-batches: `AccumulateStep` (engine.train.step.accumulate)
+loops over them with gradient accumulation; `ScheduleStep` (engine.train.step.schedule)
+hands them to the pipeline schedule. Both shard every micro-batch over the
+context-parallel group first (`context_shards`). A `StepFeature` adds one capability
+(MoE's aux losses and balancing, the VLM freeze schedule) through a few hooks, and
+delivers its gradient-only loss term the way each executor needs it: per micro-batch
+(`loss_term`, added by the accumulating executor) or as per-micro-batch weights before the
+schedule runs (`before_schedule`, for terms produced inside pipeline stages).
+
 The loss is normalised by the number of valid (non-ignored) label tokens across ALL
-micro-batches of the step and all data-parallel ranks, not averaged per micro-batch, so
-gradient accumulation and data parallelism give the same update as one big batch.
-
-Under context parallelism every rank holds a part of each sequence, so "all ranks" means
-dp x cp (`RuntimeContext.loss_group`, `loss_ranks`); without CP that is the dp group.
-
-`TokenNormaliser` is that rule (count, all-reduce, scale); `accumulate` is the
-micro-batch loop built on it (gradient sync only on the last micro-batch). `PlainStep`
-runs it and clips; variants subclass it and override one phase (`VLMStep` drops frozen
-gradients after the backward); the pipeline step uses the same normaliser inside its
-schedule. Which variant a run uses is decided in one place, `engine.train.steps`.
+micro-batches of the step and all ranks whose tokens differ (dp x cp:
+`RuntimeContext.loss_group`, `loss_ranks`), not averaged per micro-batch, so gradient
+accumulation, data and context parallelism give the same update as one big batch.
+`TokenNormaliser` is that rule (count, all-reduce, scale).
 
 Nothing here reads a tensor on the host: on a GPU every such read waits for all queued
 work, so the step's numbers (token counts, loss, gradient norm) stay device scalars in
@@ -25,31 +26,74 @@ logging steps. With fp16 the step also scales the loss by the gradient scaler's 
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING
 
 import torch
 from torch.distributed.tensor import DTensor
 
 from kforge_cli.engine.data.tokens import IGNORE_INDEX
-from kforge_cli.engine.parallel import clip_grad_norm, vocab_parallel_loss_sum
+from kforge_cli.engine.parallel import clip_grad_norm, shard_batch, vocab_parallel_loss_sum
 from kforge_cli.engine.runtime import all_reduce_sum
-from kforge_cli.engine.train.step_result import StepNumbers as StepNumbers  # re-exported: the records
-from kforge_cli.engine.train.step_result import StepResult as StepResult  # live in step_result
+from kforge_cli.engine.train.session import Batch, StepFn
 
 if TYPE_CHECKING:
     from kforge_cli.engine.train.session import TrainingSession
 
-Batch = dict[str, torch.Tensor]
+__all__ = ["Batch", "StepFeature", "StepFn", "TokenNormaliser", "context_shards"]
+
 # Batch keys passed to the model as keyword arguments when present (VLM batches add the pixels).
 MODEL_INPUTS = ("doc_ids", "positions", "pixel_values", "frame_mask")
 
 
-class StepFn(Protocol):
-    """What the loop calls once per optimizer step."""
+class StepFeature:
+    """One capability of a step, added to either executor through these hooks (all no-ops here).
 
-    def __call__(self, session: TrainingSession, micro_batches: list[Batch], /) -> StepResult: ...
+    Call order within a step: `before_step` (after context sharding, before the first
+    forward) -> per micro-batch `loss_term` (accumulating executor) or once `before_schedule`
+    (pipeline executor) -> `after_backward` (after the last backward, before clipping) ->
+    `metrics` (merged into the step's result) -> the loop's optimizer update -> `after_update`.
+    A feature may keep state across steps; `features_for` builds fresh ones per run.
+    """
+
+    def before_step(self, session: TrainingSession, micro_batches: Sequence[Batch]) -> None:
+        """Runs before the first micro-batch's forward."""
+
+    def loss_term(self, session: TrainingSession, batch: Batch) -> torch.Tensor | None:
+        """A gradient-only term of this micro-batch, read right after its forward (accumulating executor).
+
+        The executor multiplies it by the micro-batch's weight (`TokenNormaliser.term_counts`)
+        and adds ``term - term.detach()`` to the loss sum, so the gradient is the term's and the
+        reported loss stays the language-model loss.
+        """
+        return None
+
+    def before_schedule(self, session: TrainingSession, weights: torch.Tensor) -> None:
+        """The pipeline executor's counterpart of `loss_term`: ``weights[i]`` is d(step loss)/d(term)
+        of micro-batch ``i``; a feature whose term arises inside the stages feeds it there."""
+
+    def after_backward(self, session: TrainingSession) -> None:
+        """Runs after the last backward, before gradients are clipped."""
+
+    def after_update(self, session: TrainingSession) -> None:
+        """Runs after the optimizer update (skipped updates included)."""
+
+    def metrics(self) -> Mapping[str, float | torch.Tensor]:
+        """Step metrics merged into `StepResult.extra` (device scalars are read only when logged)."""
+        return {}
+
+
+def context_shards(session: TrainingSession, micro_batches: list[Batch]) -> list[Batch]:
+    """This rank's context-parallel shard of every micro-batch (unchanged without CP).
+
+    Each CP rank keeps its load-balanced head and tail chunk of every sequence (input ids,
+    labels, positions and document ids together); the model gathers K/V over the CP group
+    in attention, and the normaliser counts tokens over dp x cp, so the loss is the global
+    mean per valid token and `tokens_seen` counts every token once.
+    """
+    rank, size = session.runtime.cp_rank, session.runtime.cp_size
+    return [shard_batch(mb, rank, size) for mb in micro_batches]
 
 
 def loss_sum_from_output(session: TrainingSession, output: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
@@ -128,17 +172,34 @@ class TokenNormaliser:
             scale = session.grad_scaler.scale(scale)  # fp16: gradients scaled up so they do not underflow
         return cls(n_valid=n_valid, scale=scale, per_micro_batch=counts)
 
+    def term_counts(self, session: TrainingSession) -> torch.Tensor:
+        """The token weight of each micro-batch's gradient-only feature term (float vector on the device;
+        times `scale` it is d(step loss)/d(term)).
+
+        A term is a mean over one micro-batch's tokens on this rank (e.g. MoE's aux loss). One
+        process weights it by the micro-batch's valid tokens; under context parallelism each
+        rank's term covers 1/cp of every sequence, so it is weighted by the valid tokens of the
+        whole sequence (summed over the CP group) over cp, which sums to the same gradient.
+        """
+        counts = self.per_micro_batch
+        if session.runtime.cp_size > 1:
+            counts = all_reduce_sum(counts.clone(), session.runtime.cp_group()).float() / session.runtime.cp_size
+        return counts.float()
+
     def mean(self, global_loss_sum: torch.Tensor) -> torch.Tensor:
         """The step's mean loss per valid token from the global loss sum (device scalar)."""
         return global_loss_sum.double() / self.n_valid.clamp(min=1).double()
 
 
 def accumulate(
-    session: TrainingSession, micro_batches: list[Batch], forward: Callable[[Batch], torch.Tensor]
+    session: TrainingSession,
+    micro_batches: list[Batch],
+    forward: Callable[[Batch], torch.Tensor],
+    norm: TokenNormaliser | None = None,
 ) -> tuple[torch.Tensor, TokenNormaliser]:
     """Forward/backward every micro-batch (``forward`` returns its loss sum); gradients are
     reduced across data-parallel ranks only with the last one. Returns the global loss sum."""
-    norm = TokenNormaliser.for_step(session, micro_batches)
+    norm = norm or TokenNormaliser.for_step(session, micro_batches)
     total = torch.zeros((), device=session.runtime.device, dtype=torch.float32)
     sync = getattr(session.model, "set_requires_gradient_sync", None)  # FSDP2 modules only
     last = len(micro_batches) - 1
@@ -185,39 +246,3 @@ class DatasetLosses:
             for name, loss_sum, tokens in zip(self.names, *self.sums.tolist(), strict=True)
             if tokens > 0
         }
-
-
-class PlainStep:
-    """Token-normalised accumulation, then clipping. Subclasses override one phase."""
-
-    def __call__(self, session: TrainingSession, micro_batches: list[Batch]) -> StepResult:
-        self.before_forward(session)
-        datasets = DatasetLosses.for_step(session, micro_batches)
-        base = datasets.forward if datasets is not None else (lambda batch: forward_loss_sum(session, batch))
-        total, norm = accumulate(session, micro_batches, lambda batch: self.adjust_loss(session, batch, base(batch)))
-        self.after_backward(session)
-        grad_norm = clip_gradients(session)
-        result = StepResult(
-            loss=norm.mean(total), grad_norm=grad_norm, valid_tokens=norm.n_valid, extra=dict(self.extra())
-        )
-        if datasets is not None:
-            datasets.reduce()
-            result.deferred.append(datasets.means)
-        return result
-
-    def before_forward(self, session: TrainingSession) -> None:
-        """Runs before the first micro-batch (nothing for plain training)."""
-
-    def adjust_loss(self, session: TrainingSession, batch: Batch, loss_sum: torch.Tensor) -> torch.Tensor:
-        """The loss sum one micro-batch backpropagates (plain training: unchanged)."""
-        return loss_sum
-
-    def after_backward(self, session: TrainingSession) -> None:
-        """Runs after the last backward, before clipping (nothing for plain training)."""
-
-    def extra(self) -> Mapping[str, float | torch.Tensor]:
-        """Step metrics of this variant, merged into `StepResult.extra` (device scalars are read only when logged)."""
-        return {}
-
-
-plain_step = PlainStep()

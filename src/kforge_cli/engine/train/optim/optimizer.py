@@ -20,8 +20,8 @@ from torch import nn
 
 from kforge_cli.engine.model.names import clean_param_name
 from kforge_cli.engine.runtime.dtypes import DTYPES
-from kforge_cli.engine.train.lion import Lion
-from kforge_cli.engine.train.muon import Muon
+from kforge_cli.engine.train.optim.lion import Lion
+from kforge_cli.engine.train.optim.muon import Muon
 from kforge_cli.errors import ConfigError, ConfigIssue
 from kforge_cli.settings import JobSettings
 

@@ -1,4 +1,4 @@
-"""The step function for pipeline parallelism, and the pipeline's forward-only loss (eval).
+"""The schedule executor (pipeline parallelism), and the pipeline's forward-only loss (eval).
 
 The loop hands the step its ``grad_accum_steps`` micro-batches; they are concatenated and
 given to the schedule, which splits them back into the same micro-batches and runs
@@ -19,43 +19,38 @@ attention gathers K/V over the CP group. The loss sums then span dp x cp
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 import torch
 
-from kforge_cli.engine.parallel import PipelineBundle, shard_batch
+from kforge_cli.engine.parallel import PipelineBundle
 from kforge_cli.engine.runtime import all_reduce_sum
-from kforge_cli.engine.train.step import (
+from kforge_cli.engine.train.step.core import (
     Batch,
-    StepResult,
+    StepFeature,
     TokenNormaliser,
     clip_gradients,
+    context_shards,
     loss_sum_from_output,
     model_computes_loss,
 )
-from kforge_cli.errors import InvalidInputError
+from kforge_cli.engine.train.step.result import StepResult
 
 if TYPE_CHECKING:
     from kforge_cli.engine.train.session import TrainingSession
 
 
 def bind_pipeline_loss(session: TrainingSession) -> None:
-    """Give the schedule's loss its rule once, when the session is assembled (and check that the
-    schedule can evaluate, before any step runs)."""
+    """Give the schedule's loss its rule once, when the session is assembled."""
     if session.pipeline is None:
         return
-    if session.settings.eval.interval and not hasattr(session.pipeline.schedule, "eval"):
-        raise InvalidInputError(
-            f"eval.interval: evaluation under pipeline parallelism runs the schedule forward only "
-            f"(schedule.eval), which torch {torch.__version__} lacks; use torch >= 2.9 or set --eval.interval=0"
-        )
     session.pipeline.loss.bind(lambda output, target: loss_sum_from_output(session, output, target))
 
 
 def _bundle(session: TrainingSession) -> PipelineBundle:
     if session.pipeline is None:
-        raise RuntimeError("the pipeline step needs a model built with distributed.pp > 1")
+        raise RuntimeError("the schedule executor needs a model built with distributed.pp > 1")
     return session.pipeline
 
 
@@ -96,20 +91,25 @@ def _reduce_over_stages_and_dp(session: TrainingSession, local: torch.Tensor) ->
     return all_reduce_sum(local, session.runtime.loss_group())  # dp (x cp) ranks: their tokens differ
 
 
-class PipelineStep:
-    """One optimizer step's forward/backward through the pipeline schedule, then clipping.
+class ScheduleStep:
+    """One optimizer step's forward/backward through the pipeline schedule, with `features`
+    composed in, then clipping."""
 
-    Like `engine.train.step.PlainStep`, variants override one phase: `MoEPipelineStep`
-    feeds the routers' aux-loss gradients and updates the balancing biases.
-    """
+    def __init__(self, features: Sequence[StepFeature] = ()) -> None:
+        self.features = tuple(features)
 
     def __call__(self, session: TrainingSession, micro_batches: list[Batch]) -> StepResult:
         bundle = _bundle(session)
         runtime = session.runtime
-        micro_batches = [shard_batch(mb, runtime.cp_rank, runtime.cp_size) for mb in micro_batches]
+        micro_batches = context_shards(session, micro_batches)
+        for feature in self.features:
+            feature.before_step(session, micro_batches)
         norm = TokenNormaliser.for_step(session, micro_batches)
         batch = {k: torch.cat([mb[k] for mb in micro_batches]) for k in micro_batches[0]}
-        self.before_schedule(session, micro_batches, norm)
+        if self.features:
+            weights = norm.term_counts(session) * norm.scale
+            for feature in self.features:
+                feature.before_schedule(session, weights)
         bundle.loss.scale = norm.scale
         try:
             local = _run_schedule(session, batch, train=True)
@@ -117,22 +117,17 @@ class PipelineStep:
             bundle.loss.scale = 1.0
         # sum over micro-batches, stages and dp x cp ranks of (loss sum * scale) = loss_ranks * mean loss
         mean = _reduce_over_stages_and_dp(session, local) / runtime.loss_ranks
-        self.after_backward(session)
+        for feature in self.features:
+            feature.after_backward(session)
         grad_norm = clip_gradients(session)
-        return StepResult(loss=mean, grad_norm=grad_norm, valid_tokens=norm.n_valid, extra=dict(self.extra()))
+        extra: dict[str, float | torch.Tensor] = {}
+        for feature in self.features:
+            extra.update(feature.metrics())
+        return StepResult(loss=mean, grad_norm=grad_norm, valid_tokens=norm.n_valid, extra=extra)
 
-    def before_schedule(self, session: TrainingSession, micro_batches: list[Batch], norm: TokenNormaliser) -> None:
-        """Runs before the schedule (nothing for dense models)."""
-
-    def after_backward(self, session: TrainingSession) -> None:
-        """Runs after the schedule's last backward, before clipping (nothing for dense models)."""
-
-    def extra(self) -> Mapping[str, float | torch.Tensor]:
-        """Step metrics of this variant, merged into `StepResult.extra` (device scalars are read only when logged)."""
-        return {}
-
-
-pipeline_step = PipelineStep()
+    def after_update(self, session: TrainingSession) -> None:
+        for feature in self.features:
+            feature.after_update(session)
 
 
 @torch.no_grad()

@@ -23,7 +23,7 @@ import torch
 from torch import nn
 
 from kforge_cli.engine.checkpoint.errors import CheckpointError
-from kforge_cli.engine.checkpoint.hf_format import is_hf_dir
+from kforge_cli.engine.checkpoint.layout import is_hf_dir
 from kforge_cli.engine.checkpoint.reader import (
     MODEL_PREFIX,
     CheckpointView,
@@ -175,7 +175,7 @@ def _fill_from_checkpoint(model: nn.Module, view: CheckpointView) -> None:
 def _load_hf(
     checkpoint: str | Path, cfg: ModelSettings | None, dtype: torch.dtype, device: str | torch.device
 ) -> Transformer:
-    from kforge_cli.engine.checkpoint.hf_import import hf_model_settings, read_hf_tensors
+    from kforge_cli.engine.interop.hf_import import hf_model_settings, read_hf_tensors
 
     model = empty_model(cfg or hf_model_settings(checkpoint), dtype, device)
     params = model.state_dict()

@@ -19,16 +19,6 @@ from typing import Any
 import torch
 
 from kforge_cli.engine.checkpoint.errors import CheckpointError
-from kforge_cli.engine.checkpoint.hf_format import (
-    CONFIG_FILE,
-    INDEX_FILE,
-    SINGLE_FILE,
-    export_problems,
-    hf_config,
-    to_hf_name,
-)
-from kforge_cli.engine.checkpoint.hf_moe import FUSED_GATE, FUSED_UP, qwen3_moe_config, to_hf_moe_name
-from kforge_cli.engine.checkpoint.hf_tokenizer import ExportedTokenizer, run_tokenizer, write_tokenizer
 from kforge_cli.engine.checkpoint.layout import kforge_contents
 from kforge_cli.engine.checkpoint.reader import (
     MODEL_PREFIX,
@@ -40,6 +30,16 @@ from kforge_cli.engine.checkpoint.reader import (
     read_tensors,
     shaping_of,
 )
+from kforge_cli.engine.interop.hf_format import (
+    CONFIG_FILE,
+    INDEX_FILE,
+    SINGLE_FILE,
+    export_problems,
+    hf_config,
+    to_hf_name,
+)
+from kforge_cli.engine.interop.hf_moe import FUSED_GATE, FUSED_UP, qwen3_moe_config, to_hf_moe_name
+from kforge_cli.engine.interop.hf_tokenizer import ExportedTokenizer, run_tokenizer, write_tokenizer
 from kforge_cli.engine.runtime.dtypes import DTYPES, torch_dtype_name
 
 DEFAULT_SHARD_BYTES = 5 * 2**30
