@@ -9,7 +9,7 @@ Features add their gradient-only loss terms per micro-batch and act before and a
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 import torch
@@ -17,10 +17,9 @@ import torch
 from kforge_cli.engine.train.step.core import (
     Batch,
     DatasetLosses,
-    StepFeature,
+    Executor,
     TokenNormaliser,
     accumulate,
-    clip_gradients,
     context_shards,
     forward_loss_sum,
 )
@@ -30,11 +29,8 @@ if TYPE_CHECKING:
     from kforge_cli.engine.train.session import TrainingSession
 
 
-class AccumulateStep:
+class AccumulateStep(Executor):
     """Token-normalised gradient accumulation over the micro-batches, with `features` composed in."""
-
-    def __init__(self, features: Sequence[StepFeature] = ()) -> None:
-        self.features = tuple(features)
 
     def __call__(self, session: TrainingSession, micro_batches: list[Batch]) -> StepResult:
         micro_batches = context_shards(session, micro_batches)
@@ -44,13 +40,7 @@ class AccumulateStep:
         norm = TokenNormaliser.for_step(session, micro_batches)
         forward = self._forward(session, datasets, norm)
         total, norm = accumulate(session, micro_batches, forward, norm)
-        for feature in self.features:
-            feature.after_backward(session)
-        grad_norm = clip_gradients(session)
-        extra: dict[str, float | torch.Tensor] = {}
-        for feature in self.features:
-            extra.update(feature.metrics())
-        result = StepResult(loss=norm.mean(total), grad_norm=grad_norm, valid_tokens=norm.n_valid, extra=extra)
+        result = self.finish(session, norm.mean(total), norm)
         if datasets is not None:
             datasets.reduce()
             result.deferred.append(datasets.means)
@@ -80,7 +70,3 @@ class AccumulateStep:
             return loss_sum
 
         return with_terms
-
-    def after_update(self, session: TrainingSession) -> None:
-        for feature in self.features:
-            feature.after_update(session)

@@ -37,11 +37,12 @@ from kforge_cli.engine.data.tokens import IGNORE_INDEX
 from kforge_cli.engine.parallel import clip_grad_norm, shard_batch, vocab_parallel_loss_sum
 from kforge_cli.engine.runtime import all_reduce_sum
 from kforge_cli.engine.train.session import Batch, StepFn
+from kforge_cli.engine.train.step.result import StepResult
 
 if TYPE_CHECKING:
     from kforge_cli.engine.train.session import TrainingSession
 
-__all__ = ["Batch", "StepFeature", "StepFn", "TokenNormaliser", "context_shards"]
+__all__ = ["Batch", "Executor", "StepFeature", "StepFn", "TokenNormaliser", "context_shards"]
 
 # Batch keys passed to the model as keyword arguments when present (VLM batches add the pixels).
 MODEL_INPUTS = ("doc_ids", "positions", "pixel_values", "frame_mask")
@@ -246,3 +247,24 @@ class DatasetLosses:
             for name, loss_sum, tokens in zip(self.names, *self.sums.tolist(), strict=True)
             if tokens > 0
         }
+
+
+class Executor:
+    """What both executors share: the features they are composed with, and the end of a step."""
+
+    def __init__(self, features: Sequence[StepFeature] = ()) -> None:
+        self.features = tuple(features)
+
+    def finish(self, session: TrainingSession, loss: torch.Tensor, norm: TokenNormaliser) -> StepResult:
+        """After the last backward: the features' `after_backward`, clipping, and the step's result."""
+        for feature in self.features:
+            feature.after_backward(session)
+        grad_norm = clip_gradients(session)
+        extra: dict[str, float | torch.Tensor] = {}
+        for feature in self.features:
+            extra.update(feature.metrics())
+        return StepResult(loss=loss, grad_norm=grad_norm, valid_tokens=norm.n_valid, extra=extra)
+
+    def after_update(self, session: TrainingSession) -> None:
+        for feature in self.features:
+            feature.after_update(session)

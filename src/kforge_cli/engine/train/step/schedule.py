@@ -19,7 +19,6 @@ attention gathers K/V over the CP group. The loss sums then span dp x cp
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -28,9 +27,8 @@ from kforge_cli.engine.parallel import PipelineBundle
 from kforge_cli.engine.runtime import all_reduce_sum
 from kforge_cli.engine.train.step.core import (
     Batch,
-    StepFeature,
+    Executor,
     TokenNormaliser,
-    clip_gradients,
     context_shards,
     loss_sum_from_output,
     model_computes_loss,
@@ -91,12 +89,9 @@ def _reduce_over_stages_and_dp(session: TrainingSession, local: torch.Tensor) ->
     return all_reduce_sum(local, session.runtime.loss_group())  # dp (x cp) ranks: their tokens differ
 
 
-class ScheduleStep:
+class ScheduleStep(Executor):
     """One optimizer step's forward/backward through the pipeline schedule, with `features`
     composed in, then clipping."""
-
-    def __init__(self, features: Sequence[StepFeature] = ()) -> None:
-        self.features = tuple(features)
 
     def __call__(self, session: TrainingSession, micro_batches: list[Batch]) -> StepResult:
         bundle = _bundle(session)
@@ -117,17 +112,7 @@ class ScheduleStep:
             bundle.loss.scale = 1.0
         # sum over micro-batches, stages and dp x cp ranks of (loss sum * scale) = loss_ranks * mean loss
         mean = _reduce_over_stages_and_dp(session, local) / runtime.loss_ranks
-        for feature in self.features:
-            feature.after_backward(session)
-        grad_norm = clip_gradients(session)
-        extra: dict[str, float | torch.Tensor] = {}
-        for feature in self.features:
-            extra.update(feature.metrics())
-        return StepResult(loss=mean, grad_norm=grad_norm, valid_tokens=norm.n_valid, extra=extra)
-
-    def after_update(self, session: TrainingSession) -> None:
-        for feature in self.features:
-            feature.after_update(session)
+        return self.finish(session, mean, norm)
 
 
 @torch.no_grad()
