@@ -1,27 +1,30 @@
 """Benchmark: does each eager CPU closed form (engine/model/eager_cpu.py) speed up `kforge train`?
 
-The default job (`kforge train`, no flags: the cpu-debug profile, fp32 eager CPU) runs in
-four variants: as shipped, without the RMSNorm closed form, without the RoPE closed form,
-and without both. "Without" swaps in the plain layer the closed form replaces (torch's
-``F.rms_norm``; ``x * cos + rotate_half(x) * sin``), which is what compile, DTensor and CUDA
-run; the switch lives here only (a patch applied in the child process before training).
-Each run is a fresh process that trains the whole default job through ``run_training``
-(evaluation, checkpoints and logging as configured), and its figures are taken after
-``--warmup`` steps: tokens per wall second over the rest of the run (evaluation included),
-tokens per CPU second of the process (less disturbed by other load), and tokens per second
-of the median step. Variants alternate run by run (rotating which goes first), so machine
-load drifts over all of them alike. The speed-up of a closed form is as-shipped over
-without-it: of the medians over runs, and the median of the per-round ratios (paired). Issue 27's rule: a closed form stays only with >= 1.05.
-Prints a table, writes bench/results/closed_forms.json.
+The default job (`kforge train`, no flags: the cpu-debug profile, fp32 eager CPU) trains
+with the closed forms switched on and off in four variants: as shipped, without the RMSNorm
+closed form, without the RoPE closed form, and without both. "Without" swaps in the plain
+layer the closed form replaces (torch's ``F.rms_norm``; ``x * cos + rotate_half(x) * sin``),
+which is what compile, DTensor and CUDA run; the switch lives here only (the bench rebinds
+``RMSNorm.forward`` and attention's ``apply_rotary_pair`` in its own child process).
 
-    python bench/closed_forms.py [--runs 5] [--warmup 10] [--lock FILE] [overrides...]
+Why the variants alternate *within* a run: on a shared 2-core machine the speed of whole
+runs drifts by 20% or more with other load (and the thread count kforge picks follows that
+load), far more than the effect measured. So each run is the whole default job in a fresh
+process, and the variant changes every ``--block`` optimizer steps, cycling through all
+four (the cycle's start rotates from run to run); every variant sees the same load. A
+variant's figure is tokens per second of its median step (steps that evaluate or save a
+checkpoint, and the ``--warmup`` first ones, are left out), per run; the speed-up of
+a closed form is as-shipped over without-it per run, and its median over ``--runs`` runs.
+Issue 27's rule: a closed form stays only at >= 1.05. Prints a table, writes
+bench/results/closed_forms.json.
+
+    python bench/closed_forms.py [--runs 5] [--block 5] [--warmup 10] [--lock FILE] [overrides...]
 """
 
 from __future__ import annotations
 
 import argparse
 import fcntl
-import itertools
 import json
 import os
 import statistics
@@ -29,145 +32,145 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 HERE = Path(__file__).resolve().parent
 VARIANTS = ("shipped", "no-rmsnorm", "no-rope", "neither")
 TARGET = 1.05
 
 
-def _patch(variant: str) -> None:
-    """Replace the closed forms `variant` turns off with the plain layers (this process only)."""
+def _switches() -> Callable[[str], None]:
+    """A function that puts the layers into one variant (see the module docstring)."""
     import torch
     import torch.nn.functional as F
 
     from kforge_cli.engine.model import attention, layers
 
-    if variant in ("no-rmsnorm", "neither"):
+    shipped_rms, shipped_pair = layers.RMSNorm.forward, attention.apply_rotary_pair
 
-        def plain_rms(self: layers.RMSNorm, x: torch.Tensor) -> torch.Tensor:
-            return F.rms_norm(x.float(), (self.dim,), self.weight.float(), self.eps).to(x.dtype)
+    def plain_rms(self: layers.RMSNorm, x: torch.Tensor) -> torch.Tensor:
+        return F.rms_norm(x.float(), (self.dim,), self.weight.float(), self.eps).to(x.dtype)
 
-        layers.RMSNorm.forward = plain_rms  # type: ignore[method-assign]
-    if variant in ("no-rope", "neither"):
+    def plain_rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        xf = x.float()
+        return (xf * cos.unsqueeze(-2) + layers.rotate_half(xf) * sin.unsqueeze(-2)).to(x.dtype)
 
-        def plain_rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-            xf = x.float()
-            return (xf * cos.unsqueeze(-2) + layers.rotate_half(xf) * sin.unsqueeze(-2)).to(x.dtype)
+    def plain_pair(
+        q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        return plain_rotate(q, cos, sin), plain_rotate(k, cos, sin)
 
-        def plain_pair(
-            q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
-        ) -> tuple[torch.Tensor, torch.Tensor]:
-            return plain_rotate(q, cos, sin), plain_rotate(k, cos, sin)
+    def switch(variant: str) -> None:
+        layers.RMSNorm.forward = plain_rms if variant in ("no-rmsnorm", "neither") else shipped_rms  # type: ignore[method-assign]
+        attention.apply_rotary_pair = plain_pair if variant in ("no-rope", "neither") else shipped_pair  # type: ignore[assignment]
 
-        attention.apply_rotary_pair = plain_pair  # type: ignore[assignment]
+    return switch
 
 
-def child(variant: str, warmup: int, overrides: list[str]) -> None:
-    """One default training run under `variant`; prints its figures as one JSON line."""
-    _patch(variant)
+def child(first: int, block: int, warmup: int, overrides: list[str]) -> None:
+    """The default training run, switching variants every `block` steps; prints one JSON line."""
     import torch
 
     from kforge_cli.engine.train import StepInfo, TrainHook, run_training
     from kforge_cli.settings import load_settings
 
-    class Clock(TrainHook):
+    switch = _switches()
+    settings = load_settings(overrides=overrides).settings
+    t = settings.train
+    tokens = t.batch_size * t.seq_len * t.grad_accum_steps
+    # Steps that evaluate or save, and the step after (whichever side of the hook that work falls on).
+    intervals = [i for i in (settings.eval.interval, settings.checkpoint.interval) if i]
+    busy = {s + d for s in range(1, t.max_steps + 1) for i in intervals if s % i == 0 for d in (0, 1)}
+
+    class Alternate(TrainHook):
         def __init__(self) -> None:
-            self.wall: list[float] = []
-            self.cpu: list[float] = []
+            self.steps: dict[str, list[float]] = {v: [] for v in VARIANTS}
+            self.current = VARIANTS[first]
+            self.step = 0
+            self.last = 0.0
+
+        def on_train_begin(self, session: object) -> None:
+            switch(self.current)
+            self.last = time.perf_counter()
 
         def on_step_end(self, session: object, info: StepInfo) -> None:
-            self.wall.append(time.perf_counter())
-            self.cpu.append(time.process_time())
+            now = time.perf_counter()
+            self.step += 1
+            if self.step > warmup and self.step not in busy:
+                self.steps[self.current].append(now - self.last)
+            if self.step % block == 0:
+                self.current = VARIANTS[(first + self.step // block) % len(VARIANTS)]
+                switch(self.current)
+            self.last = time.perf_counter()
 
-    settings = load_settings(overrides=overrides).settings
-    clock = Clock()
+    clock = Alternate()
     with tempfile.TemporaryDirectory() as tmp:
         settings.train.run_dir = tmp
         run_training(settings, hooks=[clock])
-    t = settings.train
-    tokens = t.batch_size * t.seq_len * t.grad_accum_steps
-    wall, cpu = clock.wall[warmup:], clock.cpu[warmup:]
-    steps = len(wall) - 1
-    step_times = [b - a for a, b in itertools.pairwise(wall)]
-    print(
-        json.dumps(
-            {
-                "variant": variant,
-                "threads": torch.get_num_threads(),
-                "steps": steps,
-                "wall_tokens_per_sec": tokens * steps / (wall[-1] - wall[0]),
-                "cpu_tokens_per_sec": tokens * steps / (cpu[-1] - cpu[0]),
-                "median_step_tokens_per_sec": tokens / statistics.median(step_times),
-            }
-        )
-    )
+    result = {
+        "threads": torch.get_num_threads(),
+        "steps": {v: len(s) for v, s in clock.steps.items()},
+        "tokens_per_sec": {v: tokens / statistics.median(s) for v, s in clock.steps.items()},
+    }
+    print(json.dumps(result))
 
 
-def run_once(variant: str, warmup: int, overrides: list[str], lock: str | None) -> dict[str, float]:
-    """One child run; with `lock`, holding an exclusive flock on that file while it runs (a shared
-    machine's benchmark lock: other jobs that take it cannot run alongside, and can run between runs)."""
-    cmd = [sys.executable, __file__, "--child", variant, "--warmup", str(warmup), *overrides]
+def run_once(first: int, args: argparse.Namespace, overrides: list[str]) -> dict[str, Any]:
+    """One child run; with ``--lock``, holding an exclusive flock on that file while it runs (a
+    shared machine's benchmark lock: jobs that take it cannot run alongside, only between runs)."""
+    cmd = [sys.executable, __file__, "--child", str(first), "--block", str(args.block), "--warmup", str(args.warmup)]
     env = {**os.environ, "PYTHONPATH": str(HERE.parent / "src")}
-    with open(lock or os.devnull, "a") as held:
-        if lock:
+    with open(args.lock or os.devnull, "a") as held:
+        if args.lock:
             fcntl.flock(held, fcntl.LOCK_EX)
-        done = subprocess.run(cmd, capture_output=True, text=True, env=env, check=False)
+        done = subprocess.run([*cmd, *overrides], capture_output=True, text=True, env=env, check=False)
     if done.returncode != 0:
-        raise SystemExit(f"{variant} run failed:\n{done.stderr[-4000:]}")
+        raise SystemExit(f"run failed:\n{done.stderr[-4000:]}")
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--runs", type=int, default=5)
+    ap.add_argument("--block", type=int, default=5, help="optimizer steps per variant before the next one")
     ap.add_argument("--warmup", type=int, default=10)
-    ap.add_argument("--child", choices=VARIANTS)
+    ap.add_argument("--child", type=int, help=argparse.SUPPRESS)
     ap.add_argument("--lock", help="flock this file around each run (see run_once)")
     ap.add_argument("--out", default=str(HERE / "results" / "closed_forms.json"))
     args, overrides = ap.parse_known_args()
     overrides = ["--metrics.progress_bar=off", *overrides]
-    if args.child:
-        child(args.child, args.warmup, overrides)
+    if args.child is not None:
+        child(args.child, args.block, args.warmup, overrides)
         return
-    runs: dict[str, list[dict[str, float]]] = {v: [] for v in VARIANTS}
+    runs = []
+    print(f"{'run':<5}{'threads':>8}" + "".join(f"{v + ' tok/s':>18}" for v in VARIANTS))
     for i in range(args.runs):
-        order = VARIANTS[i % len(VARIANTS) :] + VARIANTS[: i % len(VARIANTS)]
-        for variant in order:
-            r = run_once(variant, args.warmup, overrides, args.lock)
-            runs[variant].append(r)
-            print(f"run {i + 1}/{args.runs} {variant:<11} {r['wall_tokens_per_sec']:>9,.0f} tok/s ({r['threads']} thr)")
-    metrics = ("wall_tokens_per_sec", "cpu_tokens_per_sec", "median_step_tokens_per_sec")
-    med = {v: {m: statistics.median(r[m] for r in runs[v]) for m in metrics} for v in VARIANTS}
-    print(f"\n{'variant':<12}" + "".join(f"{m.removesuffix('_tokens_per_sec') + ' tok/s':>20}" for m in metrics))
-    for v in VARIANTS:
-        print(f"{v:<12}" + "".join(f"{med[v][m]:>20,.0f}" for m in metrics))
-    speedups: dict[str, dict[str, float]] = {}
+        r = run_once(i % len(VARIANTS), args, overrides)
+        runs.append(r)
+        print(f"{i + 1:<5}{r['threads']:>8}" + "".join(f"{r['tokens_per_sec'][v]:>18,.0f}" for v in VARIANTS))
+    median = {v: statistics.median(r["tokens_per_sec"][v] for r in runs) for v in VARIANTS}
+    print(f"{'median':<13}" + "".join(f"{median[v]:>18,.0f}" for v in VARIANTS))
+    speedups = {}
+    print(f"\n{'closed form':<13}{'with tok/s':>12}{'without':>12}{'speed-up (median of runs)':>28}{'range':>16}")
     for form, without in (("rmsnorm", "no-rmsnorm"), ("rope", "no-rope"), ("both", "neither")):
-        speedups[form] = {m: med["shipped"][m] / med[without][m] for m in metrics}
-        paired = [
-            a["wall_tokens_per_sec"] / b["wall_tokens_per_sec"]
-            for a, b in zip(runs["shipped"], runs[without], strict=True)
-        ]
-        speedups[form]["paired_wall_median"] = statistics.median(paired)
-        speedups[form]["paired_wall_min"] = min(paired)
-        speedups[form]["paired_wall_max"] = max(paired)
-        cells = "".join(f"{speedups[form][m]:>20.3f}" for m in metrics)
-        verdict = "keeps" if speedups[form]["wall_tokens_per_sec"] >= TARGET else "below"
-        sp = speedups[form]
-        print(f"{form + ' x':<12}{cells}   ({verdict} the {TARGET:.2f}x bar, wall)")
+        ratios = [r["tokens_per_sec"]["shipped"] / r["tokens_per_sec"][without] for r in runs]
+        speedups[form] = {"median": statistics.median(ratios), "runs": ratios}
+        verdict = "meets" if speedups[form]["median"] >= TARGET else "below"
+        span = f"{min(ratios):.3f}-{max(ratios):.3f}"
         print(
-            f"{'':<12}paired per round (wall): median {sp['paired_wall_median']:.3f}, "
-            f"range {sp['paired_wall_min']:.3f}-{sp['paired_wall_max']:.3f}"
+            f"{form:<13}{median['shipped']:>12,.0f}{median[without]:>12,.0f}"
+            f"{speedups[form]['median']:>22.3f} ({verdict}){span:>16}"
         )
     result = {
         "job": "kforge train (default: cpu-debug profile)",
         "overrides": overrides,
         "runs": args.runs,
+        "block": args.block,
         "warmup": args.warmup,
         "cpus": os.cpu_count(),
-        "threads": sorted({r["threads"] for rs in runs.values() for r in rs}),
-        "median": med,
+        "median_tokens_per_sec": median,
         "speedup_with_closed_form": speedups,
         "target": TARGET,
         "raw": runs,
