@@ -55,7 +55,7 @@ SELECTIVE_OP = ["--train.activation_checkpointing=selective", "--train.ac_select
 
 @pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
 def test_selective_op_ac_recomputes_no_matmul(compiled: bool, monkeypatch: pytest.MonkeyPatch) -> None:
-    if compiled:  # compiled blocks run the plain layers: count the eager baselines on them too, not the fused ones
+    if compiled:  # compiled blocks run the plain layers: count the eager baselines on them too
         monkeypatch.setattr(eager_cpu, "eager_cpu", lambda *t: False)
     none = _backward_matmuls([], compiled=False)  # the gradients' matmuls, nothing recomputed
     full = _backward_matmuls(["--train.activation_checkpointing=full"], compiled=False)

@@ -8,7 +8,6 @@ import math
 import torch
 from torch import nn
 
-from kforge_cli.engine.model import eager_fused
 from kforge_cli.engine.model.attention_mask import AttentionMask
 from kforge_cli.engine.model.kv_cache import KVCache, self_attention
 from kforge_cli.engine.model.layers import apply_rotary_pair, build_norm, reset_norm
@@ -60,35 +59,8 @@ class Attention(nn.Module):
         cos: torch.Tensor,
         sin: torch.Tensor,
         mask: AttentionMask | torch.Tensor | None = None,
-        norm: nn.Module | None = None,
     ) -> torch.Tensor:
-        """``x`` ``[B, T, D]`` -> ``[B, T, D]``; causal, or per ``mask`` (an AttentionMask, or bool: True = attend).
-
-        ``norm``: a pre-norm to apply to ``x`` first. The block passes its own only on the
-        eager CPU path, where an RMSNorm runs fused with the projections (``eager_fused.qkv_rope``).
-        """
-        bsz, seqlen, _ = x.shape
-        q, k, v = self._qkv(x, cos, sin, norm)
-        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # [B, H, T, hd]
-        out = self_attention(q, k, v, mask, self.kv_cache, self)
-        out = out.transpose(1, 2).reshape(bsz, seqlen, -1)
-        return self.wo(out)
-
-    def _qkv(
-        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, norm: nn.Module | None
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Rotated q, k and v ``[B, T, heads, head_dim]`` of ``x`` (normed first by ``norm`` when given)."""
-        linears = (self.wq, self.wk, self.wv)
-        weights = (self.wq.weight, self.wk.weight, self.wv.weight)
-        if (
-            self.q_norm is None
-            and all(type(m) is nn.Linear for m in linears)
-            and eager_fused.fusable(x, cos, sin, *weights)
-            and eager_fused.paired_rope(cos, sin)
-        ):
-            return eager_fused.qkv_rope(*eager_fused.split_norm(x, norm), weights, cos, sin, self.head_dim)
-        if norm is not None:
-            x = norm(x)
+        """``x`` ``[B, T, D]`` -> ``[B, T, D]``; causal, or per ``mask`` (an AttentionMask, or bool: True = attend)."""
         bsz, seqlen, _ = x.shape
         q = self.wq(x).view(bsz, seqlen, -1, self.head_dim)
         k = self.wk(x).view(bsz, seqlen, -1, self.head_dim)
@@ -97,7 +69,10 @@ class Attention(nn.Module):
             q = self.q_norm(q)
             k = self.k_norm(k)
         q, k = apply_rotary_pair(q, k, cos, sin)
-        return q, k, v
+        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # [B, H, T, hd]
+        out = self_attention(q, k, v, mask, self.kv_cache, self)
+        out = out.transpose(1, 2).reshape(bsz, seqlen, -1)
+        return self.wo(out)
 
 
 def residual_std(cfg: ModelSettings) -> float:

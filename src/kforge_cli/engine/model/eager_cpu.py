@@ -1,31 +1,24 @@
-"""Cheaper eager CPU formulations of the block's layers, with closed-form backwards.
+"""Cheaper eager CPU formulations of RMSNorm and RoPE, with closed-form backwards.
 
 Why: on CPU, eager autograd runs every elementwise op as its own kernel over the whole
-activation and every call costs microseconds of dispatch, and three of the model's layers
-are composites of many such ops. ``F.rms_norm`` is a composite (pow, mean, add, rsqrt, two
-muls) whose backward runs another ten kernels; ``rotate_half`` costs a ``neg``, a ``cat``
-and, in the backward, two zero-filled slice gradients; and ``F.gelu(approximate="tanh")``
-calls a tanh that the CPU kernel computes slowly (about as slow as the MLP's matmul on
-small widths). Here they are ``autograd.Function``s computing the same functions with
-fewer kernels and calls:
+activation and every call costs microseconds of dispatch. ``F.rms_norm`` is a composite
+(pow, mean, add, rsqrt, two muls) whose backward runs another ten kernels; ``rotate_half``
+costs a ``neg``, a ``cat`` and, in the backward, two zero-filled slice gradients. Here they
+are ``autograd.Function``s computing the same functions with fewer kernels and calls:
 
 - RMSNorm: the forward is the composite's own op sequence (bitwise equal); the backward is
   the closed form ``rstd * (g w - xhat * mean(g w xhat))``, ``sum(g xhat)`` for the weight.
   It saves the normalised input and ``rstd`` (what the fused CUDA kernel saves, in bytes),
   not the composite's input *and* normalised input.
-- RoPE (:func:`rotary`, where the projections are not fused: QK-norm, MoT):
-  ``x * cos + roll(x) * [-s1, s2]`` for q and k in one pass, with per-head tables built once
-  per position slice (:class:`RopeTables`); its backward is the transposed rotation. It
-  saves no activation, only (a reference to) the tables.
+- RoPE (:func:`rotary`): ``x * cos + roll(x) * [-s1, s2]`` for q and k in one pass, with
+  per-head tables built once per position slice (:class:`RopeTables`); its backward is the
+  transposed rotation. It saves no activation, only (a reference to) the tables.
 
-The block's input sides run fused on top of these (:mod:`.eager_fused`, with tanh-GELU). Everything saves the
-same bytes as the unfused layers (the planner's formula test checks it). The results differ
-from the plain formulations by float rounding only (tests compare forwards and gradients);
-the standalone RMSNorm and RoPE forwards are bitwise the plain ones. They run only for plain
-CPU tensors outside ``torch.compile`` (:func:`eager_cpu`):
-under compile the plain formulations are what the compiler fuses (the fast path on GPU),
-DTensor inputs need the plain ops DTensor knows how to shard, and CUDA has fused kernels of
-its own.
+The forwards are bitwise the plain ones; gradients differ by float rounding only (tests
+compare both). They run only for plain CPU tensors outside ``torch.compile``
+(:func:`eager_cpu`): under compile the plain formulations are what the compiler fuses (the
+fast path on GPU), DTensor inputs need the plain ops DTensor knows how to shard, and CUDA
+has fused kernels of its own.
 """
 
 from __future__ import annotations
@@ -121,9 +114,6 @@ class RopeTables:
         self._cos, self._sin = cos, sin  # holds their storage, so no other tensor can take its address
         self._base = (cos, torch.cat((-s1, s2), -1), torch.cat((s2, -s1), -1))
         self._per_heads: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
-        self._paired: bool | None = None
-        self._phases: dict[int, torch.Tensor] = {}
-        self._inverse: torch.Tensor | None = None
 
     def get(self, heads: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """``(cos, sin for the forward, sin for the transpose)``, each broadcastable to ``[..., T, heads, hd]``."""
@@ -135,34 +125,6 @@ class RopeTables:
             c, fwd, bwd = [v.expand(shape).contiguous() for v in views] if expand else views
             tables = self._per_heads[heads] = (c, fwd, bwd)
         return tables
-
-    def paired(self) -> bool:
-        """Both halves of ``cos`` and of ``sin`` are equal (RoPE's tables: each frequency twice), so
-        the rotation is a complex multiplication of the pairs ``(x_i, x_{i + hd/2})``."""
-        if self._paired is None:
-            c1, c2 = self._cos.chunk(2, -1)
-            s1, s2 = self._sin.chunk(2, -1)
-            self._paired = bool(torch.equal(c1, c2) and torch.equal(s1, s2))
-        return self._paired
-
-    def phases(self, heads: int) -> torch.Tensor:
-        """``exp(i theta)`` ``[..., T, heads, hd/2]`` (complex), for token-major pairs; see :meth:`get`."""
-        table = self._phases.get(heads)
-        if table is None:
-            half = self._cos.shape[-1] // 2
-            base = torch.complex(self._cos[..., :half], self._sin[..., :half]).unsqueeze(-2)
-            shape = (*base.shape[:-2], heads, half)
-            expand = self._cos.dim() == 2 and math.prod(shape) <= _TABLE_CAP
-            table = self._phases[heads] = base.expand(shape).contiguous() if expand else base
-        return table
-
-    def inverse_phases_head_major(self) -> torch.Tensor:
-        """``exp(-i theta)`` broadcastable to head-major ``[B, heads, T, hd/2]`` pairs without expansion."""
-        if self._inverse is None:
-            half = self._cos.shape[-1] // 2
-            table = torch.complex(self._cos[..., :half], -self._sin[..., :half])
-            self._inverse = table if table.dim() == 2 else table.unsqueeze(1)
-        return self._inverse
 
 
 def _table_key(cos: torch.Tensor, sin: torch.Tensor) -> tuple[object, ...]:

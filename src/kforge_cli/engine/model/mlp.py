@@ -6,7 +6,6 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kforge_cli.engine.model import eager_fused
 from kforge_cli.settings.training import ModelSettings
 
 
@@ -32,13 +31,7 @@ class FeedForward(nn.Module):
             nn.init.normal_(self.w3.weight, mean=0.0, std=std)
         nn.init.normal_(self.w2.weight, mean=0.0, std=out_std)
 
-    def forward(self, x: torch.Tensor, norm: nn.Module | None = None) -> torch.Tensor:
-        """``norm``: a pre-norm to apply to ``x`` first. The block passes its own only on the eager
-        CPU path, where GELU's input side runs fused with an RMSNorm (``eager_fused.linear_gelu``)."""
-        if self.w3 is None and type(self.w1) is nn.Linear and eager_fused.fusable(x, self.w1.weight):
-            return self.w2(eager_fused.linear_gelu(*eager_fused.split_norm(x, norm), self.w1.weight))
-        if norm is not None:
-            x = norm(x)
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.w3 is not None:
             return self.w2(F.silu(self.w1(x)) * self.w3(x))
         return self.w2(F.gelu(self.w1(x), approximate="tanh"))

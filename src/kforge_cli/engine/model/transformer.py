@@ -17,7 +17,6 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kforge_cli.engine.model import eager_fused
 from kforge_cli.engine.model.attention import Attention, residual_std
 from kforge_cli.engine.model.attention_mask import AttentionMask, build_attention_mask
 from kforge_cli.engine.model.kv_cache import KVCache
@@ -52,23 +51,8 @@ class TransformerBlock(nn.Module):
     def forward(
         self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: AttentionMask | torch.Tensor | None = None
     ) -> torch.Tensor:
-        if self._fuses_norms(x):  # the norms run fused with the projections after them
-            h = x + self.attention(x, cos, sin, mask, norm=self.attention_norm)
-            if isinstance(self.feed_forward, FeedForward):
-                return h + self.feed_forward(h, norm=self.ffn_norm)
-            return h + self.feed_forward(self.ffn_norm(h))
         h = x + self.attention(self.attention_norm(x), cos, sin, mask)
         return h + self.feed_forward(self.ffn_norm(h))
-
-    def _fuses_norms(self, x: torch.Tensor) -> bool:
-        """Eager CPU with plain fp32 norm weights and no hooks on the norms, attention or MLP (tensor
-        and sequence parallelism hook them and expect the normed input): the norms may then run
-        inside the projections' fused calls (``eager_fused.qkv_rope``/``linear_gelu``)."""
-        for m in (self.attention_norm, self.attention, self.ffn_norm, self.feed_forward):
-            if m._forward_hooks or m._forward_pre_hooks:
-                return False
-        a, f = getattr(self.attention_norm, "weight", None), getattr(self.ffn_norm, "weight", None)
-        return a is not None and f is not None and eager_fused.fusable(x, a, f)
 
 
 class Transformer(nn.Module):
