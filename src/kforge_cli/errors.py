@@ -28,6 +28,10 @@ class InvalidInputError(KforgeError):
     exit_code = EXIT_INVALID_INPUT
 
 
+class CheckpointError(InvalidInputError):
+    """A checkpoint cannot be used as asked (exit 2): the message names the path and the fix."""
+
+
 @dataclass(frozen=True)
 class ConfigIssue:
     """One problem with a configuration, tied to the dotted path of the field."""

@@ -9,9 +9,9 @@ import pytest
 
 from kforge_cli.cli.resume import resolve_resume
 from kforge_cli.engine.checkpoint import CheckpointError, fingerprint, resolve_checkpoint, shaping_config
-from kforge_cli.engine.checkpoint.layout import is_complete, newest_complete, prune, read_latest, write_latest
-from kforge_cli.engine.checkpoint.run_config import conflicts_with_saved_config
 from kforge_cli.errors import ConfigError
+from kforge_cli.rundir.checkpoints import is_complete, newest_complete, prune, read_latest, write_latest
+from kforge_cli.rundir.saved_config import conflicts_with_saved_config
 from kforge_cli.settings import load_settings
 from kforge_cli.settings.explain import to_toml
 

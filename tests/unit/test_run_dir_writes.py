@@ -9,11 +9,11 @@ from pathlib import Path
 import pytest
 
 from kforge_cli.cli.app import main
-from kforge_cli.engine.checkpoint.layout import atomic_write_bytes, write_latest
 from kforge_cli.engine.observe.logs import setup_logging, shutdown_logging
 from kforge_cli.engine.observe.metrics_file import MetricsFile
 from kforge_cli.engine.train.run_dir import write_config
 from kforge_cli.errors import KforgeError
+from kforge_cli.rundir.checkpoints import atomic_write_bytes, write_latest
 from kforge_cli.settings import load_settings
 
 SECRET = "ssh-ed25519 AAAA... precious\n"

@@ -44,8 +44,8 @@ def resume(
 
 def _already_done(settings: JobSettings) -> str | None:
     """Why there is nothing to resume: the newest checkpoint is already at or past train.max_steps."""
-    from kforge_cli.engine.checkpoint.layout import newest_complete, step_of
-    from kforge_cli.settings.run_dir import checkpoint_root
+    from kforge_cli.rundir.checkpoints import newest_complete, step_of
+    from kforge_cli.rundir.layout import checkpoint_root
 
     run_dir = Path(settings.train.run_dir or ".")
     newest, _ = newest_complete(checkpoint_root(settings, run_dir))
@@ -66,9 +66,9 @@ def resolve_resume(run_dir: Path, overrides: list[str]) -> ResolvedSettings:
     Without an explicit ``--checkpoint.resume`` the run must have a complete checkpoint
     (``require``): resuming nothing would silently start over.
     """
-    from kforge_cli.engine.checkpoint.fingerprint import shaping_config, shaping_diff
-    from kforge_cli.engine.checkpoint.run_config import CONFIG_FILE, read_saved_config
     from kforge_cli.errors import ConfigError, ConfigIssue
+    from kforge_cli.rundir.fingerprint import shaping_config, shaping_diff
+    from kforge_cli.rundir.saved_config import CONFIG_FILE, read_saved_config
     from kforge_cli.settings import load_settings
 
     run_dir = run_dir.expanduser().resolve()

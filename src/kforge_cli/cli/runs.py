@@ -26,7 +26,7 @@ def runs(
     as_json: Annotated[bool, typer.Option("--json", help="One JSON object per run.")] = False,
 ) -> None:
     """Name, profile, steps done/planned, last loss, eval loss, latest checkpoint, status, last update."""
-    from kforge_cli.engine.inference.runs_table import list_runs
+    from kforge_cli.cli.runs_table import list_runs
 
     rows = list_runs(root)
     if as_json:

@@ -16,9 +16,9 @@ import typer
 
 from kforge_cli.errors import EXIT_OK, InvalidInputError
 from kforge_cli.files import atomic_write, check_run_dir, real_dir
+from kforge_cli.rundir.layout import claim_default_run_dir, default_run_dir, refuse_foreign_dir
 from kforge_cli.settings import JobSettings
 from kforge_cli.settings.explain import to_toml
-from kforge_cli.settings.run_dir import claim_default_run_dir, default_run_dir, refuse_foreign_dir
 from kforge_cli.slurm.sbatch import CONFIG_FILE, SCRIPT_FILE, render_sbatch, task_python
 from kforge_cli.slurm.submit import submit_script
 
@@ -38,7 +38,7 @@ def _refuse_shape_change(settings: JobSettings, run_dir: Path) -> None:
     """An existing run with a checkpoint of a differently shaped model cannot be continued by this job."""
     if not (run_dir / CONFIG_FILE).is_file():
         return
-    from kforge_cli.engine.checkpoint.run_config import conflicts_with_saved_config
+    from kforge_cli.rundir.saved_config import conflicts_with_saved_config
 
     conflicts = conflicts_with_saved_config(settings, run_dir)
     if conflicts:

@@ -29,7 +29,6 @@ from kforge_cli.engine.checkpoint.hf_format import (
 )
 from kforge_cli.engine.checkpoint.hf_moe import FUSED_GATE, FUSED_UP, qwen3_moe_config, to_hf_moe_name
 from kforge_cli.engine.checkpoint.hf_tokenizer import ExportedTokenizer, run_tokenizer, write_tokenizer
-from kforge_cli.engine.checkpoint.layout import kforge_contents
 from kforge_cli.engine.checkpoint.reader import (
     MODEL_PREFIX,
     CheckpointView,
@@ -41,6 +40,7 @@ from kforge_cli.engine.checkpoint.reader import (
     shaping_of,
 )
 from kforge_cli.engine.runtime.dtypes import DTYPES, torch_dtype_name
+from kforge_cli.rundir.checkpoints import kforge_contents
 
 DEFAULT_SHARD_BYTES = 5 * 2**30
 

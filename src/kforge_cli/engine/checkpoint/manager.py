@@ -35,9 +35,15 @@ from kforge_cli.engine.checkpoint.dcp_io import (
     training_state_dict,
 )
 from kforge_cli.engine.checkpoint.disk_full import disk_full_explained
-from kforge_cli.engine.checkpoint.fingerprint import fingerprint, shaping_config
 from kforge_cli.engine.checkpoint.groups import CheckpointGroups
-from kforge_cli.engine.checkpoint.layout import (
+from kforge_cli.engine.checkpoint.resolve import Stateful, data_phase, freeze_config
+from kforge_cli.engine.checkpoint.restore import CheckpointedState, Restored, restore_run
+from kforge_cli.engine.checkpoint.train_state import FORMAT, write_rank_state
+from kforge_cli.engine.model.names import clean_param_name
+from kforge_cli.engine.model.vlm.freeze import freeze_record
+from kforge_cli.engine.runtime import RuntimeContext
+from kforge_cli.files import real_dir
+from kforge_cli.rundir.checkpoints import (
     COMMIT_FILE,
     DCP_METADATA,
     SUMMARY_FILE,
@@ -48,15 +54,9 @@ from kforge_cli.engine.checkpoint.layout import (
     step_dir_name,
     write_latest,
 )
-from kforge_cli.engine.checkpoint.resolve import Stateful, data_phase, freeze_config
-from kforge_cli.engine.checkpoint.restore import CheckpointedState, Restored, restore_run
-from kforge_cli.engine.checkpoint.train_state import FORMAT, write_rank_state
-from kforge_cli.engine.model.names import clean_param_name
-from kforge_cli.engine.model.vlm.freeze import freeze_record
-from kforge_cli.engine.runtime import RuntimeContext
-from kforge_cli.files import real_dir
+from kforge_cli.rundir.fingerprint import fingerprint, shaping_config
+from kforge_cli.rundir.layout import checkpoint_root
 from kforge_cli.settings import JobSettings
-from kforge_cli.settings.run_dir import checkpoint_root
 
 log = logging.getLogger("kforge")
 

@@ -33,10 +33,12 @@ from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
 import kforge_cli
 from kforge_cli.engine.checkpoint.dcp_io import OPTIONS, load_from_dirs, quiet_single_process
 from kforge_cli.engine.checkpoint.errors import CheckpointError
-from kforge_cli.engine.checkpoint.fingerprint import fingerprint, shaping_config
 from kforge_cli.engine.checkpoint.hf_format import is_hf_dir
 from kforge_cli.engine.checkpoint.hf_import import check_matches, read_hf_tensors
-from kforge_cli.engine.checkpoint.layout import (
+from kforge_cli.engine.checkpoint.resolve import freeze_config
+from kforge_cli.engine.checkpoint.train_state import FORMAT
+from kforge_cli.errors import InvalidInputError
+from kforge_cli.rundir.checkpoints import (
     COMMIT_FILE,
     SUMMARY_FILE,
     TRAIN_STATE_FILE,
@@ -45,9 +47,7 @@ from kforge_cli.engine.checkpoint.layout import (
     read_json,
     resolve_checkpoint,
 )
-from kforge_cli.engine.checkpoint.resolve import freeze_config
-from kforge_cli.engine.checkpoint.train_state import FORMAT
-from kforge_cli.errors import InvalidInputError
+from kforge_cli.rundir.fingerprint import fingerprint, shaping_config
 from kforge_cli.settings import JobSettings
 
 log = logging.getLogger("kforge")

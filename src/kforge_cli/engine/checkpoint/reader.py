@@ -25,7 +25,9 @@ from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
 
 from kforge_cli.engine.checkpoint.dcp_io import quiet_single_process, user_error
 from kforge_cli.engine.checkpoint.errors import CheckpointError
-from kforge_cli.engine.checkpoint.layout import (
+from kforge_cli.engine.checkpoint.safe_metadata import SafeFileSystemReader, SafeLoadPlanner, read_dcp_metadata
+from kforge_cli.errors import KforgeError
+from kforge_cli.rundir.checkpoints import (
     COMMIT_FILE,
     DCP_METADATA,
     SUMMARY_FILE,
@@ -35,8 +37,6 @@ from kforge_cli.engine.checkpoint.layout import (
     resolve_checkpoint,
     step_of,
 )
-from kforge_cli.engine.checkpoint.safe_metadata import SafeFileSystemReader, SafeLoadPlanner, read_dcp_metadata
-from kforge_cli.errors import KforgeError
 from kforge_cli.settings.training import ModelSettings
 
 MODEL_PREFIX = "model."

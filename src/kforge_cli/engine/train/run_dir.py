@@ -7,15 +7,15 @@ from pathlib import Path
 
 import torch.distributed as dist
 
-from kforge_cli.engine.checkpoint.run_config import conflicts_with_saved_config
 from kforge_cli.engine.data.run_tokenizer import record_run_tokenizer
 from kforge_cli.engine.runtime import RuntimeContext
-from kforge_cli.engine.train.run_lock import RunLock, acquire_run_lock, refuse_foreign_dir
 from kforge_cli.errors import InvalidInputError
 from kforge_cli.files import atomic_write, check_run_dir, real_dir
+from kforge_cli.rundir.layout import claim_default_run_dir
+from kforge_cli.rundir.lock import RunLock, acquire_run_lock, refuse_foreign_dir
+from kforge_cli.rundir.saved_config import conflicts_with_saved_config
 from kforge_cli.settings import JobSettings
 from kforge_cli.settings.explain import to_toml
-from kforge_cli.settings.run_dir import claim_default_run_dir
 
 log = logging.getLogger("kforge")
 

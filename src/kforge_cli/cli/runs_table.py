@@ -15,9 +15,9 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from kforge_cli.engine.checkpoint.layout import SUMMARY_FILE, newest_complete
 from kforge_cli.engine.observe.metrics_file import read_metrics
 from kforge_cli.errors import InvalidInputError
+from kforge_cli.rundir.checkpoints import SUMMARY_FILE, newest_complete
 
 
 @dataclass

@@ -6,11 +6,11 @@ import tomllib
 from pathlib import Path
 from typing import Any
 
-from kforge_cli.engine.checkpoint.errors import CheckpointError
-from kforge_cli.engine.checkpoint.fingerprint import changed_fields, shaping_config
-from kforge_cli.engine.checkpoint.layout import newest_complete
+from kforge_cli.errors import CheckpointError
+from kforge_cli.rundir.checkpoints import newest_complete
+from kforge_cli.rundir.fingerprint import changed_fields, shaping_config
+from kforge_cli.rundir.layout import checkpoint_root
 from kforge_cli.settings import JobSettings
-from kforge_cli.settings.run_dir import checkpoint_root
 
 CONFIG_FILE = "config.toml"
 

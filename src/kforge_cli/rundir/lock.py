@@ -30,7 +30,7 @@ from typing import IO, Any
 
 from kforge_cli.errors import InvalidInputError
 from kforge_cli.files import open_append
-from kforge_cli.settings.run_dir import LOCK_FILE, is_kforge_run, refuse_foreign_dir
+from kforge_cli.rundir.layout import LOCK_FILE, is_kforge_run, refuse_foreign_dir
 
 __all__ = ["LOCK_FILE", "RunDirInUseError", "RunLock", "acquire_run_lock", "is_kforge_run", "refuse_foreign_dir"]
 

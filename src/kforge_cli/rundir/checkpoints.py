@@ -25,7 +25,7 @@ import shutil
 from pathlib import Path
 from typing import Any
 
-from kforge_cli.engine.checkpoint.errors import CheckpointError
+from kforge_cli.errors import CheckpointError
 from kforge_cli.files import atomic_write
 
 log = logging.getLogger("kforge")
