@@ -11,7 +11,7 @@ import pytest
 
 from kforge_cli.cli.runs_table import list_runs
 from kforge_cli.engine.observe.curves import plot_runs
-from kforge_cli.rundir.checkpoints import COMMIT_FILE, DCP_METADATA, SUMMARY_FILE
+from kforge_cli.rundir.names import COMMIT_FILE, DCP_METADATA, SUMMARY_FILE
 
 
 def _train(step: int, loss: float) -> dict[str, float]:

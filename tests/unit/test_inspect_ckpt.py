@@ -19,7 +19,7 @@ from kforge_cli.engine.checkpoint.inspection import diff_checkpoints, summarize,
 from kforge_cli.engine.checkpoint.reader import open_checkpoint, read_tensors
 from kforge_cli.engine.checkpoint.verify import verify_checkpoint
 from kforge_cli.engine.model import Transformer, count_params
-from kforge_cli.rundir.checkpoints import COMMIT_FILE
+from kforge_cli.rundir.names import COMMIT_FILE
 from kforge_cli.settings import JobSettings, load_settings
 from tests.helpers.tiny_run import tiny_run
 

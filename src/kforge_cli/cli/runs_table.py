@@ -17,7 +17,8 @@ from typing import Any
 
 from kforge_cli.engine.observe.metrics_file import read_metrics
 from kforge_cli.errors import InvalidInputError
-from kforge_cli.rundir.checkpoints import SUMMARY_FILE, newest_complete
+from kforge_cli.rundir.checkpoints import newest_complete
+from kforge_cli.rundir.names import SUMMARY_FILE
 
 
 @dataclass

@@ -40,7 +40,7 @@ from kforge_cli.engine.checkpoint.reader import (
     shaping_of,
 )
 from kforge_cli.engine.runtime.dtypes import DTYPES, torch_dtype_name
-from kforge_cli.rundir.checkpoints import kforge_contents
+from kforge_cli.rundir.layout import kforge_contents
 
 DEFAULT_SHARD_BYTES = 5 * 2**30
 

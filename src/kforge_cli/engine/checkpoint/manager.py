@@ -43,19 +43,10 @@ from kforge_cli.engine.model.names import clean_param_name
 from kforge_cli.engine.model.vlm.freeze import freeze_record
 from kforge_cli.engine.runtime import RuntimeContext
 from kforge_cli.files import real_dir
-from kforge_cli.rundir.checkpoints import (
-    COMMIT_FILE,
-    DCP_METADATA,
-    SUMMARY_FILE,
-    TRAIN_STATE_FILE,
-    atomic_write_json,
-    prune,
-    remove_checkpoint,
-    step_dir_name,
-    write_latest,
-)
+from kforge_cli.rundir.checkpoints import atomic_write_json, prune, remove_checkpoint, step_dir_name, write_latest
 from kforge_cli.rundir.fingerprint import fingerprint, shaping_config
-from kforge_cli.rundir.layout import checkpoint_root
+from kforge_cli.rundir.layout import RunDir
+from kforge_cli.rundir.names import COMMIT_FILE, DCP_METADATA, SUMMARY_FILE, TRAIN_STATE_FILE
 from kforge_cli.settings import JobSettings
 
 log = logging.getLogger("kforge")
@@ -115,7 +106,7 @@ class CheckpointManager:
     ) -> None:
         """Everything a checkpoint holds is given here: `restore` loads into it, `save` writes it."""
         self.settings, self.cfg, self.runtime = settings, settings.checkpoint, runtime
-        self.root = checkpoint_root(settings, run_dir)
+        self.root = RunDir(run_dir).checkpoint_root(settings)
         self.model, self.optimizer, self.scheduler = model, optimizer, scheduler
         self.train_state, self.nan_guard, self.loader = train_state, nan_guard, loader
         self.grad_scaler = grad_scaler  # fp16 loss scale (plain numbers, in train_state.json)

@@ -38,16 +38,9 @@ from kforge_cli.engine.checkpoint.hf_import import check_matches, read_hf_tensor
 from kforge_cli.engine.checkpoint.resolve import freeze_config
 from kforge_cli.engine.checkpoint.train_state import FORMAT
 from kforge_cli.errors import InvalidInputError
-from kforge_cli.rundir.checkpoints import (
-    COMMIT_FILE,
-    SUMMARY_FILE,
-    TRAIN_STATE_FILE,
-    atomic_write_json,
-    dcp_dirs,
-    read_json,
-    resolve_checkpoint,
-)
+from kforge_cli.rundir.checkpoints import atomic_write_json, dcp_dirs, read_json, resolve_checkpoint
 from kforge_cli.rundir.fingerprint import fingerprint, shaping_config
+from kforge_cli.rundir.names import COMMIT_FILE, SUMMARY_FILE, TRAIN_STATE_FILE
 from kforge_cli.settings import JobSettings
 
 log = logging.getLogger("kforge")

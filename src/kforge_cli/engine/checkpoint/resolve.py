@@ -22,7 +22,6 @@ from kforge_cli.engine.checkpoint.train_state import FORMAT
 from kforge_cli.engine.checkpoint.verify import damage
 from kforge_cli.engine.model.vlm.freeze import freeze_mismatch
 from kforge_cli.rundir.checkpoints import (
-    TRAIN_STATE_FILE,
     dcp_dirs,
     is_complete,
     list_step_dirs,
@@ -31,6 +30,7 @@ from kforge_cli.rundir.checkpoints import (
     resolve_checkpoint,
 )
 from kforge_cli.rundir.fingerprint import changed_fields
+from kforge_cli.rundir.names import TRAIN_STATE_FILE
 from kforge_cli.settings import JobSettings
 from kforge_cli.settings.infrastructure import CheckpointSettings
 

@@ -57,6 +57,7 @@ from kforge_cli.engine.train.step import StepFn
 from kforge_cli.engine.train.steps import select_step_fn
 from kforge_cli.engine.train.train_state import TrainState
 from kforge_cli.engine.train.update import LossScaler, build_loss_scaler
+from kforge_cli.rundir.layout import RunDir
 from kforge_cli.settings import JobSettings
 
 log = logging.getLogger("kforge")
@@ -163,9 +164,7 @@ def run_training(
         log.info(runtime.threads.describe())
     with ExitStack() as stack:
         stack.callback(release_run_dir, run_dir)
-        setup_logging(runtime.rank, runtime.world_size, run_dir / "logs")
-        if runtime.is_main:
-            write_config(settings, run_dir)
+        setup_logging(runtime.rank, runtime.world_size, RunDir(run_dir).logs)
         shutdown = ShutdownHandler(settings.resilience.shutdown_signals).install()
         stack.callback(shutdown.close)
         nan_guard = NanGuard.from_settings(settings.resilience)
@@ -192,6 +191,8 @@ def run_training(
         )
         stack.callback(checkpointer.close)
         restored = checkpointer.restore()  # resume (the data order too) or warm start, if any
+        if runtime.is_main:  # accepted: config.toml on a new run, the changes beside it on a continued one
+            write_config(settings, run_dir)
         maybe_mot_warm_start(settings, model, restored, checkpointer.groups.save)  # fresh runs only
         metrics = build_tracker(
             settings,
