@@ -96,4 +96,4 @@ def test_runs_table_statuses(tmp_path: Path, capsys: pytest.CaptureFixture[str])
     assert exit_info.value.code == 0
     lines = capsys.readouterr().out.splitlines()
     assert lines[0].split() == ["name", "profile", "steps", "loss", "eval_loss", "checkpoint", "status", "updated"]
-    assert lines[1].split()[:7] == ["live", "cpu-debug", "1/4", "2.5", "2.75", "-", "running"]
+    assert lines[1].split()[:7] == ["live", "cpu-debug", "1/4", "2.5000", "2.7500", "-", "running"]

@@ -11,12 +11,15 @@ import time
 import tomllib
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from kforge_cli.errors import InvalidInputError
 from kforge_cli.files import SymlinkRefusedError
 from kforge_cli.rundir import names
 from kforge_cli.rundir.checkpoints import step_of
-from kforge_cli.settings.job import JobSettings
+
+if TYPE_CHECKING:  # the settings (pydantic) load only where they are used: `kforge runs` never needs them
+    from kforge_cli.settings.job import JobSettings
 
 RUNS_DIR = Path("runs")
 

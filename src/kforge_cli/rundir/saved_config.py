@@ -25,15 +25,16 @@ import sys
 import tomllib
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from kforge_cli.errors import CheckpointError, ConfigIssue, InvalidInputError
 from kforge_cli.files import atomic_write, open_append
 from kforge_cli.rundir.checkpoints import newest_complete
 from kforge_cli.rundir.fingerprint import shaping_config, shaping_diff
 from kforge_cli.rundir.layout import RunDir
-from kforge_cli.settings.explain import to_toml
-from kforge_cli.settings.job import JobSettings
+
+if TYPE_CHECKING:  # the settings (pydantic) load where they are used: reading a run's raw config needs none
+    from kforge_cli.settings.job import JobSettings
 
 # Keys that belong to one command, not to the run: where the run lives now (it may have been
 # moved) and whether this command resumes. They are never recorded as changes.
@@ -206,6 +207,8 @@ def with_run_dir(settings: JobSettings, run_dir: Path) -> JobSettings:
 
 def saved_settings(run_dir: Path) -> JobSettings:
     """The run's settings (config.toml plus its accepted changes), validated; a clear error when they are not."""
+    from kforge_cli.settings.job import JobSettings
+
     run = RunDir(run_dir)
     try:
         return JobSettings.model_validate(read_saved_config(run.path))
@@ -223,6 +226,8 @@ def write_or_record(settings: JobSettings, run_dir: Path, *, command: str | None
     settings that differ from the run's (config.toml plus earlier changes) are appended to
     config_changes.jsonl. Returns those changes. Call it only once the command was accepted.
     """
+    from kforge_cli.settings.explain import to_toml
+
     run = RunDir(run_dir)
     if not run.config.exists() or run.config.is_symlink():  # a planted link is replaced, never followed
         atomic_write(run.config, to_toml(with_run_dir(settings, run.path)).encode())
