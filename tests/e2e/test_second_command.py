@@ -108,14 +108,15 @@ def trained(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return run
 
 
+SAME = [*TINY, "--data.path={data}", "--train.max_steps=2"]  # what started the run
 REFUSED = {  # command -> what the refusal must say
-    "train, a shape change": (["train", "--run-dir", "{run}", *TINY, "--model.dim=64"], "model.dim: 32 -> 64"),
-    "train, the data order": (["train", "--run-dir", "{run}", *TINY, "--train.seq_len=16"], "train.seq_len: 32 -> 16"),
+    "train, a shape change": (["train", "--run-dir", "{run}", *SAME, "--model.dim=64"], "model.dim: 32 -> 64"),
+    "train, the data order": (["train", "--run-dir", "{run}", *SAME, "--train.seq_len=16"], "train.seq_len: 32 -> 16"),
     "train, untyped defaults": (["train", "--run-dir", "{run}", "--train.max_steps=4"], "data.path:"),
     "train, another profile": (["train", "--run-dir", "{run}", "-p", "cpu-debug"], "not typed"),
     "train, a bad value": (["train", "--run-dir", "{run}", "--train.max_steps=abc"], "train.max_steps"),
     "train --sbatch, a shape change": (
-        ["train", "--sbatch", "--run-dir", "{run}", *TINY, "--model.n_layers=1"],
+        ["train", "--sbatch", "--run-dir", "{run}", *SAME, "--model.n_layers=1"],
         "model.n_layers: 2 -> 1",
     ),
     "resume, a shape change": (["resume", "{run}", "--model.n_heads=2"], "model.n_heads: 4 -> 2"),
@@ -125,7 +126,10 @@ REFUSED = {  # command -> what the refusal must say
     "export-hf into the run": (["export-hf", "{run}", "{run}"], "holds the checkpoint being exported"),
     "export-hf, a bad dtype": (["export-hf", "{run}", "{out}", "--dtype=fp8"], "fp8"),
     "eval, an unknown task": (["eval", "{run}", "--task", "nosuch"], "unknown task 'nosuch'"),
-    "eval, a missing tokenizer": (["eval", "{run}", "--task", "heldout", "--tokenizer", "/nonexistent.json"], ""),
+    "eval, a missing tokenizer": (
+        ["eval", "{run}", "--task", "heldout", "--tokenizer", "/nonexistent.json"],
+        "does not exist",
+    ),
 }
 
 
@@ -134,7 +138,7 @@ def test_a_refused_command_leaves_every_file_of_the_run_byte_identical(
     what: str, trained: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     argv, message = REFUSED[what]
-    argv = [a.format(run=trained, out=tmp_path / "hf") for a in argv]
+    argv = [a.format(run=trained, out=tmp_path / "hf", data=trained.parent / "byte") for a in argv]
     before = snapshot(trained)
     with pytest.raises(SystemExit) as exit_info:
         main(argv)
