@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from kforge_cli.engine.interop.load_model import load_model
 
-__version__ = "0.1.0"
+from kforge_cli.version import __version__
 
 __all__ = ["__version__", "load_model"]
 

@@ -28,6 +28,10 @@ class InvalidInputError(KforgeError):
     exit_code = EXIT_INVALID_INPUT
 
 
+class CheckpointError(InvalidInputError):
+    """A checkpoint cannot be used as asked (exit 2): the message names the path and the fix."""
+
+
 @dataclass(frozen=True)
 class ConfigIssue:
     """One problem with a configuration, tied to the dotted path of the field."""
@@ -44,11 +48,15 @@ class ConfigError(KforgeError):
 
     exit_code = EXIT_INVALID_INPUT
 
-    def __init__(self, issues: list[ConfigIssue], header: str = "invalid configuration") -> None:
+    def __init__(
+        self, issues: list[ConfigIssue], header: str = "invalid configuration", fix: str | None = None
+    ) -> None:
         self.issues = list(issues)
         n = len(self.issues)
         lines = [f"{header} ({n} problem{'s' if n != 1 else ''}):"]
         lines += [f"  - {issue}" for issue in self.issues]
+        if fix:
+            lines.append(f"fix: {fix}")
         super().__init__("\n".join(lines))
 
 

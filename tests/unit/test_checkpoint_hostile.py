@@ -22,9 +22,9 @@ import torch
 
 from kforge_cli.cli.app import main
 from kforge_cli.engine.checkpoint import CheckpointError, read_dcp_metadata
-from kforge_cli.engine.checkpoint.layout import dcp_dirs, list_step_dirs, prune, read_latest
 from kforge_cli.engine.checkpoint.reader import open_checkpoint, read_tensors
 from kforge_cli.engine.checkpoint.verify import verify_checkpoint
+from kforge_cli.rundir.checkpoints import dcp_dirs, list_step_dirs, prune, read_latest
 from tests.unit.test_checkpoint_manager import make_run, train
 
 KEY = "model.tok_embeddings.weight"

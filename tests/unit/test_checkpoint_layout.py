@@ -9,9 +9,9 @@ import pytest
 
 from kforge_cli.cli.resume import resolve_resume
 from kforge_cli.engine.checkpoint import CheckpointError, fingerprint, resolve_checkpoint, shaping_config
-from kforge_cli.engine.checkpoint.layout import is_complete, newest_complete, prune, read_latest, write_latest
-from kforge_cli.engine.checkpoint.run_config import conflicts_with_saved_config
 from kforge_cli.errors import ConfigError
+from kforge_cli.rundir.checkpoints import is_complete, newest_complete, prune, read_latest, write_latest
+from kforge_cli.rundir.saved_config import continuation_issues, has_checkpoint
 from kforge_cli.settings import load_settings
 from kforge_cli.settings.explain import to_toml
 
@@ -105,11 +105,19 @@ def test_resume_uses_saved_config_with_allowed_overrides(tmp_path: Path) -> None
     )
 
 
-def test_config_toml_kept_when_shape_changes_and_a_checkpoint_exists(tmp_path: Path) -> None:
+def test_a_checkpoint_refuses_shape_and_data_order_changes_and_allows_the_rest(tmp_path: Path) -> None:
     run = saved_run_dir(tmp_path)
-    wider = load_settings(overrides=["--model.dim=256", f"--train.run_dir={run}"], use_env=False).settings
-    assert conflicts_with_saved_config(wider, run) == ["model.dim: 128 -> 256"]
-    longer = load_settings(overrides=["--train.max_steps=5000", f"--train.run_dir={run}"], use_env=False).settings
-    assert conflicts_with_saved_config(longer, run) == []
-    fresh = load_settings(overrides=["--model.dim=256", "--checkpoint.resume=never"], use_env=False).settings
-    assert conflicts_with_saved_config(fresh, run) == []
+    saved = load_settings(overrides=[f"--train.run_dir={run}"], use_env=False).settings
+    assert has_checkpoint(run, saved)
+
+    def issues(*overrides: str, checkpoint: bool = True) -> list[str]:
+        new = load_settings(overrides=[*overrides, f"--train.run_dir={run}"], use_env=False).settings
+        return [str(i) for i in continuation_issues(saved, new, checkpoint=checkpoint)]
+
+    assert issues("--model.dim=256") == ["model.dim: 128 -> 256 would change the model's shape (the run has 128)"]
+    assert issues("--train.seq_len=64", "--train.seed=7") == [
+        "train.seq_len: 128 -> 64 would change the data order its checkpoint continues (the run has 128)",
+        "train.seed: 42 -> 7 would change the data order its checkpoint continues (the run has 42)",
+    ]
+    assert issues("--train.max_steps=5000", "--optimizer.lr=1e-4", "--train.data_seed=42") == []
+    assert issues("--model.dim=256", checkpoint=False) == []  # nothing to continue: any change is allowed

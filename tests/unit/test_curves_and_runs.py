@@ -9,9 +9,9 @@ from pathlib import Path
 
 import pytest
 
-from kforge_cli.engine.checkpoint.layout import COMMIT_FILE, DCP_METADATA, SUMMARY_FILE
-from kforge_cli.engine.inference.runs_table import list_runs
+from kforge_cli.cli.runs_table import list_runs
 from kforge_cli.engine.observe.curves import plot_runs
+from kforge_cli.rundir.names import COMMIT_FILE, DCP_METADATA, SUMMARY_FILE
 
 
 def _train(step: int, loss: float) -> dict[str, float]:
@@ -96,4 +96,4 @@ def test_runs_table_statuses(tmp_path: Path, capsys: pytest.CaptureFixture[str])
     assert exit_info.value.code == 0
     lines = capsys.readouterr().out.splitlines()
     assert lines[0].split() == ["name", "profile", "steps", "loss", "eval_loss", "checkpoint", "status", "updated"]
-    assert lines[1].split()[:7] == ["live", "cpu-debug", "1/4", "2.5", "2.75", "-", "running"]
+    assert lines[1].split()[:7] == ["live", "cpu-debug", "1/4", "2.5000", "2.7500", "-", "running"]

@@ -8,7 +8,6 @@ from pathlib import Path
 import pytest
 
 from kforge_cli.engine.checkpoint import CheckpointError
-from kforge_cli.engine.checkpoint.layout import is_hf_dir
 from kforge_cli.engine.interop.hf_format import (
     export_problems,
     from_hf_name,
@@ -17,6 +16,7 @@ from kforge_cli.engine.interop.hf_format import (
     model_fields_from_hf,
     to_hf_name,
 )
+from kforge_cli.rundir.checkpoints import is_hf_dir
 from kforge_cli.settings.training import ModelSettings
 
 KFORGE_NAMES = ["tok_embeddings.weight", "norm.weight", "output.weight"] + [

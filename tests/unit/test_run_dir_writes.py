@@ -9,11 +9,11 @@ from pathlib import Path
 import pytest
 
 from kforge_cli.cli.app import main
-from kforge_cli.engine.checkpoint.layout import atomic_write_bytes, write_latest
 from kforge_cli.engine.observe.logs import setup_logging, shutdown_logging
 from kforge_cli.engine.observe.metrics_file import MetricsFile
 from kforge_cli.engine.train.run_dir import write_config
 from kforge_cli.errors import KforgeError
+from kforge_cli.rundir.checkpoints import atomic_write_bytes, write_latest
 from kforge_cli.settings import load_settings
 
 SECRET = "ssh-ed25519 AAAA... precious\n"
@@ -112,7 +112,7 @@ def test_hooks_are_type_checked_before_instantiation_and_resume_names_them(
             load_hook(spec, settings)
     saved = load_settings(overrides=['--train.hooks=["evil.module:Payload"]'], use_env=False).settings
     (tmp_path / "config.toml").write_text(to_toml(saved))
-    resolve_resume(tmp_path, [])
+    resolve_resume(tmp_path, ["--checkpoint.resume=auto"])  # no checkpoint here: nothing to require
     assert "train.hooks, which will be imported and run: evil.module:Payload" in capsys.readouterr().err
 
 

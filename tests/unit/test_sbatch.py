@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 
 from kforge_cli.cli.app import main
+from kforge_cli.cli.resume import resolve_continuation
 from kforge_cli.errors import ConfigError, InvalidInputError
 from kforge_cli.settings import load_settings
 from kforge_cli.slurm import SbatchError, parse_time_limit, submit_script, write_job
@@ -77,7 +78,7 @@ def test_h100x64_script_asks_for_one_task_per_gpu_on_8_nodes_with_requeue_and_an
         f"--chdir={tmp_path.resolve()}",
     ]
     assert script.startswith("#!/bin/bash\n") and "{{" not in script and files.script.stat().st_mode & 0o111
-    assert f"     {PY} -m kforge_cli train --profile {run}/config.toml --run-dir {run} &\n" in script
+    assert f"     {PY} -m kforge_cli train --run-dir {run} &\n" in script
     assert "srun --kill-on-bad-exit=1 --cpus-per-task=12 \\\n" in script
     assert '--output="$RUN_DIR/logs/srun_rank%t.out"' in script
     assert "export MASTER_PORT=$((15000 + SLURM_JOB_ID % 10000))" in script  # = launcher.port_from_job_id
@@ -288,18 +289,38 @@ def test_a_refused_script_shows_sbatchs_message_and_the_script_path(
     )
 
 
-def test_resume_sbatch_keeps_the_runs_config_applies_overrides_and_refuses_shape_changes(
+def test_resume_sbatch_keeps_the_runs_config_records_overrides_beside_it_and_refuses_shape_changes(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     run = tmp_path / "run"
     assert run_cli(["train", "--sbatch", "--run-dir", str(run), "--model.dim=64"], capsys)[0] == 0
-    code, out, err = run_cli(["resume", str(run), "--sbatch", "--train.max_steps=999"], capsys)
+    original = (run / "config.toml").read_bytes()
+    code, _, err = run_cli(["resume", str(run), "--sbatch", "--train.max_steps=999"], capsys)
+    assert code == 2 and f"nothing to resume: {run}/checkpoints holds no complete checkpoint" in err
+    assert not (run / "config_changes.jsonl").exists()
+    code, out, err = run_cli(
+        ["resume", str(run), "--sbatch", "--train.max_steps=999", "--checkpoint.resume=auto"], capsys
+    )
     assert code == 0, err
-    saved = load_settings(profile=str(run / "config.toml")).settings
-    assert (saved.model.dim, saved.train.max_steps, saved.checkpoint.resume) == (64, 999, "require")
-    assert f"train --profile {run}/config.toml --run-dir {run}" in out
+    assert (run / "config.toml").read_bytes() == original  # written once, when the run started
+    [record] = [json.loads(line) for line in (run / "config_changes.jsonl").read_text().splitlines()]
+    assert record["changes"] == {"train.max_steps": {"from": 300, "to": 999}}
+    saved = resolve_continuation(run, [], command="train").settings  # what the job's `kforge train --run-dir` uses
+    assert (saved.model.dim, saved.train.max_steps, saved.checkpoint.resume) == (64, 999, "auto")
+    assert f"train --run-dir {run}\n" in out or f"train --run-dir {run} &" in out
+    fake_checkpoint(run, 5)
     code, _, err = run_cli(["resume", str(run), "--sbatch", "--model.dim=32"], capsys)
-    assert code == 2 and "model.dim: 64 -> 32" in err
+    assert code == 2 and "model.dim: 64 -> 32 would change the model's shape (the run has 64)" in err
+    assert (run / "config.toml").read_bytes() == original and len(
+        (run / "config_changes.jsonl").read_text().splitlines()
+    ) == 1
+
+
+def fake_checkpoint(run: Path, step: int) -> None:
+    path = run / "checkpoints" / f"step_{step}"
+    path.mkdir(parents=True)
+    (path / ".metadata").write_bytes(b"")
+    (path / "kforge_commit.json").write_text(json.dumps({"step": step, "dcp_dirs": ["."]}))
 
 
 def test_train_sbatch_refuses_a_run_dir_whose_checkpoint_has_another_shape(
@@ -307,17 +328,16 @@ def test_train_sbatch_refuses_a_run_dir_whose_checkpoint_has_another_shape(
 ) -> None:
     run = tmp_path / "run"
     assert run_cli(["train", "--sbatch", "--run-dir", str(run), "--model.dim=64"], capsys)[0] == 0
-    step = run / "checkpoints" / "step_5"
-    step.mkdir(parents=True)
-    (step / ".metadata").write_bytes(b"")
-    (step / "kforge_commit.json").write_text(json.dumps({"step": 5, "dcp_dirs": ["."]}))
+    fake_checkpoint(run, 5)
     before = (run / "config.toml").read_text()
     code, _, err = run_cli(["train", "--sbatch", "--run-dir", str(run), "--model.dim=32"], capsys)
-    assert code == 2 and "holds a checkpoint of a differently shaped model (model.dim: 64 -> 32" in err
+    assert code == 2 and "model.dim: 64 -> 32 would change the model's shape (the run has 64)" in err
     assert (run / "config.toml").read_text() == before
     assert (
         run_cli(["train", "--sbatch", "--run-dir", str(run), "--model.dim=64", "--train.max_steps=90"], capsys)[0] == 0
     )
+    assert (run / "config.toml").read_text() == before
+    assert "max_steps" in (run / "config_changes.jsonl").read_text()
 
 
 def test_a_rank_stopping_on_a_signal_survives_the_follow_up_sigterm_of_srun_kill_on_bad_exit() -> None:

@@ -1,7 +1,14 @@
-"""`kforge resume RUN_DIR`: continue a run with the config it was started with."""
+"""`kforge resume RUN_DIR`: continue a run with the config it was started with.
+
+Also the rule for every later command on an existing run (`kforge train --run-dir RUN_DIR`,
+either with `--sbatch`): the new settings are checked against the run's saved ones first,
+nothing is written when they are refused, and accepted changes are recorded beside
+config.toml, never over it (see `kforge_cli.rundir.saved_config`). Imports no torch.
+"""
 
 from __future__ import annotations
 
+import shlex
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated
 
@@ -25,15 +32,21 @@ def resume(
 ) -> None:
     """Resume RUN_DIR from its latest complete checkpoint using its saved config.toml.
 
-    Overrides that do not change the model's shape are allowed
-    (e.g. --train.max_steps=20000); ones that do are refused (exit 2).
+    Overrides that do not change the model's shape or the data order are allowed
+    (e.g. --train.max_steps=20000) and recorded in RUN_DIR/config_changes.jsonl;
+    config.toml itself is never rewritten. Ones that do are refused (exit 2).
     """
     resolved = resolve_resume(run_dir, list(ctx.args))
+    continue_resolved(resolved, sbatch=sbatch, submit=submit)
+
+
+def continue_resolved(resolved: ResolvedSettings, *, sbatch: bool, submit: bool) -> None:
+    """Run (or write the job of) an accepted continuation; exit 0 at once when it has nothing left to do."""
     done = _already_done(resolved.settings)
     if done is not None:
         typer.echo(done, err=True)
         raise typer.Exit(0)
-    if sbatch or submit:  # a job that continues RUN_DIR (its config.toml takes the overrides)
+    if sbatch or submit:  # a job that continues RUN_DIR (its changes are recorded beside config.toml)
         from kforge_cli.slurm import sbatch_from_cli
 
         raise typer.Exit(sbatch_from_cli(resolved.settings, submit=submit))
@@ -44,11 +57,11 @@ def resume(
 
 def _already_done(settings: JobSettings) -> str | None:
     """Why there is nothing to resume: the newest checkpoint is already at or past train.max_steps."""
-    from kforge_cli.engine.checkpoint.layout import newest_complete, step_of
-    from kforge_cli.settings.run_dir import checkpoint_root
+    from kforge_cli.rundir.checkpoints import newest_complete, step_of
+    from kforge_cli.rundir.layout import RunDir
 
     run_dir = Path(settings.train.run_dir or ".")
-    newest, _ = newest_complete(checkpoint_root(settings, run_dir))
+    newest, _ = newest_complete(RunDir(run_dir).checkpoint_root(settings))
     step = None if newest is None else step_of(newest)
     max_steps = settings.train.max_steps
     if step is None or step < max_steps:
@@ -61,41 +74,90 @@ def _already_done(settings: JobSettings) -> str | None:
 
 
 def resolve_resume(run_dir: Path, overrides: list[str]) -> ResolvedSettings:
-    """The run's saved settings plus `overrides`; refuses overrides that change the model's shape.
+    """The run's saved settings plus `overrides`; refuses what its checkpoint cannot continue with.
 
     Without an explicit ``--checkpoint.resume`` the run must have a complete checkpoint
     (``require``): resuming nothing would silently start over.
     """
-    from kforge_cli.engine.checkpoint.fingerprint import shaping_config, shaping_diff
-    from kforge_cli.engine.checkpoint.run_config import CONFIG_FILE, read_saved_config
-    from kforge_cli.errors import ConfigError, ConfigIssue
+    return resolve_continuation(run_dir, overrides, command="resume")
+
+
+def resolve_continuation(
+    run_dir: Path,
+    overrides: list[str],
+    *,
+    command: str,
+    profile: str | None = None,
+    config: Path | None = None,
+) -> ResolvedSettings:
+    """Settings for a command on the existing run in `run_dir`, checked before anything is written.
+
+    ``resume``, and ``train`` with no profile, config or override: the run's saved settings
+    (config.toml plus its recorded changes) plus `overrides`. ``train`` with any of them: those
+    settings as for a new run, refused where they differ from the run's in a value the command
+    line did not type (a default, a profile, a config file or the environment would silently
+    change the run). Either way, with a complete checkpoint the model's shape and the data order
+    must stay. Each refusal names the run's value and the fix (exit 2).
+    """
+    from kforge_cli.errors import CheckpointError, ConfigError, ConfigIssue
+    from kforge_cli.rundir.layout import RunDir
+    from kforge_cli.rundir.saved_config import (
+        continuation_issues,
+        has_checkpoint,
+        read_saved_config,
+        settings_changes,
+    )
     from kforge_cli.settings import load_settings
 
-    run_dir = run_dir.expanduser().resolve()
-    saved = read_saved_config(run_dir)
-    source = f"saved config {run_dir / CONFIG_FILE}"
-    original = load_settings(base=saved, use_env=False, base_source=source).settings
-    extra = [f"--train.run_dir={run_dir}"]
-    if not any(a.startswith("--checkpoint.resume") for a in overrides):
-        extra.append("--checkpoint.resume=require")
-    resolved = load_settings(base=saved, overrides=[*overrides, *extra], base_source=source, for_run=True)
+    run = RunDir(run_dir.expanduser().resolve())
+    saved_raw = read_saved_config(run.path)
+    source = f"saved config {run.config}" + (f" + {run.config_changes.name}" if run.config_changes.exists() else "")
+    saved = load_settings(base=saved_raw, use_env=False, base_source=source).settings
+    typed = [a for a in overrides if not a.startswith(("--train.run_dir", "--train.run-dir"))]
+    as_new = command == "train" and bool(profile or config or typed)
+    extra = [f"--train.run_dir={run.path}"]
+    if as_new:
+        resolved = load_settings(profile=profile, config=config, overrides=[*typed, *extra], for_run=True)
+    else:
+        if command == "resume" and not any(a.startswith("--checkpoint.resume") for a in typed):
+            extra.append("--checkpoint.resume=require")
+        resolved = load_settings(base=saved_raw, overrides=[*typed, *extra], base_source=source, for_run=True)
     print_warnings(resolved)
-    diff = shaping_diff(shaping_config(original), shaping_config(resolved.settings))
-    if diff:
-        issues = [
-            ConfigIssue(key, f"{old!r} -> {new!r} would change the model's shape [from {resolved.source_of(key)}]")
-            for key, old, new in diff
+    settings = resolved.settings
+    checkpoint = has_checkpoint(run.path, settings)
+    fix_prefix = ["kforge", "resume", str(run.path)] + ([] if checkpoint else ["--checkpoint.resume=auto"])
+    if as_new:
+        untyped = [
+            ConfigIssue(key, f"{old!r} -> {new!r} (the run has {old!r}; this value comes from {where}, not typed)")
+            for key, old, new in settings_changes(saved, settings)
+            if not (where := resolved.source_of(key)).startswith("command line")
         ]
+        if untyped:
+            raise ConfigError(
+                untyped,
+                header=f"cannot continue {run.path} with these settings: kforge train on an existing run keeps the "
+                "run's settings and changes only what you type",
+                fix=f"continue the run with its own settings and your overrides: {shlex.join(fix_prefix + typed)} ; "
+                "or train with these settings in a new --run-dir",
+            )
+    issues = continuation_issues(saved, settings, checkpoint=checkpoint, source_of=resolved.source_of)
+    if issues:
         raise ConfigError(
             issues,
-            header=f"cannot resume {run_dir}: overrides change the model's shape; drop them, or start a new run "
-            f"from its weights with --checkpoint.init_from={run_dir}",
+            header=f"cannot continue {run.path}: its checkpoint holds another model or data order",
+            fix=f"drop those overrides to continue it ({shlex.join(['kforge', 'resume', str(run.path)])}), or start "
+            f"a new run from its weights with --checkpoint.init_from={run.path}",
         )
-    hooks = resolved.settings.train.hooks
-    if hooks:  # code named by a file on disk: say so before anything of it is imported
+    if settings.checkpoint.resume == "require" and not checkpoint and not settings.checkpoint.load_path:
+        root = run.checkpoint_root(settings)
+        raise CheckpointError(
+            f"nothing to resume: {root} holds no complete checkpoint. Start the run with its saved settings "
+            f"(kforge train --run-dir {run.path}), or pass --checkpoint.resume=auto"
+        )
+    hooks = settings.train.hooks
+    if hooks and not as_new:  # code named by a file on disk: say so before anything of it is imported
         typer.echo(
-            f"kforge resume: {run_dir / CONFIG_FILE} names train.hooks, which will be imported and run: "
-            + ", ".join(hooks),
+            f"kforge {command}: {run.config} names train.hooks, which will be imported and run: " + ", ".join(hooks),
             err=True,
         )
     return resolved

@@ -31,13 +31,23 @@ def train(
     """Train a model. With no arguments: the cpu-debug profile on the built-in corpus.
 
     Overrides follow the options: `kforge train -p h100x8 --optimizer.lr=1e-4`.
-    An existing run directory resumes from its latest checkpoint. Exit codes: 0 done,
-    1 failure, 2 invalid input, 75 stopped on a signal after a checkpoint (requeue).
+    An existing run directory continues: alone (`kforge train --run-dir RUN`) like
+    `kforge resume RUN` with the run's saved settings; with overrides, only what they type
+    may differ from the run's (anything else is refused before a file is touched). Exit
+    codes: 0 done, 1 failure, 2 invalid input, 75 stopped on a signal after a checkpoint (requeue).
     """
     overrides = list(ctx.args)
     if run_dir is not None:
         overrides.append(f"--train.run_dir={run_dir}")
-    resolved = resolve(profile, config, overrides, for_run=True)
+    existing = _existing_run(overrides)
+    if existing is not None:  # a later command on a run: checked against the run's own settings first
+        from kforge_cli.cli.resume import continue_resolved, resolve_continuation
+
+        resolved = resolve_continuation(existing, overrides, command="train", profile=profile, config=config)
+        if nproc_per_node is None or sbatch or submit:
+            continue_resolved(resolved, sbatch=sbatch, submit=submit)
+    else:
+        resolved = resolve(profile, config, overrides, for_run=True)
     if sbatch or submit:  # --submit implies --sbatch
         from kforge_cli.slurm import sbatch_from_cli
 
@@ -47,6 +57,19 @@ def train(
     from kforge_cli.cli.outcome import train_and_exit
 
     raise typer.Exit(train_and_exit(resolved.settings))
+
+
+def _existing_run(overrides: list[str]) -> Path | None:
+    """The run directory the command names (its last --train.run_dir) when it holds a run's config.toml."""
+    from kforge_cli.rundir.layout import RunDir
+    from kforge_cli.settings.loader import parse_overrides
+
+    named = [str(value) for key, value in parse_overrides(overrides) if key == "train.run_dir"]
+    if not named:
+        return None
+    run = RunDir(Path(named[-1]).expanduser())
+    run.refuse_foreign()  # a directory that is not a kforge run is never read as one
+    return run.path if run.has_config() else None
 
 
 def _launch_local(resolved: Any, nproc: int, profile: str | None, config: Path | None, overrides: list[str]) -> int:

@@ -16,10 +16,10 @@ from pathlib import Path
 from typing import Any
 
 from kforge_cli.errors import ConfigIssue
+from kforge_cli.rundir.names import TOKENIZER_FILE
 from kforge_cli.settings.job import JobSettings
 
 METADATA = "metadata.json"  # engine.data.shards.METADATA (that module imports numpy)
-TOKENIZER_FILE = "tokenizer.json"
 
 # (section, field) of every setting that names a file or directory: stored absolute in config.toml.
 PATH_FIELDS = (

@@ -1,25 +1,29 @@
 """`--sbatch`: create the run directory, write its config.toml and job.sbatch, optionally submit.
 
-The job's tasks run `kforge train` on RUN_DIR/config.toml, so the run directory and its config
-must exist before the job starts; a requeued job runs the same command on the same directory
-and resumes from the latest checkpoint. Nothing here imports torch, except the check of an
-existing run directory's checkpoint against new settings (shared with the engine).
+The job's tasks run `kforge train --run-dir RUN_DIR`, which continues the run with its saved
+settings, so the run directory and its config must exist before the job starts; a requeued job
+runs the same command on the same directory and resumes from the latest checkpoint. On an
+existing run config.toml stays as it is and the accepted changes are recorded beside it
+(`kforge_cli.rundir.saved_config`). Nothing here imports torch.
 """
 
 from __future__ import annotations
 
+import datetime as _dt
+import json
+import os
 import sys
 from dataclasses import dataclass
 from pathlib import Path
 
 import typer
 
-from kforge_cli.errors import EXIT_OK, InvalidInputError
-from kforge_cli.files import atomic_write, check_run_dir, real_dir
+from kforge_cli.errors import EXIT_OK, ConfigError
+from kforge_cli.files import atomic_write, check_run_dir, open_append, real_dir
+from kforge_cli.rundir.layout import RunDir, claim_default_run_dir, default_run_dir
+from kforge_cli.rundir.saved_config import continuation_issues, has_checkpoint, saved_settings, write_or_record
 from kforge_cli.settings import JobSettings
-from kforge_cli.settings.explain import to_toml
-from kforge_cli.settings.run_dir import claim_default_run_dir, default_run_dir, refuse_foreign_dir
-from kforge_cli.slurm.sbatch import CONFIG_FILE, SCRIPT_FILE, render_sbatch, task_python
+from kforge_cli.slurm.sbatch import render_sbatch, task_python
 from kforge_cli.slurm.submit import submit_script
 
 
@@ -34,22 +38,23 @@ def _atomic_write(path: Path, text: str, mode: int = 0o644) -> None:
     atomic_write(path, text.encode(), mode)  # never through a planted link
 
 
-def _refuse_shape_change(settings: JobSettings, run_dir: Path) -> None:
-    """An existing run with a checkpoint of a differently shaped model cannot be continued by this job."""
-    if not (run_dir / CONFIG_FILE).is_file():
+def _refuse_continuation(settings: JobSettings, run: RunDir) -> None:
+    """An existing run with a checkpoint cannot be continued by a job of another model shape or data order."""
+    if not run.has_config():
         return
-    from kforge_cli.engine.checkpoint.run_config import conflicts_with_saved_config
-
-    conflicts = conflicts_with_saved_config(settings, run_dir)
-    if conflicts:
-        raise InvalidInputError(
-            f"{run_dir} holds a checkpoint of a differently shaped model ({'; '.join(conflicts)}); "
-            f"use a new --run-dir, or start from its weights with --checkpoint.init_from={run_dir}"
+    saved = saved_settings(run.path)
+    issues = continuation_issues(saved, settings, checkpoint=has_checkpoint(run.path, saved))
+    if issues:
+        raise ConfigError(
+            issues,
+            header=f"cannot write a job that continues {run.path}: it holds a checkpoint of a differently shaped "
+            "model or another data order",
+            fix=f"use a new --run-dir, or start from its weights with --checkpoint.init_from={run.path}",
         )
 
 
 def write_job(settings: JobSettings, *, python: str | None = None, workdir: Path | None = None) -> JobFiles:
-    """Write RUN_DIR/config.toml (the resolved settings) and RUN_DIR/job.sbatch; create RUN_DIR/logs.
+    """Write RUN_DIR/config.toml (a new run) or record the accepted changes (an existing one), RUN_DIR/job.sbatch.
 
     `python` is the interpreter the tasks run (default: slurm.python, else `python` from the
     environment slurm.setup activates, else this one by absolute path: compute nodes share
@@ -68,15 +73,16 @@ def write_job(settings: JobSettings, *, python: str | None = None, workdir: Path
     interpreter = python or task_python(settings.slurm, sys.executable)
     script = render_sbatch(settings, run_dir, python=interpreter, workdir=workdir)  # refuses before creating
     if given:
-        refuse_foreign_dir(check_run_dir(run_dir))
-        _refuse_shape_change(settings, run_dir)
+        RunDir(check_run_dir(run_dir)).refuse_foreign()
+        _refuse_continuation(settings, RunDir(run_dir))
     else:  # the name checked above, or the next free one: render again with the name claimed
         run_dir = claim_default_run_dir(settings, base=workdir).resolve()
         settings.train.run_dir = str(run_dir)
         script = render_sbatch(settings, run_dir, python=interpreter, workdir=workdir)
-    real_dir(run_dir / "logs")
-    files = JobFiles(run_dir, run_dir / CONFIG_FILE, run_dir / SCRIPT_FILE)
-    _atomic_write(files.config, to_toml(settings))
+    run = RunDir(run_dir)
+    real_dir(run.logs)
+    files = JobFiles(run_dir, run.config, run.job_script)
+    write_or_record(settings, run_dir)  # config.toml once; the changes of a later job beside it
     _atomic_write(files.script, script, 0o755)
     return files
 
@@ -89,6 +95,16 @@ def sbatch_from_cli(settings: JobSettings, *, submit: bool) -> int:
         typer.echo(f"wrote {files.script} and {files.config}; submit with: sbatch {files.script}", err=True)
         return EXIT_OK
     job_id = submit_script(files.script)
-    typer.echo(f"submitted {files.script} as job {job_id}; logs in {files.run_dir / 'logs'}", err=True)
+    record_submission(files.run_dir, job_id)
+    typer.echo(f"submitted {files.script} as job {job_id}; logs in {RunDir(files.run_dir).logs}", err=True)
     typer.echo(job_id)
     return EXIT_OK
+
+
+def record_submission(run_dir: Path, job_id: str) -> None:
+    """Append the submitted job's id to RUN_DIR/slurm_jobs.jsonl (`kforge runs` asks SLURM about it)."""
+    record = {"job_id": job_id, "submitted": _dt.datetime.now(_dt.UTC).isoformat(timespec="seconds")}
+    with open_append(RunDir(run_dir).slurm_jobs) as f:  # never through a planted link
+        f.write(json.dumps(record) + "\n")
+        f.flush()
+        os.fsync(f.fileno())

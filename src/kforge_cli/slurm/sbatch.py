@@ -15,13 +15,12 @@ from pathlib import Path
 
 from kforge_cli import __version__
 from kforge_cli.errors import ConfigError, ConfigIssue, InvalidInputError
+from kforge_cli.rundir.layout import RunDir
 from kforge_cli.settings import JobSettings
 from kforge_cli.settings.infrastructure import SlurmSettings
 from kforge_cli.settings.section import control_character
 from kforge_cli.slurm.template import fill, find_template, placeholders
 
-CONFIG_FILE = "config.toml"
-SCRIPT_FILE = "job.sbatch"
 MAX_SIGNAL_S = 0xFFFF  # sbatch's limit on --signal=SIG@seconds
 _ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*\Z")
 _TIME_FORMATS = (
@@ -135,7 +134,7 @@ def sbatch_directives(slurm: SlurmSettings, run_dir: Path, workdir: Path) -> lis
         lines.append(_directive("signal", f"USR1@{slurm.signal_before_s}"))
     lines += [
         _directive("open-mode", "append"),
-        _directive("output", run_dir / "logs" / "slurm-%j.out"),
+        _directive("output", RunDir(run_dir).slurm_log()),
         _directive("chdir", workdir),
     ]
     for line in slurm.extra_sbatch:
@@ -198,13 +197,14 @@ def task_python(slurm: SlurmSettings, default: str) -> str:
 
 
 def train_command(run_dir: Path, python: str) -> list[str]:
-    """What every task runs: `kforge train` on the run's saved config, in the run dir (so it auto-resumes).
+    """What every task runs: `kforge train --run-dir RUN_DIR`, which continues the run with its saved settings.
 
-    The saved config is passed as the *profile* (a .toml path), not `--config`: it then replaces
-    the default profile instead of being layered on it, so a key left unset (None) in the run
-    cannot pick up a value from the default profile.
+    With no other arguments `kforge train` on an existing run takes the run's config.toml plus
+    its accepted changes (config_changes.jsonl, e.g. a `kforge resume --sbatch
+    --train.max_steps=N`), starts it when it has no checkpoint yet and resumes it otherwise,
+    so a requeued job continues where the last one stopped.
     """
-    return [python, "-m", "kforge_cli", "train", "--profile", str(run_dir / CONFIG_FILE), "--run-dir", str(run_dir)]
+    return [python, "-m", "kforge_cli", "train", "--run-dir", str(run_dir)]
 
 
 def _unsafe_paths(run_dir: Path, python: str, workdir: Path) -> list[ConfigIssue]:

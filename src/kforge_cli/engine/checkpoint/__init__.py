@@ -8,12 +8,12 @@ a complete checkpoint directory; `load_model_weights` is the weights-only warm s
 
 from kforge_cli.engine.checkpoint.dcp_io import load_from_dirs, load_model_weights, training_state_dict
 from kforge_cli.engine.checkpoint.errors import CheckpointError, UnsafeCheckpointError
-from kforge_cli.engine.checkpoint.fingerprint import changed_fields, fingerprint, shaping_config
 from kforge_cli.engine.checkpoint.groups import CheckpointGroups
-from kforge_cli.engine.checkpoint.layout import dcp_dirs, is_complete, newest_complete, read_latest, resolve_checkpoint
 from kforge_cli.engine.checkpoint.manager import CheckpointManager, Restored, SaveRecord
 from kforge_cli.engine.checkpoint.restore import HFLoader, RunParts
 from kforge_cli.engine.checkpoint.safe_metadata import SafeFileSystemReader, SafeLoadPlanner, read_dcp_metadata
+from kforge_cli.rundir.checkpoints import dcp_dirs, is_complete, newest_complete, read_latest, resolve_checkpoint
+from kforge_cli.rundir.fingerprint import changed_fields, fingerprint, shaping_config
 
 __all__ = [
     "CheckpointError",

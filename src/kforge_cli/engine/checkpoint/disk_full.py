@@ -16,8 +16,8 @@ from pathlib import Path
 
 from torch.distributed.checkpoint.api import CheckpointException
 
-from kforge_cli.engine.checkpoint.layout import read_latest
 from kforge_cli.errors import KforgeError
+from kforge_cli.rundir.checkpoints import read_latest
 
 LOW_FREE_BYTES = 64 * 2**20  # an opaque write error with less than this free is a full disk
 

@@ -1,12 +1,14 @@
-"""Errors a checkpoint can cause: missing, incomplete, incompatible, or unsafe to open."""
+"""Errors a checkpoint can cause: missing, incomplete, incompatible, or unsafe to open.
+
+``CheckpointError`` is defined in :mod:`kforge_cli.errors` (the run directory's torch-free
+rules raise it too) and re-exported here for the engine.
+"""
 
 from __future__ import annotations
 
-from kforge_cli.errors import InvalidInputError
+from kforge_cli.errors import CheckpointError
 
-
-class CheckpointError(InvalidInputError):
-    """A checkpoint cannot be used as asked (exit 2): the message names the path and the fix."""
+__all__ = ["CheckpointError", "UnsafeCheckpointError"]
 
 
 class UnsafeCheckpointError(CheckpointError):

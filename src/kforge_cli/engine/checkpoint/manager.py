@@ -25,7 +25,6 @@ from typing import Any, Literal
 import torch
 from torch.distributed.checkpoint.state_dict_saver import AsyncSaveResponse, async_save, save
 
-import kforge_cli
 from kforge_cli.engine.checkpoint.dcp_io import (
     ReusableStager,
     quiet_single_process,
@@ -34,19 +33,7 @@ from kforge_cli.engine.checkpoint.dcp_io import (
     training_state_dict,
 )
 from kforge_cli.engine.checkpoint.disk_full import disk_full_explained
-from kforge_cli.engine.checkpoint.fingerprint import fingerprint, shaping_config
 from kforge_cli.engine.checkpoint.groups import CheckpointGroups
-from kforge_cli.engine.checkpoint.layout import (
-    COMMIT_FILE,
-    DCP_METADATA,
-    SUMMARY_FILE,
-    TRAIN_STATE_FILE,
-    atomic_write_json,
-    prune,
-    remove_checkpoint,
-    step_dir_name,
-    write_latest,
-)
 from kforge_cli.engine.checkpoint.resolve import data_phase, freeze_config
 from kforge_cli.engine.checkpoint.restore import CheckpointedState, HFLoader, Restored, RunParts, restore_run
 from kforge_cli.engine.checkpoint.train_state import FORMAT, write_rank_state
@@ -54,8 +41,12 @@ from kforge_cli.engine.model.names import clean_param_name
 from kforge_cli.engine.model.vlm.freeze import freeze_record
 from kforge_cli.engine.runtime import RuntimeContext
 from kforge_cli.files import real_dir
+from kforge_cli.rundir.checkpoints import atomic_write_json, prune, remove_checkpoint, step_dir_name, write_latest
+from kforge_cli.rundir.fingerprint import fingerprint, shaping_config
+from kforge_cli.rundir.layout import RunDir
+from kforge_cli.rundir.names import COMMIT_FILE, DCP_METADATA, SUMMARY_FILE, TRAIN_STATE_FILE
 from kforge_cli.settings import JobSettings
-from kforge_cli.settings.run_dir import checkpoint_root
+from kforge_cli.version import __version__
 
 log = logging.getLogger("kforge")
 
@@ -109,7 +100,7 @@ class CheckpointManager:
     ) -> None:
         """`parts` is everything a checkpoint holds: `restore` loads into it, `save` writes it."""
         self.settings, self.cfg, self.runtime = settings, settings.checkpoint, runtime
-        self.root = checkpoint_root(settings, run_dir)
+        self.root = RunDir(run_dir).checkpoint_root(settings)
         self.parts = parts
         self.groups = groups or CheckpointGroups.build(runtime)
         self.shaping = shaping_config(settings)
@@ -280,7 +271,7 @@ class CheckpointManager:
             "fingerprint": self.fingerprint,
             "model": self.shaping,
             "profile": self.settings.profile,
-            "kforge_version": kforge_cli.__version__,
+            "kforge_version": __version__,
             "torch_version": torch.__version__,
         }
         atomic_write_json(step_dir / SUMMARY_FILE, summary)

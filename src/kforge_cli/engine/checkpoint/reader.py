@@ -12,7 +12,6 @@ mesh or pipeline split that wrote them.
 from __future__ import annotations
 
 import json
-import tomllib
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -25,18 +24,11 @@ from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
 
 from kforge_cli.engine.checkpoint.dcp_io import quiet_single_process, user_error
 from kforge_cli.engine.checkpoint.errors import CheckpointError
-from kforge_cli.engine.checkpoint.layout import (
-    COMMIT_FILE,
-    DCP_METADATA,
-    SUMMARY_FILE,
-    TRAIN_STATE_FILE,
-    dcp_dirs,
-    is_complete,
-    resolve_checkpoint,
-    step_of,
-)
 from kforge_cli.engine.checkpoint.safe_metadata import SafeFileSystemReader, SafeLoadPlanner, read_dcp_metadata
 from kforge_cli.errors import KforgeError
+from kforge_cli.rundir.checkpoints import dcp_dirs, is_complete, resolve_checkpoint, step_of
+from kforge_cli.rundir.names import COMMIT_FILE, DCP_METADATA, SUMMARY_FILE, TRAIN_STATE_FILE
+from kforge_cli.rundir.saved_config import read_saved_config
 from kforge_cli.settings.training import ModelSettings
 
 MODEL_PREFIX = "model."
@@ -239,12 +231,8 @@ def shaping_of(view: CheckpointView) -> dict[str, Any]:
     for source in (view.train_state.get("shaping"), view.summary.get("model")):
         if isinstance(source, dict) and any(k.startswith(MODEL_PREFIX) for k in source):
             return source
-    config = view.path.parent.parent / "config.toml"
-    if view.kforge and config.is_file():
-        try:
-            raw = tomllib.loads(config.read_text())
-        except (OSError, tomllib.TOMLDecodeError):
-            raw = {}
+    if view.kforge:
+        raw = read_saved_config(view.path.parent.parent, missing_ok=True)
         model = raw.get("model")
         if isinstance(model, dict):
             return {f"{MODEL_PREFIX}{k}": v for k, v in model.items()} | {"vlm": raw.get("vlm")}

@@ -17,9 +17,10 @@ from pathlib import Path
 from typing import Any, Literal, Protocol
 
 from kforge_cli.engine.checkpoint.errors import CheckpointError, UnsafeCheckpointError
-from kforge_cli.engine.checkpoint.fingerprint import changed_fields
-from kforge_cli.engine.checkpoint.layout import (
-    TRAIN_STATE_FILE,
+from kforge_cli.engine.checkpoint.train_state import FORMAT
+from kforge_cli.engine.checkpoint.verify import damage
+from kforge_cli.engine.model.vlm.freeze import freeze_mismatch
+from kforge_cli.rundir.checkpoints import (
     dcp_dirs,
     is_complete,
     is_hf_dir,
@@ -28,9 +29,8 @@ from kforge_cli.engine.checkpoint.layout import (
     read_latest,
     resolve_checkpoint,
 )
-from kforge_cli.engine.checkpoint.train_state import FORMAT
-from kforge_cli.engine.checkpoint.verify import damage
-from kforge_cli.engine.model.vlm.freeze import freeze_mismatch
+from kforge_cli.rundir.fingerprint import changed_fields
+from kforge_cli.rundir.names import TRAIN_STATE_FILE
 from kforge_cli.settings import JobSettings
 from kforge_cli.settings.infrastructure import CheckpointSettings
 

@@ -18,12 +18,13 @@ from typing import Any
 import torch
 
 from kforge_cli.engine.checkpoint.errors import UnsafeCheckpointError
-from kforge_cli.engine.checkpoint.layout import SUMMARY_FILE, TRAIN_STATE_FILE, commit_problem, dcp_dirs, read_json
 from kforge_cli.engine.checkpoint.metadata_checks import storage_file_problems
 from kforge_cli.engine.checkpoint.reader import CheckpointView, batches, open_checkpoint, read_byte_items, read_tensors
 from kforge_cli.engine.checkpoint.safe_metadata import read_dcp_metadata
 from kforge_cli.engine.checkpoint.train_state import rank_state_problems, train_state_problems
 from kforge_cli.errors import KforgeError
+from kforge_cli.rundir.checkpoints import commit_problem, dcp_dirs, read_json
+from kforge_cli.rundir.names import SUMMARY_FILE, TRAIN_STATE_FILE
 
 log = logging.getLogger("kforge")
 

@@ -27,6 +27,7 @@ from kforge_cli.engine.data.tokenizer import ByteTokenizer, HFTokenizer, Tokeniz
 from kforge_cli.engine.data.tokens import ArrayTokens, ShardedTokens, TokenStream, Windows, make_batch
 from kforge_cli.errors import InvalidInputError
 from kforge_cli.settings import JobSettings
+from kforge_cli.settings.data_check import TOKENIZER_FILE
 
 log = logging.getLogger(__name__)
 
@@ -168,9 +169,9 @@ def _tokenizer_for(sources: list[Source], requested: str) -> Tokenizer:
             )
         return ByteTokenizer()
     assert first.root is not None
-    tok = HFTokenizer(first.root / "tokenizer.json")
+    tok = HFTokenizer(first.root / TOKENIZER_FILE)
     if tok.sha256 != first.tokenizer.get("sha256"):
-        raise InvalidInputError(f"{first.root / 'tokenizer.json'} does not match the tokenizer in its metadata.json")
+        raise InvalidInputError(f"{first.root / TOKENIZER_FILE} does not match the tokenizer in its metadata.json")
     if requested != "byte":
         path = Path(requested).expanduser()
         if not path.is_file() or hashlib.sha256(path.read_bytes()).hexdigest() != tok.sha256:

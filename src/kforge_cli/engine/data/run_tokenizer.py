@@ -10,16 +10,16 @@ directory it names, else the byte tokenizer.
 from __future__ import annotations
 
 import shutil
-import tomllib
 from pathlib import Path
 from typing import Any
 
 from kforge_cli.engine.data.shards import load_prepared
 from kforge_cli.engine.data.tokenizer import ByteTokenizer, HFTokenizer, load_tokenizer
 from kforge_cli.errors import InvalidInputError
+from kforge_cli.rundir.layout import RunDir
+from kforge_cli.rundir.names import TOKENIZER_FILE
+from kforge_cli.rundir.saved_config import read_saved_config
 from kforge_cli.settings.data import DataSettings
-
-RUN_TOKENIZER = "tokenizer.json"
 
 
 def _prepared_dir(data: DataSettings | dict[str, Any]) -> str | None:
@@ -41,11 +41,11 @@ def record_run_tokenizer(data: DataSettings, run_dir: Path) -> Path | None:
     source = load_prepared(prepared)
     if source.tokenizer.get("kind") != "hf":
         return None
-    target = run_dir / RUN_TOKENIZER
+    target = RunDir(run_dir).tokenizer
     if target.is_symlink():
         raise InvalidInputError(f"{target} is a symlink; kforge does not write through links in a run directory")
     tmp = target.with_suffix(".json.tmp")
-    shutil.copyfile(source.root / RUN_TOKENIZER, tmp)
+    shutil.copyfile(source.root / TOKENIZER_FILE, tmp)
     tmp.replace(target)
     return target
 
@@ -56,16 +56,15 @@ def run_tokenizer(run_dir: Path | None, override: str | None = None) -> ByteToke
         return load_tokenizer(override)
     if run_dir is None:
         return ByteTokenizer()
-    recorded = run_dir / RUN_TOKENIZER
-    if recorded.is_file() and not recorded.is_symlink():
-        return HFTokenizer(recorded)
-    config = run_dir / "config.toml"
-    if not config.is_file():
+    run = RunDir(run_dir)
+    if run.tokenizer.is_file() and not run.tokenizer.is_symlink():
+        return HFTokenizer(run.tokenizer)
+    if not run.has_config():
         return ByteTokenizer()
     try:
-        data = tomllib.loads(config.read_text()).get("data", {})
-    except (OSError, tomllib.TOMLDecodeError) as exc:
-        raise InvalidInputError(f"{config} is unreadable ({exc}); pass --tokenizer byte or PATH") from exc
+        data = read_saved_config(run.path).get("data", {})
+    except InvalidInputError as exc:
+        raise InvalidInputError(f"{exc}; pass --tokenizer byte or PATH") from exc
     prepared = _prepared_dir(data if isinstance(data, dict) else {})
     if prepared is None:
         return ByteTokenizer()
@@ -77,4 +76,4 @@ def run_tokenizer(run_dir: Path | None, override: str | None = None) -> ByteToke
         ) from exc
     if meta.tokenizer.get("kind") != "hf":
         return ByteTokenizer()
-    return HFTokenizer(meta.root / RUN_TOKENIZER)
+    return HFTokenizer(meta.root / TOKENIZER_FILE)

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import json
 import math
-import tomllib
 from pathlib import Path
 from typing import Any
 
@@ -25,6 +24,8 @@ from kforge_cli.engine.model.scoring import continuation_logliks
 from kforge_cli.engine.train.loss import IGNORE_INDEX, build_loss_fn
 from kforge_cli.errors import InvalidInputError
 from kforge_cli.files import atomic_write, real_dir
+from kforge_cli.rundir.layout import RunDir
+from kforge_cli.rundir.saved_config import saved_settings
 from kforge_cli.settings import JobSettings
 
 Results = dict[str, dict[str, float]]
@@ -32,15 +33,11 @@ Results = dict[str, dict[str, float]]
 
 def run_settings(loaded: LoadedCheckpoint) -> JobSettings:
     """The settings the run was trained with (its config.toml), needed for held-out data."""
-    if loaded.run_dir is None or not (loaded.run_dir / "config.toml").is_file():
+    if loaded.run_dir is None or not RunDir(loaded.run_dir).has_config():
         raise InvalidInputError(
             f"{loaded.path} is not inside a run directory with config.toml: the heldout task needs the run's data"
         )
-    try:
-        raw = tomllib.loads((loaded.run_dir / "config.toml").read_text())
-        return JobSettings.model_validate(raw)
-    except Exception as exc:  # tomllib / pydantic errors: the file is the user's to fix
-        raise InvalidInputError(f"{loaded.run_dir / 'config.toml'} does not load as kforge settings ({exc})") from None
+    return saved_settings(loaded.run_dir)
 
 
 def heldout_loss(loaded: LoadedCheckpoint, data_dir: str | None = None, steps: int | None = None) -> dict[str, float]:
@@ -119,7 +116,7 @@ def write_results(loaded: LoadedCheckpoint, results: Results) -> Path | None:
     """RUN_DIR/eval/step_N.json (merged with earlier tasks of that step); None outside a run dir."""
     if loaded.run_dir is None:
         return None
-    out_dir = real_dir(loaded.run_dir / "eval")  # a link is refused
+    out_dir = real_dir(RunDir(loaded.run_dir).eval_dir)  # a link is refused
     path = out_dir / f"step_{loaded.step if loaded.step is not None else 'unknown'}.json"
     merged: dict[str, Any] = {}
     if path.is_file() and not path.is_symlink():
@@ -149,7 +146,7 @@ def log_to_trackers(loaded: LoadedCheckpoint, results: Results) -> list[str]:
     for backend in backends:
         if isinstance(backend, TensorboardBackend):
             backend.purge = False  # an old step: add points, never drop the training curve after it
-    tracker = Tracker(MetricsFile(loaded.run_dir / "metrics.jsonl"), backends)
+    tracker = Tracker(MetricsFile(RunDir(loaded.run_dir).metrics), backends)
     tracker.start()
     record: dict[str, Any] = {"step": loaded.step}
     for task, metrics in results.items():

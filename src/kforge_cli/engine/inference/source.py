@@ -7,12 +7,14 @@ from pathlib import Path
 
 import torch
 
-from kforge_cli.engine.checkpoint.layout import is_hf_dir
 from kforge_cli.engine.checkpoint.reader import open_checkpoint
 from kforge_cli.engine.data.run_tokenizer import run_tokenizer
 from kforge_cli.engine.data.tokenizer import ByteTokenizer, HFTokenizer
 from kforge_cli.engine.interop.load_model import LoadedModel, load_model
 from kforge_cli.errors import InvalidInputError
+from kforge_cli.rundir.checkpoints import is_hf_dir
+from kforge_cli.rundir.layout import RunDir
+from kforge_cli.rundir.names import TOKENIZER_FILE
 
 
 @dataclass
@@ -39,11 +41,12 @@ def open_for_inference(
     if not path.exists():
         raise InvalidInputError(f"{path} does not exist; give a run directory or RUN_DIR/checkpoints/step_N")
     if is_hf_dir(path):
-        hf_tok = path / "tokenizer.json"
+        hf_tok = path / TOKENIZER_FILE
         tok = run_tokenizer(None, tokenizer or (str(hf_tok) if hf_tok.is_file() else None))
         return LoadedCheckpoint(load_model(path, dtype=DTYPES[dtype], device=device), tok, path, None, None)
     view = open_checkpoint(path)
-    run_dir = view.path.parent.parent if view.kforge and view.path.parent.name == "checkpoints" else None
+    run = RunDir.of_checkpoint(view.path) if view.kforge else None
+    run_dir = run.path if run is not None else None
     tok = run_tokenizer(run_dir, tokenizer)
     model = load_model(view.path, dtype=DTYPES[dtype], device=device)
     return LoadedCheckpoint(model, tok, view.path, run_dir, view.step)

@@ -19,7 +19,6 @@ from typing import Any
 import torch
 
 from kforge_cli.engine.checkpoint.errors import CheckpointError
-from kforge_cli.engine.checkpoint.layout import kforge_contents
 from kforge_cli.engine.checkpoint.reader import (
     MODEL_PREFIX,
     CheckpointView,
@@ -41,6 +40,7 @@ from kforge_cli.engine.interop.hf_format import (
 from kforge_cli.engine.interop.hf_moe import FUSED_GATE, FUSED_UP, qwen3_moe_config, to_hf_moe_name
 from kforge_cli.engine.interop.hf_tokenizer import ExportedTokenizer, run_tokenizer, write_tokenizer
 from kforge_cli.engine.runtime.dtypes import DTYPES, torch_dtype_name
+from kforge_cli.rundir.layout import kforge_contents
 
 DEFAULT_SHARD_BYTES = 5 * 2**30
 

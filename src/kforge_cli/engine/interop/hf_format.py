@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from kforge_cli.engine.checkpoint.errors import CheckpointError
-from kforge_cli.engine.checkpoint.layout import HF_CONFIG_FILE
+from kforge_cli.rundir.checkpoints import HF_CONFIG_FILE
 
 CONFIG_FILE = HF_CONFIG_FILE
 SINGLE_FILE = "model.safetensors"

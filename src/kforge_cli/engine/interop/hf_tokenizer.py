@@ -12,16 +12,17 @@ without an EOS token gets kforge's extra EOS id as ``<|endoftext|>``, so the ids
 from __future__ import annotations
 
 import json
-import tomllib
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from kforge_cli.engine.checkpoint.errors import CheckpointError
 from kforge_cli.engine.data.tokenizer import ByteTokenizer, HFTokenizer
+from kforge_cli.rundir.names import TOKENIZER_FILE
+from kforge_cli.rundir.saved_config import read_saved_config
 
 EOS_TOKEN = "<|endoftext|>"
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
+TOKENIZER_FILES = (TOKENIZER_FILE, "tokenizer_config.json", "special_tokens_map.json")
 
 
 @dataclass(frozen=True)
@@ -34,17 +35,15 @@ class ExportedTokenizer:
 
 def run_tokenizer(checkpoint: Path) -> str | None:
     """'byte' or the tokenizer.json path a run trained with (None when its config.toml is missing)."""
-    config = checkpoint.parent.parent / "config.toml"
-    try:
-        data = tomllib.loads(config.read_text()).get("data", {})
-    except (OSError, tomllib.TOMLDecodeError):
+    data = read_saved_config(Path(checkpoint).parent.parent, missing_ok=True).get("data")
+    if not isinstance(data, dict):
         return None
     if data.get("tokenizer", "byte") != "byte":
         return str(data["tokenizer"])
     roots = [data["path"]] if data.get("path") else [d.get("path") for d in data.get("datasets", [])[:1]]
     for root in roots:
-        if root and (Path(root) / "tokenizer.json").is_file():
-            return str(Path(root) / "tokenizer.json")
+        if root and (Path(root) / TOKENIZER_FILE).is_file():
+            return str(Path(root) / TOKENIZER_FILE)
     return "byte"
 
 
@@ -109,7 +108,7 @@ def write_tokenizer(spec: str, out: Path, max_len: int) -> ExportedTokenizer:
         "clean_up_tokenization_spaces": False,
         **special,
     }
-    (out / "tokenizer.json").write_text(text, encoding="utf-8")
+    (out / TOKENIZER_FILE).write_text(text, encoding="utf-8")
     (out / "tokenizer_config.json").write_text(json.dumps(config, indent=2) + "\n")
     (out / "special_tokens_map.json").write_text(json.dumps(special, indent=2) + "\n")
     return ExportedTokenizer(spec, eos_id, eos_token, TOKENIZER_FILES)

@@ -15,7 +15,6 @@ Mixture-of-Transformers, including a ``convert-mot`` output) becomes the
 
 from __future__ import annotations
 
-import tomllib
 from pathlib import Path
 from typing import Any
 
@@ -23,7 +22,6 @@ import torch
 from torch import nn
 
 from kforge_cli.engine.checkpoint.errors import CheckpointError
-from kforge_cli.engine.checkpoint.layout import is_hf_dir
 from kforge_cli.engine.checkpoint.reader import (
     MODEL_PREFIX,
     CheckpointView,
@@ -37,6 +35,8 @@ from kforge_cli.engine.model import Transformer
 from kforge_cli.engine.model.layers import rope_tables
 from kforge_cli.engine.model.moe import MoEFeedForward
 from kforge_cli.engine.model.vlm import VisionLanguageModel, build_vlm
+from kforge_cli.rundir.checkpoints import is_hf_dir
+from kforge_cli.rundir.saved_config import read_saved_config
 from kforge_cli.settings import JobSettings
 from kforge_cli.settings.training import ModelSettings
 
@@ -99,13 +99,7 @@ def empty_vlm(
 
 def _saved_run_config(view: CheckpointView) -> dict[str, Any]:
     """RUN_DIR/config.toml of a step dir inside RUN_DIR/checkpoints, or {} (absent, unreadable, elsewhere)."""
-    path = view.path.parent.parent / "config.toml"
-    if not view.kforge or not path.is_file():
-        return {}
-    try:
-        return tomllib.loads(path.read_text())
-    except (OSError, tomllib.TOMLDecodeError):
-        return {}
+    return read_saved_config(view.path.parent.parent, missing_ok=True) if view.kforge else {}
 
 
 def _video_section(vlm: dict[str, Any], saved: dict[str, Any]) -> dict[str, Any] | None:

@@ -15,6 +15,7 @@ from typing import Any
 
 from kforge_cli.engine.observe.metrics_file import read_metrics
 from kforge_cli.errors import InvalidInputError
+from kforge_cli.rundir.layout import RunDir
 
 DEFAULT_METRICS = ("loss", "eval_loss", "lr", "grad_norm", "tokens_per_sec")
 X_AXES = {"step": "step", "tokens": "tokens_seen"}
@@ -48,7 +49,7 @@ def run_series(run_dir: Path, metrics: Sequence[str], x: str = "step") -> list[S
     """One series per metric present in `run_dir`'s metrics.jsonl, against step or tokens seen."""
     if x not in X_AXES:
         raise InvalidInputError(f"--x {x!r} is not one of {', '.join(X_AXES)}")
-    path = run_dir / "metrics.jsonl"
+    path = RunDir(run_dir).metrics
     if not path.is_file():
         raise InvalidInputError(f"{run_dir} has no metrics.jsonl: is it a kforge run directory?")
     records = read_metrics(path)

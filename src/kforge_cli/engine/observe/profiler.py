@@ -19,6 +19,7 @@ from torch.profiler import ProfilerAction, ProfilerActivity
 
 from kforge_cli.engine.observe.logs import get_logger
 from kforge_cli.files import real_dir
+from kforge_cli.rundir.layout import RunDir
 from kforge_cli.settings.infrastructure import ProfilingSettings
 
 _RECORDING = (ProfilerAction.RECORD, ProfilerAction.RECORD_AND_SAVE)
@@ -154,7 +155,7 @@ def build_profiler(cfg: ProfilingSettings, run_dir: Path, rank: int, *, first_st
     """
     if not cfg.enabled:
         return TrainProfiler()
-    trace_dir = Path(cfg.trace_dir) if cfg.trace_dir is not None else Path(run_dir) / "profile"
+    trace_dir = Path(cfg.trace_dir) if cfg.trace_dir is not None else RunDir(run_dir).profile_dir
     return WindowProfiler(
         start_step=cfg.start_step,
         end_step=cfg.end_step,

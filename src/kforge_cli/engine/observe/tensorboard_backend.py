@@ -15,11 +15,12 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 from kforge_cli.errors import InvalidInputError
+from kforge_cli.rundir.names import TENSORBOARD_DIR
 
 if TYPE_CHECKING:
     from kforge_cli.engine.observe.tracking_types import CheckpointMark, MetricPoints, RunInfo, TrackerStatus
 
-LOG_SUBDIR = "tensorboard"
+LOG_SUBDIR = TENSORBOARD_DIR
 
 
 class TensorboardBackend:

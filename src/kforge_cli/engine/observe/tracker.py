@@ -40,6 +40,7 @@ from kforge_cli.engine.observe.tracking_types import (
     TrackerStatus,
 )
 from kforge_cli.engine.observe.wandb_backend import WandbBackend
+from kforge_cli.rundir.layout import RunDir
 from kforge_cli.settings import JobSettings
 
 log = logging.getLogger("kforge")
@@ -305,7 +306,7 @@ def run_info(settings: JobSettings, run_dir: Path, world_size: int) -> RunInfo:
         git_commit=git_commit(Path.cwd()),
         run_dir=run_dir,
         config=settings.model_dump(mode="json"),
-        config_path=run_dir / "config.toml",
+        config_path=RunDir(run_dir).config,
     )
 
 
@@ -346,6 +347,6 @@ def build_tracker(
     run_dir = Path(run_dir)
     wanted = set(settings.metrics.backends) - {"jsonl"}
     backends = tracker_backends(settings, run_info(settings, run_dir, world_size), run_ids or {}) if wanted else []
-    tracker = Tracker(MetricsFile(run_dir / "metrics.jsonl"), backends)
+    tracker = Tracker(MetricsFile(RunDir(run_dir).metrics), backends)
     tracker.start()
     return tracker

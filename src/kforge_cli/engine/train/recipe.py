@@ -84,6 +84,7 @@ from kforge_cli.engine.train.step import StepFeature, StepFn
 from kforge_cli.engine.train.step.schedule import bind_pipeline_loss
 from kforge_cli.engine.train.train_state import TrainState
 from kforge_cli.engine.train.update import build_loss_scaler
+from kforge_cli.rundir.layout import RunDir
 from kforge_cli.settings import JobSettings
 
 log = logging.getLogger("kforge")
@@ -185,7 +186,7 @@ def assemble(
 ) -> TrainingSession:
     """Build every piece of a run from ``recipe``; ``stack`` receives their cleanups (innermost last).
 
-    ``restore=False`` skips resume/warm start; ``install_signals=False`` leaves the process's
+    ``restore=False`` skips resume/warm start and writing the run's config (tests); ``install_signals=False`` leaves the process's
     signal handlers alone (in-process tests).
     """
     shutdown = ShutdownHandler(settings.resilience.shutdown_signals if install_signals else [])
@@ -206,6 +207,8 @@ def assemble(
     stack.callback(checkpointer.close)
     if restore:
         restored = checkpointer.restore()  # resume (the data order too) or warm start, if any
+        if runtime.is_main:  # accepted: config.toml on a new run, the changes beside it on a continued one
+            write_config(settings, run_dir)
         maybe_mot_warm_start(settings, model, restored, checkpointer.groups.save)  # fresh runs only
     metrics = recipe.tracker(settings, runtime, run_dir, checkpointer.restored_metrics_run_ids)
     stack.enter_context(metrics)  # on an exception: the tracked run is marked failed (Ctrl-C: stopped)
@@ -271,9 +274,7 @@ def run_training(
         log.info(runtime.threads.describe())
     with ExitStack() as stack:
         stack.callback(release_run_dir, run_dir)
-        setup_logging(runtime.rank, runtime.world_size, run_dir / "logs")
-        if runtime.is_main:
-            write_config(settings, run_dir)
+        setup_logging(runtime.rank, runtime.world_size, RunDir(run_dir).logs)
         session = assemble(settings, runtime, run_dir, recipe, stack)
         log.info(
             "training %s on %d process(es), device %s, run dir %s",

@@ -1,4 +1,4 @@
-"""The run directory: chosen by rank 0, broadcast, and stamped with the resolved config."""
+"""The run directory of a training run: chosen by rank 0, broadcast, locked; its config written once."""
 
 from __future__ import annotations
 
@@ -7,15 +7,14 @@ from pathlib import Path
 
 import torch.distributed as dist
 
-from kforge_cli.engine.checkpoint.run_config import conflicts_with_saved_config
 from kforge_cli.engine.data.run_tokenizer import record_run_tokenizer
 from kforge_cli.engine.runtime import RuntimeContext
-from kforge_cli.engine.train.run_lock import RunLock, acquire_run_lock, refuse_foreign_dir
 from kforge_cli.errors import InvalidInputError
-from kforge_cli.files import atomic_write, check_run_dir, real_dir
+from kforge_cli.files import check_run_dir, real_dir
+from kforge_cli.rundir.layout import RunDir, claim_default_run_dir
+from kforge_cli.rundir.lock import RunLock, acquire_run_lock
+from kforge_cli.rundir.saved_config import describe_changes, write_or_record
 from kforge_cli.settings import JobSettings
-from kforge_cli.settings.explain import to_toml
-from kforge_cli.settings.run_dir import claim_default_run_dir
 
 log = logging.getLogger("kforge")
 
@@ -24,13 +23,13 @@ _LOCKS: dict[Path, RunLock] = {}
 
 
 def _claim(settings: JobSettings) -> Path:
-    """Rank 0: the run directory, created and locked (see `run_lock`)."""
+    """Rank 0: the run directory, created and locked (see `kforge_cli.rundir.lock`)."""
     if settings.train.run_dir:
         run_dir = check_run_dir(Path(settings.train.run_dir)).resolve()
-        refuse_foreign_dir(run_dir)
+        RunDir(run_dir).refuse_foreign()
     else:
         run_dir = claim_default_run_dir(settings).resolve()
-    real_dir(run_dir / "logs")
+    real_dir(RunDir(run_dir).logs)
     _LOCKS[run_dir] = acquire_run_lock(run_dir)
     return run_dir
 
@@ -62,25 +61,23 @@ def release_run_dir(run_dir: Path) -> None:
         lock.release()
 
 
-def with_run_dir(settings: JobSettings, run_dir: Path) -> JobSettings:
-    """A copy of ``settings`` that names ``run_dir`` (what the run's config.toml records)."""
-    return settings.model_copy(update={"train": settings.train.model_copy(update={"run_dir": str(run_dir)})})
-
-
 def write_config(settings: JobSettings, run_dir: Path) -> Path:
-    """RUN_DIR/config.toml: the fully resolved settings (written atomically).
+    """RUN_DIR/config.toml on a new run; on a continued one, the accepted changes beside it.
 
-    On a resume the file takes the new settings, except when they change the model's
-    shape while RUN_DIR holds a checkpoint: then the original stays (the resume is refused
-    when the checkpoint is opened, and `kforge resume` still finds the run's real config).
-    A Hugging Face tokenizer of the training data is copied alongside (RUN_DIR/tokenizer.json)
-    so `kforge generate` and `kforge eval` still find it if the data directory goes away.
+    Call it once the run was accepted (after the checkpoint was restored): config.toml is
+    written once, when the run starts, and a continuation's changes (e.g. train.max_steps) go
+    to RUN_DIR/config_changes.jsonl (see `kforge_cli.rundir.saved_config`). A Hugging Face
+    tokenizer of the training data is copied alongside (RUN_DIR/tokenizer.json) so
+    `kforge generate` and `kforge eval` still find it if the data directory goes away.
     """
-    path = run_dir / "config.toml"
-    record_run_tokenizer(settings.data, run_dir)
-    conflicts = conflicts_with_saved_config(settings, run_dir)
-    if conflicts:
-        log.warning("keeping %s: these settings change the model's shape (%s)", path, "; ".join(conflicts))
-        return path
-    atomic_write(path, to_toml(with_run_dir(settings, run_dir)).encode())  # never through a planted link
-    return path
+    run = RunDir(run_dir)
+    changes = write_or_record(settings, run.path)
+    record_run_tokenizer(settings.data, run.path)
+    if changes:
+        log.info(
+            "continuing %s with changed settings (recorded in %s): %s",
+            run.path,
+            run.config_changes.name,
+            describe_changes(changes),
+        )
+    return run.config

@@ -47,6 +47,7 @@ from kforge_cli.settings.data import (
     PREPARE_TOKENIZER,
     PREPARE_VAL_FRACTION,
 )
+from kforge_cli.settings.data_check import TOKENIZER_FILE
 
 
 @dataclass
@@ -297,7 +298,7 @@ def prepare_data(
         if splits["train"]["tokens"] == 0:
             raise InvalidInputError("the inputs contain no text to tokenize")
         if isinstance(tok, HFTokenizer):
-            shutil.copyfile(tok.path, tmp / "tokenizer.json")
+            shutil.copyfile(tok.path, tmp / TOKENIZER_FILE)
         meta = {
             "format": FORMAT,
             "format_version": FORMAT_VERSION,

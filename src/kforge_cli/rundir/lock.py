@@ -10,8 +10,8 @@ filesystem has no ``flock`` (some Lustre mounts), the record alone decides: a li
 on this host blocks, anything else is taken over with a warning.
 
 A directory that exists, is not empty and holds nothing kforge wrote is refused rather
-than written into (its ``config.toml`` would be replaced): that rule lives in
-``settings.run_dir`` so `--sbatch` applies it too.
+than written into: that rule is :meth:`RunDir.refuse_foreign
+<kforge_cli.rundir.layout.RunDir.refuse_foreign>`, so `--sbatch` applies it too.
 """
 
 from __future__ import annotations
@@ -30,9 +30,7 @@ from typing import IO, Any
 
 from kforge_cli.errors import InvalidInputError
 from kforge_cli.files import open_append
-from kforge_cli.settings.run_dir import LOCK_FILE, is_kforge_run, refuse_foreign_dir
-
-__all__ = ["LOCK_FILE", "RunDirInUseError", "RunLock", "acquire_run_lock", "is_kforge_run", "refuse_foreign_dir"]
+from kforge_cli.rundir.layout import RunDir
 
 log = logging.getLogger("kforge")
 
@@ -108,7 +106,7 @@ def _requeued(previous: dict[str, Any]) -> bool:
 
 def acquire_run_lock(run_dir: Path, *, wait_s: float | None = None) -> RunLock:
     """Take the exclusive lock of `run_dir` or raise :class:`RunDirInUseError` naming the holder."""
-    path = run_dir / LOCK_FILE
+    path = RunDir(run_dir).lock_file
     previous = _read_record(path)
     handle = open_append(path)  # never through a planted link
     deadline = time.monotonic() + (wait_s if wait_s is not None else REQUEUE_WAIT_S if _requeued(previous) else 0)

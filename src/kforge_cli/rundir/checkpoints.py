@@ -1,13 +1,7 @@
 """Checkpoint directories on disk: naming, the commit marker, `latest`, resolution, retention.
 
     CKPT_ROOT/                     (RUN_DIR/checkpoints unless checkpoint.dir)
-      step_N/
-        .metadata, __R_0.distcp    DCP shards (or pp_S/ subdirectories, one per pipeline stage)
-        train_state.json           step, scheduler, data loader, NaN guard, run ids, fingerprint
-        train_state/rank_R.json    per-rank RNG state (python, numpy scalars)
-        train_state/rank_R.pt      per-rank RNG tensors (torch CPU/CUDA, numpy key); weights_only
-        metadata.json              a human-readable summary (inspect-ckpt)
-        kforge_commit.json         written LAST, after every rank finished: the checkpoint counts
+      step_N/                      see :mod:`kforge_cli.rundir.names` for the files inside
       latest                       a one-line file naming the newest durable step dir
 
 A checkpoint is *complete* only when ``kforge_commit.json`` exists and every DCP
@@ -25,17 +19,12 @@ import shutil
 from pathlib import Path
 from typing import Any
 
-from kforge_cli.engine.checkpoint.errors import CheckpointError
+from kforge_cli.errors import CheckpointError
 from kforge_cli.files import atomic_write
+from kforge_cli.rundir.names import CHECKPOINTS_DIR, COMMIT_FILE, DCP_METADATA, LATEST_FILE
 
 log = logging.getLogger("kforge")
 
-COMMIT_FILE = "kforge_commit.json"
-LATEST_FILE = "latest"
-TRAIN_STATE_FILE = "train_state.json"
-SUMMARY_FILE = "metadata.json"
-RANK_STATE_DIR = "train_state"
-DCP_METADATA = ".metadata"
 _STEP_RE = re.compile(r"^step_(\d+)$")
 _DCP_DIR_RE = re.compile(r"^pp_\d+$")
 _TRASH_PREFIX = ".deleting-"
@@ -176,32 +165,13 @@ def resolve_checkpoint(path: str | Path) -> Path:
                 f"{p} is an incomplete checkpoint (its save never finished); use an earlier step_N or the run dir"
             )
         return p
-    for root in (p / "checkpoints", p):
+    for root in (p / CHECKPOINTS_DIR, p):
         found, skipped = newest_complete(root)
         for s in skipped:
             log.warning("skipping incomplete checkpoint %s (its save never finished)", s)
         if found is not None:
             return found
     raise CheckpointError(f"no complete checkpoint under {p}: expected step_N directories holding {COMMIT_FILE}")
-
-
-def kforge_contents(path: Path) -> str | None:
-    """What in `path` makes it a kforge run or checkpoint (never to be wiped by an export), else None."""
-    markers = (
-        COMMIT_FILE,
-        TRAIN_STATE_FILE,
-        DCP_METADATA,
-        "checkpoints",
-        "metrics.jsonl",
-        ".kforge-lock",
-        "job.sbatch",
-    )
-    for name in markers:
-        if (path / name).exists():
-            return name
-    if path.is_dir() and any(step_of(p) is not None for p in path.iterdir()):
-        return "step_N checkpoint directories"
-    return None
 
 
 def remove_checkpoint(step_dir: Path) -> None:

@@ -10,9 +10,10 @@ from __future__ import annotations
 
 import hashlib
 import json
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from kforge_cli.settings import JobSettings
+if TYPE_CHECKING:
+    from kforge_cli.settings import JobSettings
 
 # Fields that change parameters or the function the model computes. `model.init_std`
 # only matters at step 0, and `model.attention` picks a kernel for the same function, so

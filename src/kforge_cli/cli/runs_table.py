@@ -1,0 +1,257 @@
+"""`kforge runs`: one row per run directory, read from its files (and SLURM, for jobs) without torch.
+
+Status, first match wins:
+
+- ``completed``: the final checkpoint was written, or the planned steps were logged;
+- ``queued`` / ``running``: SLURM says the run's job is pending / running (``squeue``);
+- ``running``: metrics.jsonl or a log changed within ``active_s`` seconds;
+- ``stopped``: the newest checkpoint was saved on a signal (requeue or resume it);
+- a run written by ``--sbatch``: the state ``sacct`` reports for its last job (lower case:
+  ``cancelled``, ``timeout``, ``failed`` ...), else ``not submitted`` (no job was ever
+  submitted or started) or ``unknown`` (no SLURM here to ask);
+- ``failed``: none of these (it ended without a final checkpoint).
+
+Metrics are read from the end of metrics.jsonl, so a long run costs no more than a short one.
+"""
+
+from __future__ import annotations
+
+import getpass
+import json
+import shutil
+import subprocess
+import time
+from collections.abc import Iterable
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from kforge_cli.errors import InvalidInputError
+from kforge_cli.rundir.checkpoints import newest_complete
+from kforge_cli.rundir.layout import RunDir
+from kforge_cli.rundir.names import SUMMARY_FILE
+from kforge_cli.rundir.saved_config import read_saved_config
+
+SLURM_TIMEOUT_S = 5.0
+_TAIL_BLOCK = 64 * 1024
+_TAIL_LIMIT = 8 * 1024 * 1024  # look back at most this far for the last eval loss
+_SQUEUE_LIVE = {"PENDING": "queued", "REQUEUED": "queued", "CONFIGURING": "running", "RUNNING": "running"}
+
+
+@dataclass
+class RunRow:
+    name: str
+    profile: str | None
+    steps_done: int
+    steps_planned: int | None
+    last_loss: float | None
+    eval_loss: float | None
+    latest_checkpoint: str | None
+    status: str
+    last_update: str | None
+    path: str
+    slurm_job: str | None = None  # the run's last SLURM job id, when it has one
+
+    def as_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+@dataclass
+class SlurmView:
+    """What SLURM says about the jobs of the listed runs (one squeue call, one sacct call)."""
+
+    available: bool = False  # squeue ran: a job missing from it is not queued or running
+    live: dict[str, str] = field(default_factory=dict)  # job id -> squeue state
+    scripts: dict[str, str] = field(default_factory=dict)  # job script path -> job id (jobs submitted by hand)
+    ended: dict[str, str] = field(default_factory=dict)  # job id -> sacct state
+
+
+def _run(argv: list[str]) -> str | None:
+    exe = shutil.which(argv[0])
+    if exe is None:
+        return None
+    try:
+        proc = subprocess.run([exe, *argv[1:]], capture_output=True, text=True, timeout=SLURM_TIMEOUT_S, check=False)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    return proc.stdout if proc.returncode == 0 else None
+
+
+def ask_slurm(job_ids: Iterable[str]) -> SlurmView:
+    """The user's queued and running jobs (squeue), and the final state of `job_ids` no longer queued (sacct)."""
+    view = SlurmView()
+    out = _run(["squeue", "-h", "-u", getpass.getuser(), "-o", "%i|%T|%o"])
+    if out is not None:
+        view.available = True
+        for line in out.splitlines():
+            parts = line.strip().split("|", 2)
+            if len(parts) == 3:
+                job, state, command = parts
+                view.live[job] = state
+                view.scripts.setdefault(command, job)
+    gone = sorted({j for j in job_ids if j not in view.live})
+    if gone:
+        out = _run(["sacct", "-n", "-X", "-P", "-o", "JobID,State", "-j", ",".join(gone)])
+        for line in (out or "").splitlines():
+            parts = line.strip().split("|")
+            if len(parts) >= 2 and parts[0]:
+                view.ended[parts[0]] = parts[1].split()[0]  # "CANCELLED by 123" -> CANCELLED
+    return view
+
+
+def job_ids(run: RunDir) -> list[str]:
+    """The run's SLURM job ids, oldest first: those --submit recorded, and those whose log file exists."""
+    ids: list[str] = []
+    try:
+        for line in run.slurm_jobs.read_text().splitlines():
+            try:
+                record = json.loads(line)
+            except ValueError:
+                continue
+            if isinstance(record, dict) and record.get("job_id"):
+                ids.append(str(record["job_id"]))
+    except OSError:
+        pass
+    logs = sorted(run.logs.glob("slurm-*.out"), key=lambda p: p.stat().st_mtime) if run.logs.is_dir() else []
+    ids += [p.name[len("slurm-") : -len(".out")] for p in logs]
+    return list(dict.fromkeys(ids))
+
+
+def _tail_values(path: Path, keys: tuple[str, ...]) -> dict[str, tuple[int, float]]:
+    """The last (step, value) of each of `keys` in a metrics.jsonl, read backwards from its end."""
+    found: dict[str, tuple[int, float]] = {}
+    try:
+        f = path.open("rb")
+    except OSError:
+        return found
+    with f:
+        end = f.seek(0, 2)
+        pos, carry = end, b""
+        while pos > 0 and len(found) < len(keys) and end - pos < _TAIL_LIMIT:
+            start = max(0, pos - _TAIL_BLOCK)
+            f.seek(start)
+            chunk = f.read(pos - start) + carry
+            lines = chunk.split(b"\n")
+            carry = lines.pop(0) if start > 0 else b""  # maybe a partial line: join it to the next block
+            pos = start
+            for line in reversed(lines):
+                _take(line, keys, found)
+        if pos == 0 and carry:
+            _take(carry, keys, found)
+    return found
+
+
+def _take(line: bytes, keys: tuple[str, ...], found: dict[str, tuple[int, float]]) -> None:
+    wanted = [k for k in keys if k not in found and f'"{k}"'.encode() in line]
+    if not wanted:
+        return
+    try:
+        record = json.loads(line)
+    except ValueError:
+        return
+    if not isinstance(record, dict) or not isinstance(record.get("step"), int):
+        return
+    for key in wanted:
+        value = record.get(key)
+        if isinstance(value, int | float) and not isinstance(value, bool):
+            found[key] = (record["step"], float(value))
+
+
+def _logs(run: RunDir) -> list[Path]:
+    return sorted(run.logs.glob("*")) if run.logs.is_dir() else []
+
+
+def _mtime(run: RunDir, paths: Iterable[Path]) -> float | None:
+    """The newest modification time of `paths` (those that exist)."""
+    times = []
+    for p in paths:
+        try:
+            times.append(p.stat().st_mtime)
+        except OSError:
+            continue
+    return max(times) if times else None
+
+
+def _checkpoint(run: RunDir, config: dict[str, Any]) -> tuple[str | None, str | None]:
+    """(the newest complete checkpoint's name, why it was saved) under the run's checkpoint root."""
+    directory = config.get("checkpoint", {}).get("dir") if isinstance(config.get("checkpoint"), dict) else None
+    root = Path(directory).expanduser() if isinstance(directory, str) and directory else run.checkpoints
+    if root.is_symlink() or not root.is_dir():
+        return None, None
+    latest, _ = newest_complete(root)
+    if latest is None:
+        return None, None
+    try:
+        reason = json.loads((latest / SUMMARY_FILE).read_text()).get("reason")
+    except (OSError, ValueError, AttributeError):
+        reason = None
+    return latest.name, reason if isinstance(reason, str) else None
+
+
+def describe_run(
+    run_dir: Path, *, now: float | None = None, active_s: float = 300.0, slurm: SlurmView | None = None
+) -> RunRow:
+    run = RunDir(run_dir)
+    now = time.time() if now is None else now
+    config = read_saved_config(run.path, missing_ok=True)
+    train = config.get("train")
+    max_steps = train.get("max_steps") if isinstance(train, dict) else None
+    planned = max_steps if isinstance(max_steps, int) else None
+    last = _tail_values(run.metrics, ("loss", "eval_loss"))
+    step = last["loss"][0] if "loss" in last else 0
+    latest, reason = _checkpoint(run, config)
+    mtime = _mtime(run, (run.metrics, *_logs(run)))
+    updated = _mtime(run, (run.metrics, *_logs(run), run.config, run.config_changes, run.job_script))
+    ids = job_ids(run) if run.job_script.is_file() else []
+    job = ids[-1] if ids else None
+    if run.job_script.is_file() and slurm is not None and job is None:
+        job = slurm.scripts.get(str(run.job_script.resolve()))  # submitted by hand: squeue knows its script
+    live = slurm.live.get(job) if slurm is not None and job is not None else None
+    if reason == "final" or (planned is not None and "loss" in last and step >= planned):
+        status = "completed"
+    elif live is not None:
+        status = _SQUEUE_LIVE.get(live, live.lower())
+    elif mtime is not None and now - mtime < active_s:
+        status = "running"
+    elif reason == "signal":
+        status = "stopped"
+    elif run.job_script.is_file():
+        status = _job_status(run, job, slurm, started="loss" in last)
+    else:
+        status = "failed"
+    return RunRow(
+        name=run.name,
+        profile=config.get("profile") if isinstance(config.get("profile"), str) else None,
+        steps_done=step,
+        steps_planned=planned,
+        last_loss=last["loss"][1] if "loss" in last else None,
+        eval_loss=last["eval_loss"][1] if "eval_loss" in last else None,
+        latest_checkpoint=latest,
+        status=status,
+        last_update=time.strftime("%Y-%m-%d %H:%M", time.localtime(updated)) if updated else None,
+        path=str(run.path),
+        slurm_job=job,
+    )
+
+
+def _job_status(run: RunDir, job: str | None, slurm: SlurmView | None, *, started: bool) -> str:
+    """A `--sbatch` run that is neither complete, live nor stopped: what SLURM last said, never a guess."""
+    if job is None:
+        return "failed" if started else "not submitted"
+    if slurm is not None and job in slurm.ended:
+        return slurm.ended[job].lower()
+    if slurm is not None and slurm.available and started:
+        return "failed"  # not queued, not running, no final checkpoint: it ended early
+    return "unknown"
+
+
+def list_runs(root: Path, *, active_s: float = 300.0, now: float | None = None) -> list[RunRow]:
+    """Every run directory (one with config.toml or metrics.jsonl) directly under `root`, newest first."""
+    if not root.is_dir():
+        raise InvalidInputError(f"{root} is not a directory; give the folder that holds your run directories")
+    runs = [RunDir(d) for d in sorted(root.iterdir()) if d.is_dir()]
+    runs = [r for r in runs if r.has_config() or r.metrics.is_file()]
+    sbatch = [r for r in runs if r.job_script.is_file()]
+    slurm = ask_slurm(j for r in sbatch for j in job_ids(r)[-1:]) if sbatch else None
+    rows = [describe_run(r.path, now=now, active_s=active_s, slurm=slurm) for r in runs]
+    return sorted(rows, key=lambda r: r.last_update or "", reverse=True)

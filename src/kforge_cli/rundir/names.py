@@ -1,0 +1,46 @@
+"""Every file and folder name inside a run directory and its checkpoints (the one place they are spelled).
+
+    RUN_DIR/
+      config.toml              the resolved settings, written once when the run starts
+      config_changes.jsonl     accepted changes of later commands (resume), one JSON line each
+      metrics.jsonl            one JSON object per logged step (and per checkpoint, per eval)
+      logs/                    rank_R.log, slurm-JOBID.out
+      checkpoints/             step_N/ (see below) and `latest` (unless checkpoint.dir)
+      tokenizer.json           a copy of the training data's Hugging Face tokenizer
+      job.sbatch               the SLURM job script (--sbatch)
+      slurm_jobs.jsonl         the job ids --submit submitted, one JSON line each
+      eval/step_N.json         `kforge eval` results
+      profile/, tensorboard/   torch.profiler traces, TensorBoard event files
+      .kforge-lock             held by the live run (pid, host, SLURM job)
+
+    step_N/
+      .metadata, __R_0.distcp  DCP shards (or pp_S/ subdirectories, one per pipeline stage)
+      train_state.json         step, scheduler, data loader, NaN guard, run ids, fingerprint
+      train_state/rank_R.*     per-rank RNG state
+      metadata.json            a human-readable summary (inspect-ckpt)
+      kforge_commit.json       written last: the checkpoint counts
+
+Imports nothing, so any module may use these names.
+"""
+
+from __future__ import annotations
+
+CONFIG_FILE = "config.toml"
+CONFIG_CHANGES_FILE = "config_changes.jsonl"
+METRICS_FILE = "metrics.jsonl"
+LOGS_DIR = "logs"
+CHECKPOINTS_DIR = "checkpoints"
+TOKENIZER_FILE = "tokenizer.json"  # the same name as in a prepared data directory and a Hugging Face one
+JOB_SCRIPT = "job.sbatch"
+SLURM_JOBS_FILE = "slurm_jobs.jsonl"
+EVAL_DIR = "eval"
+PROFILE_DIR = "profile"
+TENSORBOARD_DIR = "tensorboard"
+LOCK_FILE = ".kforge-lock"
+
+COMMIT_FILE = "kforge_commit.json"
+LATEST_FILE = "latest"
+TRAIN_STATE_FILE = "train_state.json"
+SUMMARY_FILE = "metadata.json"
+RANK_STATE_DIR = "train_state"
+DCP_METADATA = ".metadata"

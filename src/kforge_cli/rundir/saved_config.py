@@ -1,0 +1,256 @@
+"""A run's settings on disk: ``config.toml``, written once, and the changes accepted since.
+
+``RUN_DIR/config.toml`` holds the fully resolved settings of the command that started the
+run and is never rewritten. A later command that continues the run with other settings
+(``kforge resume RUN --train.max_steps=N``, ``kforge train --run-dir RUN --key=value``, either
+with ``--sbatch``) is checked first (:func:`continuation_issues`) and changes nothing when
+refused; once accepted, its changes are appended to ``RUN_DIR/config_changes.jsonl``, one
+JSON line per command::
+
+    {"time": "2026-01-02T03:04:05+00:00", "command": "kforge resume runs/x --train.max_steps=4",
+     "changes": {"train.max_steps": {"from": 2, "to": 4}}}
+
+The run's settings are ``config.toml`` with each line's changes applied in order
+(:func:`read_saved_config`); every reader of a run's settings goes through it. Imports no torch.
+"""
+
+from __future__ import annotations
+
+import copy
+import datetime as _dt
+import json
+import os
+import shlex
+import sys
+import tomllib
+from collections.abc import Callable
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from kforge_cli.errors import CheckpointError, ConfigIssue, InvalidInputError
+from kforge_cli.files import atomic_write, open_append
+from kforge_cli.rundir.checkpoints import newest_complete
+from kforge_cli.rundir.fingerprint import shaping_config, shaping_diff
+from kforge_cli.rundir.layout import RunDir
+
+if TYPE_CHECKING:  # the settings (pydantic) load where they are used: reading a run's raw config needs none
+    from kforge_cli.settings.job import JobSettings
+
+# Keys that belong to one command, not to the run: where the run lives now (it may have been
+# moved) and whether this command resumes. They are never recorded as changes.
+PER_COMMAND_KEYS = frozenset({"train.run_dir", "checkpoint.resume"})
+
+Change = tuple[str, Any, Any]  # (dotted key, the run's value, the new value)
+
+
+def read_saved_config(run_dir: Path, *, missing_ok: bool = False) -> dict[str, Any]:
+    """The run's settings as a dict: RUN_DIR/config.toml plus every accepted change, in order.
+
+    A missing or unreadable file is a clear error, or ``{}`` with ``missing_ok`` (readers that
+    fall back to something else, e.g. a checkpoint's own shaping record).
+    """
+    run = RunDir(run_dir)
+    try:
+        if run.config.is_symlink():
+            raise CheckpointError(f"{run.config} is a symbolic link; a run's config.toml must be the file itself")
+        if not run.config.is_file():
+            raise CheckpointError(
+                f"{run.config} not found: {run.path} is not a kforge run directory "
+                f"(kforge train writes {run.config.name} there)"
+            )
+        try:
+            raw = tomllib.loads(run.config.read_text())
+        except (OSError, UnicodeDecodeError, tomllib.TOMLDecodeError) as exc:
+            raise CheckpointError(f"{run.config} is not valid TOML ({exc})") from None
+        return apply_changes(raw, read_changes(run.path))
+    except InvalidInputError:
+        if missing_ok:
+            return {}
+        raise
+
+
+def read_changes(run_dir: Path) -> list[dict[str, Any]]:
+    """The records of RUN_DIR/config_changes.jsonl, oldest first ([] when there is none).
+
+    A torn last line (a process killed while appending) is a change that was never
+    recorded and is skipped; any other unreadable line is an error naming the file and line.
+    """
+    path = RunDir(run_dir).config_changes
+    try:
+        lines = path.read_text(encoding="utf-8").splitlines()
+    except FileNotFoundError:
+        return []
+    except (OSError, UnicodeDecodeError) as exc:
+        raise InvalidInputError(f"{path} is unreadable ({exc}); move it away to use config.toml alone") from None
+    records = []
+    for number, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+        except ValueError:
+            if number == len(lines):
+                continue
+            raise InvalidInputError(f"{path}:{number} is not a JSON object (a damaged line)") from None
+        if not isinstance(record, dict) or not isinstance(record.get("changes"), dict):
+            raise InvalidInputError(f"{path}:{number} has no 'changes' object")
+        records.append(record)
+    return records
+
+
+def apply_changes(raw: dict[str, Any], records: list[dict[str, Any]]) -> dict[str, Any]:
+    """`raw` (a config.toml as a dict) with each record's ``to`` values set, in order."""
+    out = copy.deepcopy(raw)
+    for record in records:
+        for key, change in record["changes"].items():
+            if isinstance(change, dict) and "to" in change:
+                _set(out, key, change["to"])
+    return out
+
+
+def _set(data: dict[str, Any], dotted: str, value: Any) -> None:
+    *parents, leaf = dotted.split(".")
+    node = data
+    for part in parents:
+        child = node.get(part)
+        if not isinstance(child, dict):
+            child = node[part] = {}
+        node = child
+    node[leaf] = value
+
+
+def settings_changes(old: JobSettings, new: JobSettings) -> list[Change]:
+    """(key, old, new) for every setting that differs, at the shallowest level that differs, sorted.
+
+    A section switched on or off (``vlm``) is one change of the whole section. Keys of
+    :data:`PER_COMMAND_KEYS` are left out.
+    """
+    out: list[Change] = []
+    _diff(old.model_dump(mode="json"), new.model_dump(mode="json"), "", out)
+    return sorted((c for c in out if c[0] not in PER_COMMAND_KEYS), key=lambda c: c[0])
+
+
+def _diff(old: Any, new: Any, prefix: str, out: list[Change]) -> None:
+    if isinstance(old, dict) and isinstance(new, dict):
+        for key in sorted(set(old) | set(new)):
+            _diff(old.get(key), new.get(key), f"{prefix}{key}.", out)
+    elif old != new:
+        out.append((prefix.rstrip("."), old, new))
+
+
+def _data_order(settings: JobSettings) -> dict[str, Any]:
+    """What a checkpoint's data order was built from (engine.data.loader refuses a resume that changes it)."""
+    return {
+        "data.path": settings.data.path,
+        "data.datasets": [(d.name, d.path) for d in settings.data.datasets],
+        "train.seq_len": settings.train.seq_len,
+        "data seed": settings.data_seed,
+    }
+
+
+def has_checkpoint(run_dir: Path, settings: JobSettings) -> bool:
+    """True when the run has a complete checkpoint that a continuation would resume from."""
+    return newest_complete(RunDir(run_dir).checkpoint_root(settings))[0] is not None
+
+
+def continuation_issues(
+    saved: JobSettings,
+    new: JobSettings,
+    *,
+    checkpoint: bool,
+    source_of: Callable[[str], str] | None = None,
+) -> list[ConfigIssue]:
+    """Why `new` cannot continue the run whose settings are `saved` (empty: it can).
+
+    With a complete checkpoint (`checkpoint`), the model's shape and the data order must stay:
+    the checkpoint holds those weights and that position in that data. Each issue names the
+    run's value, the new one and (with `source_of`) where the new one came from.
+    """
+    if not checkpoint:
+        return []
+
+    def origin(key: str) -> str:
+        return f" [from {source_of(key)}]" if source_of is not None else ""
+
+    issues = [
+        ConfigIssue(key, f"{old!r} -> {new_value!r} would change the model's shape (the run has {old!r}){origin(key)}")
+        for key, old, new_value in shaping_diff(shaping_config(saved), shaping_config(new))
+    ]
+    before, after = _data_order(saved), _data_order(new)
+    for key in before:
+        if before[key] == after[key]:
+            continue
+        if key == "data seed":  # train.data_seed, or train.seed when that is unset
+            old, new_value = before[key], after[key]
+            key = "train.seed" if new.train.data_seed is None else "train.data_seed"
+        elif key == "data.datasets":
+            old, new_value = (
+                saved.data.model_dump(mode="json")["datasets"],
+                new.data.model_dump(mode="json")["datasets"],
+            )
+        else:
+            old, new_value = before[key], after[key]
+        issues.append(
+            ConfigIssue(
+                key,
+                f"{old!r} -> {new_value!r} would change the data order its checkpoint continues "
+                f"(the run has {old!r}){origin(key)}",
+            )
+        )
+    return issues
+
+
+def with_run_dir(settings: JobSettings, run_dir: Path) -> JobSettings:
+    """A copy of ``settings`` that names ``run_dir`` (what the run's config.toml records)."""
+    return settings.model_copy(update={"train": settings.train.model_copy(update={"run_dir": str(run_dir)})})
+
+
+def saved_settings(run_dir: Path) -> JobSettings:
+    """The run's settings (config.toml plus its accepted changes), validated; a clear error when they are not."""
+    from kforge_cli.settings.job import JobSettings
+
+    run = RunDir(run_dir)
+    try:
+        return JobSettings.model_validate(read_saved_config(run.path))
+    except InvalidInputError:
+        raise
+    except Exception as exc:  # pydantic's ValidationError: the file is the user's to fix
+        raise InvalidInputError(f"{run.config} does not load as kforge settings ({exc})") from None
+
+
+def write_or_record(settings: JobSettings, run_dir: Path, *, command: str | None = None) -> list[Change]:
+    """Write RUN_DIR/config.toml when the run starts; afterwards record what `settings` change.
+
+    On a new run the file takes the resolved settings (atomically, never through a planted
+    link) and nothing else is written. On an existing run config.toml stays as it is: the
+    settings that differ from the run's (config.toml plus earlier changes) are appended to
+    config_changes.jsonl. Returns those changes. Call it only once the command was accepted.
+    """
+    from kforge_cli.settings.explain import to_toml
+
+    run = RunDir(run_dir)
+    if not run.config.exists() or run.config.is_symlink():  # a planted link is replaced, never followed
+        atomic_write(run.config, to_toml(with_run_dir(settings, run.path)).encode())
+        return []
+    changes = settings_changes(saved_settings(run.path), settings)
+    if changes:
+        record_changes(run.path, changes, command=command)
+    return changes
+
+
+def record_changes(run_dir: Path, changes: list[Change], *, command: str | None = None) -> None:
+    """Append one record to RUN_DIR/config_changes.jsonl (flushed and synced: it is the run's record)."""
+    record = {
+        "time": _dt.datetime.now(_dt.UTC).isoformat(timespec="seconds"),
+        "command": command if command is not None else shlex.join(["kforge", *sys.argv[1:]]),
+        "changes": {key: {"from": old, "to": new} for key, old, new in changes},
+    }
+    with open_append(RunDir(run_dir).config_changes) as f:  # never through a planted link
+        f.write(json.dumps(record, sort_keys=True) + "\n")
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def describe_changes(changes: list[Change]) -> str:
+    """`key: old -> new; ...` (for log lines and messages)."""
+    return "; ".join(f"{key}: {old!r} -> {new!r}" for key, old, new in changes)
