@@ -9,6 +9,7 @@ stop-flag all-reduce on several processes.
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 from typing import Any
 
@@ -16,7 +17,7 @@ import pytest
 import torch
 
 from kforge_cli.engine.train import TrainHook, run_training
-from tests.helpers.host_reads import HostReads, ReadsPerStep
+from tests.helpers.host_reads import READS, HostReads, ReadsPerStep
 from tests.helpers.tiny_run import tiny_settings
 
 LOG_EVERY = 5
@@ -93,3 +94,52 @@ def test_steady_state_steps_do_not_sync_on_cuda(tmp_path: Path) -> None:
     finally:
         torch.cuda.set_sync_debug_mode("default")
     assert hook.checked == 2
+
+
+class _FakeDevice:
+    """A device that runs `per_step` seconds behind the host: every optimizer update queues that much
+    work, and it is waited for only at a device sync or when the host reads a value (as on a GPU)."""
+
+    def __init__(self, per_step: float) -> None:
+        self.per_step, self.pending, self.updates = per_step, 0.0, 0
+        self.waits_at: list[int] = []  # the update count at each explicit device sync
+
+    def queue(self) -> None:
+        self.updates += 1
+        self.pending += self.per_step
+
+    def drain(self) -> None:
+        if self.pending:
+            time.sleep(self.pending)
+            self.pending = 0.0
+
+    def sync(self, _device: torch.device) -> None:
+        self.waits_at.append(self.updates)
+        self.drain()
+
+
+def test_logged_throughput_waits_for_the_device_on_log_steps_only(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """tokens_per_sec and step_time_s include the device's pending work: the step clock stops at a
+    device sync on logging steps (and only there), not when the host has merely queued the work."""
+    from kforge_cli.engine.observe import read_metrics
+    from kforge_cli.engine.train import loop
+
+    fake = _FakeDevice(per_step=0.5)
+    update = loop.apply_update
+    monkeypatch.setattr(loop, "apply_update", lambda *a, **k: (update(*a, **k), fake.queue())[0])
+    monkeypatch.setattr(loop, "device_wait", fake.sync, raising=False)
+    for name in READS:  # a host read waits for the device, like a real GPU's
+        original = getattr(torch.Tensor, name)
+        monkeypatch.setattr(torch.Tensor, name, lambda t, *a, _f=original, **k: (fake.drain(), _f(t, *a, **k))[1])
+    run = tmp_path / "run"
+    overrides = [*RUN, "--train.max_steps=6", "--metrics.log_interval=3", "--resilience.nan_policy=warn"]
+    run_training(tiny_settings(*overrides, f"--train.run_dir={run}"))
+    logged = {r["step"]: r for r in read_metrics(run / "metrics.jsonl") if "tokens_per_sec" in r}
+    assert sorted(logged) == [1, 3, 6]
+    tokens_per_step = logged[1]["tokens_seen"]  # after step 1
+    for step, rec in logged.items():
+        assert rec["step_time_s"] >= 0.5, (step, rec)  # every step's 0.5 s of device work is in the clock
+        assert rec["tokens_per_sec"] <= tokens_per_step / 0.5, (step, rec)
+    assert fake.waits_at == [1, 3, 6]  # one sync per logging step, none on steps 2, 4, 5

@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.checkpoint import checkpoint
 
 from kforge_cli.engine.model import Transformer
-from kforge_cli.engine.model.moe import GroupedExperts, MoEFeedForward, finish_moe_step, grouped_mm_op, moe_aux_loss
+from kforge_cli.engine.model.moe import GroupedExperts, MoEFeedForward, finish_moe_step, moe_aux_loss
 from kforge_cli.errors import ConfigError
 from kforge_cli.settings import load_settings
 from kforge_cli.settings.training import ModelSettings
@@ -21,7 +22,6 @@ def tiny(**moe: object) -> ModelSettings:
     return ModelSettings(dim=32, n_layers=2, n_heads=4, vocab_size=64, max_seq_len=16, moe=base)
 
 
-@pytest.mark.skipif(grouped_mm_op() is None, reason="this torch has no grouped GEMM")
 def test_grouped_gemm_equals_per_expert_loop_forward_and_grads() -> None:
     torch.manual_seed(0)
     grouped = GroupedExperts(dim=32, hidden=16, num_experts=4, use_grouped_mm=True)
@@ -261,3 +261,42 @@ def test_plan_under_tensor_parallel_splits_the_shared_experts_only() -> None:
     assert "MoE x TP: shared experts split over them, router and routed experts whole on each of the tp = 2" in notes
     # activation estimate: top_k routed experts whole + the shared expert's half, per TP rank
     assert active_ffn_hidden(m, 2) == moe.top_k * hidden + hidden // 2
+
+
+class _GroupedGemmDtypes(TorchDispatchMode):
+    """Records the dtypes of every grouped GEMM's two operands (forward and backward)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.seen: list[tuple[torch.dtype, torch.dtype]] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        if getattr(func, "overloadpacket", None) is torch.ops.aten._grouped_mm:
+            self.seen.append((args[0].dtype, args[1].dtype))
+        return func(*args, **(kwargs or {}))
+
+
+def test_under_cpu_bf16_autocast_experts_run_bf16_grouped_gemms_and_the_router_fp32_logits() -> None:
+    """One process with train.dtype = bf16 runs under autocast with an fp32 residual stream: the
+    routed experts must still take bf16 grouped GEMMs (autocast has no rule for them; fp32 is
+    torch's slow fallback on GPU), and the router's logits must stay fp32 (F.linear's autocast
+    rule would make them bf16)."""
+    torch.manual_seed(0)
+    model = Transformer(tiny(z_loss_weight=1e-3))
+    model.init_weights()
+    logits: list[torch.dtype] = []
+    for layer in (m for m in model.modules() if isinstance(m, MoEFeedForward)):
+        layer.router.register_forward_hook(lambda _m, _i, out: logits.append(out.logits.dtype))
+    tokens = torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(0))
+    with _GroupedGemmDtypes() as gemms:
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            loss = model(tokens).float().logsumexp(-1).mean()
+            aux = moe_aux_loss(model)
+            assert aux is not None
+            loss = loss + aux
+        loss.backward()
+    assert logits == [torch.float32, torch.float32]  # both MoE layers' routers
+    assert len(gemms.seen) >= 2 * 3 * 3  # 2 layers x 3 GEMMs forward, and their input/weight gradients
+    assert set(gemms.seen) == {(torch.bfloat16, torch.bfloat16)}, gemms.seen
+    grads = [p.grad for p in model.parameters()]
+    assert all(g is not None and g.dtype == torch.float32 and torch.isfinite(g).all() for g in grads)

@@ -19,7 +19,7 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from kforge_cli.engine.model import Transformer
-from kforge_cli.engine.model.moe import MoEFeedForward, finish_moe_step, grouped_mm_op, moe_aux_loss
+from kforge_cli.engine.model.moe import MoEFeedForward, finish_moe_step, moe_aux_loss
 from kforge_cli.engine.parallel import build_parallel_model
 from kforge_cli.engine.parallel.activation_checkpoint import apply_activation_checkpointing
 from kforge_cli.engine.parallel.float8 import float8_filter
@@ -140,7 +140,6 @@ def _backward_grouped_gemms(ac: list[str]) -> tuple[int, dict[str, torch.Tensor]
     return counter.count, {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
 
 
-@pytest.mark.skipif(grouped_mm_op() is None, reason="this torch has no grouped GEMM")
 def test_selective_op_ac_saves_grouped_gemms_and_keeps_no_ac_gradients() -> None:
     none, want = _backward_grouped_gemms([])
     full, full_grads = _backward_grouped_gemms(["--train.activation_checkpointing=full"])
@@ -188,7 +187,6 @@ def test_float8_swap_of_an_moe_model_keeps_router_and_experts() -> None:
     assert type(model.get_submodule("layers.1.feed_forward.shared_experts.w1")) is not nn.Linear
 
 
-@pytest.mark.skipif(grouped_mm_op() is None, reason="this torch has no grouped GEMM")
 def test_compiled_grouped_experts_take_a_run_time_empty_input() -> None:
     """bf16 grouped GEMM traced with a data-dependent row count that turns out 0 at run time
     (an EP rank whose experts got no token): forward and backward run, gradients are zero.

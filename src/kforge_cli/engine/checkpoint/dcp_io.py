@@ -9,7 +9,7 @@ pipeline split (one directory per stage) loads into another, or into no pipeline
 Throughput: a save writes one shard file per writer thread (``checkpoint.write_threads``),
 so serialisation (torch.save's CRC and framing) overlaps the disk, and every file is
 fsynced before ``.metadata`` names it. A load reads a rank's items on several threads
-(``checkpoint.load_threads``). Async saves stage through one :class:`ReusableStager`
+(``checkpoint.load_threads``). Async saves stage through one ``staging.HostStager``
 whose host buffers are allocated at the first save and refilled in place afterwards.
 """
 
@@ -32,7 +32,6 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.filesystem import FileSystemWriter
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 from torch.distributed.checkpoint.planner import LoadPlan, LoadPlanner
-from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_model_state_dict,
@@ -69,30 +68,6 @@ def shard_writer(path: Path, cfg: CheckpointSettings) -> FileSystemWriter:
         per_thread_copy_ahead=cfg.copy_ahead_mb * MB,
         cache_staged_state_dict=False,
     )
-
-
-class ReusableStager(DefaultStager):
-    """Async-save staging into host buffers allocated once and refilled by every later save.
-
-    torch's ``StateDictStager`` keeps one host storage per source storage (weakly keyed), so
-    the second and later saves copy into the same memory instead of allocating ~one state's
-    worth again. `pinned` (async_with_pinned_mem, with CUDA): the buffers are pinned and the
-    copy is non-blocking then synced; otherwise they are ordinary host memory. The manager stages only after the previous save
-    finished writing, so this is the one staged copy that ever exists.
-    """
-
-    def __init__(self, pinned: bool) -> None:
-        pin = pinned and torch.cuda.is_available()
-        options = StagingOptions(
-            use_pinned_memory=pin, use_shared_memory=False, use_async_staging=False, use_non_blocking_copy=pin
-        )
-        super().__init__(options)
-
-    @property
-    def nbytes(self) -> int:
-        """Bytes of host memory the staging buffers hold now."""
-        cache = self._state_dict_stager._cached_storage_mapping
-        return sum(storage.nbytes() for _, storage in cache.items())
 
 
 class ParallelReader(SafeFileSystemReader):

@@ -7,7 +7,7 @@ writes ``kforge_commit.json``, swaps ``latest`` and applies retention. A process
 at any moment leaves either a complete checkpoint or a directory resume skips.
 At most one save is in flight: a new save first waits for the previous one (the wait is
 logged and recorded), so the async staging buffers (allocated once, see
-``dcp_io.ReusableStager``) are never refilled while they are being written.
+``staging.HostStager``) are never refilled while they are being written.
 Every save ends in one metrics record (``report``: bytes, seconds, MB/s, loop blocked).
 """
 
@@ -26,7 +26,6 @@ import torch
 from torch.distributed.checkpoint.state_dict_saver import AsyncSaveResponse, async_save, save
 
 from kforge_cli.engine.checkpoint.dcp_io import (
-    ReusableStager,
     quiet_single_process,
     shard_writer,
     state_nbytes,
@@ -36,6 +35,7 @@ from kforge_cli.engine.checkpoint.disk_full import disk_full_explained
 from kforge_cli.engine.checkpoint.groups import CheckpointGroups
 from kforge_cli.engine.checkpoint.resolve import data_phase, freeze_config
 from kforge_cli.engine.checkpoint.restore import CheckpointedState, HFLoader, Restored, RunParts, restore_run
+from kforge_cli.engine.checkpoint.staging import HostStager
 from kforge_cli.engine.checkpoint.train_state import FORMAT, write_rank_state
 from kforge_cli.engine.model.names import clean_param_name
 from kforge_cli.engine.model.vlm.freeze import freeze_record
@@ -120,7 +120,7 @@ class CheckpointManager:
         self._pending: _Pending | None = None
         if self.cfg.async_mode == "async_with_pinned_mem" and not torch.cuda.is_available():
             log.info("checkpoint.async_mode = async_with_pinned_mem without CUDA: staging in ordinary memory")
-        self._stager: ReusableStager | None = None  # built at the first async save, reused after
+        self._stager: HostStager | None = None  # built at the first async save, reused after
         self.report: Callable[[dict[str, Any]], None] | None = None  # receives SaveRecord.metrics() at commit
         if self.is_main:
             real_dir(self.root)  # never created or used through a planted link
@@ -200,11 +200,11 @@ class CheckpointManager:
         self.history.append(record)
         return step_dir
 
-    def _async_stager(self, nbytes: int) -> ReusableStager:
+    def _async_stager(self, nbytes: int) -> HostStager:
         """The one stager of this run; its buffers (one copy of this rank's state) are made at the first save."""
         if self._stager is None:
             pinned = self.cfg.async_mode == "async_with_pinned_mem" and torch.cuda.is_available()
-            self._stager = ReusableStager(pinned)
+            self._stager = HostStager(pinned)
             kind = "pinned host" if pinned else "host"
             log.info(
                 "async checkpoints stage into %.1f MB of %s memory per rank, allocated once and reused",
@@ -350,7 +350,7 @@ class CheckpointManager:
                 self._finish_on_close(p)
         finally:
             if self._stager is not None:
-                self._stager.close()  # drops the buffer cache; a write still running keeps its own references
+                self._stager.close()  # frees the buffers; a write still running keeps its own references
                 self._stager = None
 
     def _finish_on_close(self, p: _Pending) -> None:

@@ -228,6 +228,14 @@ def teardown_runtime(ctx: RuntimeContext) -> None:
             dist.destroy_process_group()
 
 
+def device_wait(device: torch.device) -> None:
+    """Block until `device` has finished the work queued on it (nothing to wait for on CPU)."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    elif device.type != "cpu":
+        torch.accelerator.synchronize(device)
+
+
 def all_reduce_sum(value: torch.Tensor, group: Any = None) -> torch.Tensor:
     """Sum a tensor over `group` in place (a no-op in a single process)."""
     if dist.is_available() and dist.is_initialized():

@@ -18,6 +18,7 @@ import torch
 
 from kforge_cli.engine.observe import mfu, peak_memory_stats
 from kforge_cli.engine.resilience import StopVote
+from kforge_cli.engine.runtime import device_wait
 from kforge_cli.engine.train.downstream import downstream_eval
 from kforge_cli.engine.train.evaluation import evaluate
 from kforge_cli.engine.train.session import StepInfo, TrainingSession
@@ -43,7 +44,13 @@ class TrainOutcome:
 
 
 class _Meter:
-    """Throughput over the steps since the last log line (excludes eval and logging time)."""
+    """Throughput over the steps since the last log line (excludes eval and logging time).
+
+    Each step is clocked from its start until its work is queued, and on a logging step until
+    the device has finished it (`device_wait`): the host runs ahead of the GPU on ordinary
+    steps, so the window's total reaches the point where all its device work is done, and
+    tokens_per_sec / mfu measure the device, not the queueing. Ordinary steps gain no sync.
+    """
 
     def __init__(self) -> None:
         self.reset()
@@ -164,6 +171,9 @@ def run_training_loop(session: TrainingSession) -> TrainOutcome:
         session.step_fn.after_update(session)
         state.step = step
         state.tokens_seen += session.tokens_per_step
+        log_now = step % s.metrics.log_interval == 0 or step == s.train.max_steps or step == 1
+        if log_now:
+            device_wait(device)  # the clock stops when the device has done the window's work (see _Meter)
         elapsed = time.perf_counter() - t0
         meter.add(session.tokens_per_step, elapsed)
         session.profiler.step(step)
@@ -171,7 +181,7 @@ def run_training_loop(session: TrainingSession) -> TrainOutcome:
         info = StepInfo(
             step=step, lr=lr, tokens_seen=state.tokens_seen, step_time_s=elapsed, result=result, skipped_flag=skipped
         )
-        if step % s.metrics.log_interval == 0 or step == s.train.max_steps or step == 1:
+        if log_now:
             _log_step(session, info, meter)
         session.hooks.on_step_end(session, info)
         if s.eval.interval and step % s.eval.interval == 0:

@@ -1,7 +1,7 @@
 """engine.model.moe: Mixture-of-Experts feed-forward layers, router, grouped-GEMM experts, balancing."""
 
 from kforge_cli.engine.model.moe.balancing import finish_moe_step, moe_aux_loss, moe_layers
-from kforge_cli.engine.model.moe.experts import GroupedExperts, expert_loop, grouped_mm_op
+from kforge_cli.engine.model.moe.experts import GroupedExperts, expert_loop
 from kforge_cli.engine.model.moe.layer import MoEFeedForward
 from kforge_cli.engine.model.moe.router import Routing, TopKRouter
 
@@ -12,7 +12,6 @@ __all__ = [
     "TopKRouter",
     "expert_loop",
     "finish_moe_step",
-    "grouped_mm_op",
     "moe_aux_loss",
     "moe_layers",
 ]

@@ -1,4 +1,4 @@
-"""Top-k token-choice router, scored in fp32.
+"""Top-k token-choice router, scored in fp32 (under autocast too: the logits are computed with it off).
 
 The router decides *which* experts a token goes to from ``score + expert_bias``
 (aux-loss-free balancing moves only the choice), and *how much* each chosen expert
@@ -48,7 +48,8 @@ class TopKRouter(nn.Module):
     def forward(self, x: torch.Tensor, expert_bias: torch.Tensor | None) -> Routing:
         """``x`` ``[N, D]`` -> :class:`Routing`; ``expert_bias`` ``[E]`` shifts selection only."""
         cfg = self.cfg
-        logits = F.linear(x.float(), self.gate.weight.float())
+        with torch.autocast(x.device.type, enabled=False):  # F.linear has an autocast rule: keep fp32
+            logits = F.linear(x.float(), self.gate.weight.float())
         scores = torch.sigmoid(logits) if cfg.score_func == "sigmoid" else torch.softmax(logits, dim=-1)
         choice = scores.detach() if expert_bias is None else scores.detach() + expert_bias.float()
         if cfg.n_groups > 1:
