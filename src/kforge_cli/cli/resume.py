@@ -7,7 +7,7 @@ from typing import TYPE_CHECKING, Annotated
 
 import typer
 
-from kforge_cli.cli.options import OVERRIDES, SbatchOpt, SubmitOpt, print_warnings
+from kforge_cli.cli.options import OVERRIDES, AllowHooksOpt, SbatchOpt, SubmitOpt, print_warnings
 
 if TYPE_CHECKING:
     from kforge_cli.settings import JobSettings, ResolvedSettings
@@ -22,13 +22,14 @@ def resume(
     run_dir: Annotated[Path, typer.Argument(help="The run directory to continue (holds config.toml).")],
     sbatch: SbatchOpt = False,
     submit: SubmitOpt = False,
+    allow_hooks: AllowHooksOpt = None,
 ) -> None:
     """Resume RUN_DIR from its latest complete checkpoint using its saved config.toml.
 
     Overrides that do not change the model's shape are allowed
     (e.g. --train.max_steps=20000); ones that do are refused (exit 2).
     """
-    resolved = resolve_resume(run_dir, list(ctx.args))
+    resolved = resolve_resume(run_dir, list(ctx.args), allow_hooks)
     done = _already_done(resolved.settings)
     if done is not None:
         typer.echo(done, err=True)
@@ -60,11 +61,12 @@ def _already_done(settings: JobSettings) -> str | None:
     )
 
 
-def resolve_resume(run_dir: Path, overrides: list[str]) -> ResolvedSettings:
+def resolve_resume(run_dir: Path, overrides: list[str], allow_hooks: list[str] | None = None) -> ResolvedSettings:
     """The run's saved settings plus `overrides`; refuses overrides that change the model's shape.
 
     Without an explicit ``--checkpoint.resume`` the run must have a complete checkpoint
-    (``require``): resuming nothing would silently start over.
+    (``require``): resuming nothing would silently start over. Hooks the saved config names
+    are refused unless `allow_hooks` lists their modules (``settings.hook_policy``).
     """
     from kforge_cli.engine.checkpoint.fingerprint import shaping_config, shaping_diff
     from kforge_cli.engine.checkpoint.run_config import CONFIG_FILE, read_saved_config
@@ -91,11 +93,7 @@ def resolve_resume(run_dir: Path, overrides: list[str]) -> ResolvedSettings:
             header=f"cannot resume {run_dir}: overrides change the model's shape; drop them, or start a new run "
             f"from its weights with --checkpoint.init_from={run_dir}",
         )
-    hooks = resolved.settings.train.hooks
-    if hooks:  # code named by a file on disk: say so before anything of it is imported
-        typer.echo(
-            f"kforge resume: {run_dir / CONFIG_FILE} names train.hooks, which will be imported and run: "
-            + ", ".join(hooks),
-            err=True,
-        )
+    from kforge_cli.settings.hook_policy import refuse_unallowed_hooks
+
+    refuse_unallowed_hooks(resolved, allow_hooks, "kforge resume")  # code named by a file: only when allowed
     return resolved

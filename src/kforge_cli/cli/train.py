@@ -7,7 +7,16 @@ from typing import Annotated, Any
 
 import typer
 
-from kforge_cli.cli.options import OVERRIDES, ConfigOpt, ProfileOpt, RunDirOpt, SbatchOpt, SubmitOpt, resolve
+from kforge_cli.cli.options import (
+    OVERRIDES,
+    AllowHooksOpt,
+    ConfigOpt,
+    ProfileOpt,
+    RunDirOpt,
+    SbatchOpt,
+    SubmitOpt,
+    resolve,
+)
 
 
 def register(app: typer.Typer) -> None:
@@ -27,6 +36,7 @@ def train(
     ] = None,
     sbatch: SbatchOpt = False,
     submit: SubmitOpt = False,
+    allow_hooks: AllowHooksOpt = None,
 ) -> None:
     """Train a model. With no arguments: the cpu-debug profile on the built-in corpus.
 
@@ -38,12 +48,16 @@ def train(
     if run_dir is not None:
         overrides.append(f"--train.run_dir={run_dir}")
     resolved = resolve(profile, config, overrides, for_run=True)
+    from kforge_cli.settings.hook_policy import allow_flag, refuse_unallowed_hooks
+
+    refuse_unallowed_hooks(resolved, allow_hooks, "kforge train")  # before anything of them is imported
     if sbatch or submit:  # --submit implies --sbatch
         from kforge_cli.slurm import sbatch_from_cli
 
         raise typer.Exit(sbatch_from_cli(resolved.settings, submit=submit))
     if nproc_per_node is not None:
-        raise typer.Exit(_launch_local(resolved, nproc_per_node, profile, config, overrides))
+        child_overrides = [*allow_flag(resolved.settings.train.hooks), *overrides]  # allowed above
+        raise typer.Exit(_launch_local(resolved, nproc_per_node, profile, config, child_overrides))
     from kforge_cli.cli.outcome import train_and_exit
 
     raise typer.Exit(train_and_exit(resolved.settings))

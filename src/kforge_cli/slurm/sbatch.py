@@ -11,11 +11,13 @@ from __future__ import annotations
 
 import re
 import shlex
+from collections.abc import Sequence
 from pathlib import Path
 
 from kforge_cli import __version__
 from kforge_cli.errors import ConfigError, ConfigIssue, InvalidInputError
 from kforge_cli.settings import JobSettings
+from kforge_cli.settings.hook_policy import allow_flag
 from kforge_cli.settings.infrastructure import SlurmSettings
 from kforge_cli.settings.section import control_character
 from kforge_cli.slurm.template import fill, find_template, placeholders
@@ -197,14 +199,17 @@ def task_python(slurm: SlurmSettings, default: str) -> str:
     return "python" if setup_lines(slurm) else default
 
 
-def train_command(run_dir: Path, python: str) -> list[str]:
+def train_command(run_dir: Path, python: str, hooks: Sequence[str] = ()) -> list[str]:
     """What every task runs: `kforge train` on the run's saved config, in the run dir (so it auto-resumes).
 
     The saved config is passed as the *profile* (a .toml path), not `--config`: it then replaces
     the default profile instead of being layered on it, so a key left unset (None) in the run
-    cannot pick up a value from the default profile.
+    cannot pick up a value from the default profile. ``hooks`` (allowed when the script was
+    written) are named in ``--allow-hooks``: a config.toml edited later to name other modules
+    is refused by the job instead of importing them.
     """
-    return [python, "-m", "kforge_cli", "train", "--profile", str(run_dir / CONFIG_FILE), "--run-dir", str(run_dir)]
+    command = [python, "-m", "kforge_cli", "train", "--profile", str(run_dir / CONFIG_FILE), "--run-dir", str(run_dir)]
+    return command + allow_flag(hooks)
 
 
 def _unsafe_paths(run_dir: Path, python: str, workdir: Path) -> list[ConfigIssue]:
@@ -237,6 +242,6 @@ def render_sbatch(settings: JobSettings, run_dir: Path, *, python: str, workdir:
         "env_exports": "\n".join(env_exports(settings.slurm)),
         "setup": _setup_block(settings.slurm),
         "cpus_per_task": str(settings.slurm.cpus_per_task),
-        "command": shlex.join(train_command(run_dir, python)),
+        "command": shlex.join(train_command(run_dir, python, settings.train.hooks)),
     }
     return fill(template.read_text(), values, template)
