@@ -123,3 +123,48 @@ def test_python_m_kforge_cli_does_not_import_from_the_working_directory(tmp_path
     r = subprocess.run([*cmd, *TINY], cwd=work, env=env, capture_output=True, text=True, timeout=300)
     assert r.returncode == 2 and "cannot import module 'evilhooks'" in r.stderr, r.stderr[-2000:]
     assert not marker.exists()
+
+
+@pytest.fixture
+def elsewhere(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """A working directory (a colleague's project) with its own ./profiles, no KFORGE_* variables."""
+    work = tmp_path / "project"
+    (work / "profiles").mkdir(parents=True)
+    monkeypatch.chdir(work)
+    for key in [k for k in os.environ if k.startswith("KFORGE_")]:
+        monkeypatch.delenv(key)
+    return work
+
+
+@pytest.mark.parametrize("name", ["cpu-debug", "h100x8"])  # the default one, and one a shipped profile extends
+def test_a_local_profile_shadowing_a_shipped_one_is_refused(
+    elsewhere: Path, name: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    planted = elsewhere / "profiles" / f"{name}.toml"
+    planted.write_text('[checkpoint]\ndir = "/tmp/somewhere-else"\n')
+    args = ["validate-config"] if name == "cpu-debug" else ["validate-config", "--profile", "h100x64"]
+    code, _, err = run_cli(args, capsys)
+    assert code == 2 and "Traceback" not in err, err
+    assert f"{planted}" in err and "would silently replace it" in err and f"--profile {planted}" in err
+    code, _, err = run_cli(["validate-config", "--profile", str(planted)], capsys)  # by path: deliberate
+    assert code in (0, 2) and "would silently replace" not in err, err
+
+
+def test_every_resolution_says_where_each_profile_file_came_from(
+    elsewhere: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from kforge_cli.settings.profiles import find_profile
+
+    mine = elsewhere / "profiles" / "mine.toml"
+    mine.write_text('extends = "cpu-debug"\n[train]\nmax_steps = 7\n')
+    code, _, err = run_cli(["validate-config", "--profile", "mine"], capsys)
+    assert code == 0, err
+    shipped = find_profile("cpu-debug")
+    assert f"profile mine: {mine} (./profiles)" in err and f"extends cpu-debug: {shipped} (shipped)" in err
+    site = tmp_path / "site"  # the user's own $KFORGE_PROFILE_PATH may shadow one, loudly
+    site.mkdir()
+    (site / "cpu-debug.toml").write_text("[train]\nmax_steps = 5\n")
+    monkeypatch.setenv("KFORGE_PROFILE_PATH", str(site))
+    code, _, err = run_cli(["validate-config"], capsys)
+    assert code == 0, err
+    assert f"warning: profile: {site / 'cpu-debug.toml'} from $KFORGE_PROFILE_PATH SHADOWS the shipped" in err

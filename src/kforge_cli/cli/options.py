@@ -41,6 +41,8 @@ def resolve(profile: str | None, config: Path | None, overrides: list[str], **kw
     from kforge_cli.settings import load_settings
 
     resolved = load_settings(profile=profile, config=config, overrides=overrides, **kwargs)
+    for line in resolved.profile_origin():  # every run says which files its profile came from
+        echo_err(line)
     print_warnings(resolved)
     return resolved
 
