@@ -9,7 +9,6 @@ directory it names, else the byte tokenizer.
 
 from __future__ import annotations
 
-import shutil
 import tomllib
 from pathlib import Path
 from typing import Any
@@ -17,6 +16,7 @@ from typing import Any
 from kforge_cli.engine.data.shards import load_prepared
 from kforge_cli.engine.data.tokenizer import ByteTokenizer, HFTokenizer, load_tokenizer
 from kforge_cli.errors import InvalidInputError
+from kforge_cli.files import copy_file_atomic
 from kforge_cli.settings.data import DataSettings
 
 RUN_TOKENIZER = "tokenizer.json"
@@ -44,9 +44,7 @@ def record_run_tokenizer(data: DataSettings, run_dir: Path) -> Path | None:
     target = run_dir / RUN_TOKENIZER
     if target.is_symlink():
         raise InvalidInputError(f"{target} is a symlink; kforge does not write through links in a run directory")
-    tmp = target.with_suffix(".json.tmp")
-    shutil.copyfile(source.root / RUN_TOKENIZER, tmp)
-    tmp.replace(target)
+    copy_file_atomic(source.root / RUN_TOKENIZER, target)  # unique temp, never through a planted link
     return target
 
 
