@@ -161,6 +161,42 @@ def _open_read(path: Path) -> int:
         raise
 
 
+def output_dir(path: Path | str, what: str) -> Path:
+    """An output directory argument, absolute but not resolved: a symbolic link there is refused.
+
+    Resolving it would write (and, when replacing, delete) wherever the link points.
+    """
+    out = Path(os.path.abspath(Path(path).expanduser()))
+    if out.is_symlink():
+        raise _refuse(out, f"{what} directory")
+    if out.exists() and not out.is_dir():
+        raise InvalidInputError(f"{out} is a file, not a directory: choose another {what} directory")
+    return out
+
+
+def private_dir_beside(out: Path) -> Path:
+    """A new, private (0700), unpredictably named directory next to `out`: nothing can be planted in it."""
+    out.parent.mkdir(parents=True, exist_ok=True)
+    return Path(tempfile.mkdtemp(prefix=f".{out.name}.partial-", dir=out.parent))
+
+
+def swap_in(tmp: Path, out: Path) -> None:
+    """Publish the finished directory `tmp` at `out`; an existing `out` (already checked) is moved aside, then removed.
+
+    `tmp` (from :func:`private_dir_beside`) gets the permissions a plain ``mkdir`` would have given it.
+    """
+    mask = os.umask(0)
+    os.umask(mask)
+    tmp.chmod(0o777 & ~mask)
+    if not out.exists():
+        tmp.rename(out)
+        return
+    old = out.with_name(f".{out.name}.old-{secrets.token_hex(6)}")
+    out.rename(old)
+    tmp.rename(out)
+    shutil.rmtree(old, ignore_errors=True)
+
+
 def fsync_dir(path: Path) -> None:
     """Make a rename/creation inside `path` durable (a no-op where directories cannot be opened)."""
     try:
