@@ -13,6 +13,10 @@ from __future__ import annotations
 
 import errno
 import os
+import secrets
+import shutil
+import tempfile
+from collections.abc import Callable
 from pathlib import Path
 from typing import IO
 
@@ -76,18 +80,26 @@ def open_append(path: Path, encoding: str = "utf-8") -> IO[str]:
     return os.fdopen(fd, "a", encoding=encoding)
 
 
+def _unique_temp(path: Path) -> tuple[Path, int]:
+    """A new file next to `path` under a name nobody can predict, created exclusively: (its path, an fd)."""
+    for _ in range(100):
+        tmp = path.with_name(f".{path.name}.{os.getpid()}.{secrets.token_hex(6)}.tmp")
+        try:
+            return tmp, _open_fd(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL)
+        except FileExistsError:
+            continue
+    raise InvalidInputError(f"cannot create a temporary file next to {path}: every name tried exists")
+
+
 def atomic_write(path: Path, data: bytes, mode: int | None = None) -> None:
     """Write `data` to `path` via a fresh temporary file, fsync and rename: readers see all or nothing.
 
-    The temporary file is created exclusively (a file or link already at its name is
-    removed first and never written through); the rename replaces `path` itself, so a link
-    at `path` is replaced, not followed.
+    The temporary file has an unpredictable name and is created exclusively (nothing
+    planted can be at its name); the rename replaces `path` itself, so a link at `path`
+    is replaced, not followed.
     """
     path = Path(path)
-    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
-    if tmp.is_symlink() or tmp.exists():
-        tmp.unlink()
-    fd = _open_fd(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL)
+    tmp, fd = _unique_temp(path)
     try:
         with os.fdopen(fd, "wb") as f:
             f.write(data)
@@ -100,6 +112,89 @@ def atomic_write(path: Path, data: bytes, mode: int | None = None) -> None:
         tmp.unlink(missing_ok=True)
         raise
     fsync_dir(path.parent)
+
+
+def atomic_write_via(path: Path, write: Callable[[Path], object], mode: int | None = 0o644) -> None:
+    """Let `write(tmp)` produce a file a library writes by name (matplotlib, the profiler, safetensors,
+    a copy), then move it onto `path` atomically.
+
+    ``tmp`` lies in a private directory kforge has just created next to `path` (mode 0700,
+    unpredictable name), so nothing can be planted at it; a link at `path` is replaced, not followed.
+    """
+    path = Path(path)
+    private = Path(tempfile.mkdtemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent))
+    tmp = private / path.name
+    try:
+        write(tmp)
+        if tmp.is_symlink() or not tmp.is_file():
+            raise InvalidInputError(f"writing {path} produced no regular file")
+        with open(tmp, "rb") as f:
+            os.fsync(f.fileno())
+        if mode is not None:
+            os.chmod(tmp, mode)
+        os.replace(tmp, path)
+    finally:
+        shutil.rmtree(private, ignore_errors=True)
+    fsync_dir(path.parent)
+
+
+def copy_file_atomic(source: Path, path: Path, max_bytes: int | None = None) -> None:
+    """Copy the regular file `source` to `path` through :func:`atomic_write` (a link at either end is refused)."""
+    source = Path(source)
+    if source.is_symlink() or not source.is_file():
+        raise InvalidInputError(f"{source} is not a regular file (a link or something else); refusing to copy it")
+    size = source.stat().st_size
+    if max_bytes is not None and size > max_bytes:
+        raise InvalidInputError(f"{source} is {size} bytes, more than the {max_bytes} kforge copies")
+    fd = _open_read(source)
+    with os.fdopen(fd, "rb") as f:
+        data = f.read(size + 1 if max_bytes is None else max_bytes + 1)
+    atomic_write(path, data)
+
+
+def _open_read(path: Path) -> int:
+    try:
+        return os.open(path, os.O_RDONLY | _NOFOLLOW | _CLOEXEC | getattr(os, "O_NONBLOCK", 0))
+    except OSError as exc:
+        if exc.errno in (errno.ELOOP, errno.EMLINK):
+            raise InvalidInputError(f"{path} is a symbolic link; refusing to read through it") from None
+        raise
+
+
+def output_dir(path: Path | str, what: str) -> Path:
+    """An output directory argument, absolute but not resolved: a symbolic link there is refused.
+
+    Resolving it would write (and, when replacing, delete) wherever the link points.
+    """
+    out = Path(os.path.abspath(Path(path).expanduser()))
+    if out.is_symlink():
+        raise _refuse(out, f"{what} directory")
+    if out.exists() and not out.is_dir():
+        raise InvalidInputError(f"{out} is a file, not a directory: choose another {what} directory")
+    return out
+
+
+def private_dir_beside(out: Path) -> Path:
+    """A new, private (0700), unpredictably named directory next to `out`: nothing can be planted in it."""
+    out.parent.mkdir(parents=True, exist_ok=True)
+    return Path(tempfile.mkdtemp(prefix=f".{out.name}.partial-", dir=out.parent))
+
+
+def swap_in(tmp: Path, out: Path) -> None:
+    """Publish the finished directory `tmp` at `out`; an existing `out` (already checked) is moved aside, then removed.
+
+    `tmp` (from :func:`private_dir_beside`) gets the permissions a plain ``mkdir`` would have given it.
+    """
+    mask = os.umask(0)
+    os.umask(mask)
+    tmp.chmod(0o777 & ~mask)
+    if not out.exists():
+        tmp.rename(out)
+        return
+    old = out.with_name(f".{out.name}.old-{secrets.token_hex(6)}")
+    out.rename(old)
+    tmp.rename(out)
+    shutil.rmtree(old, ignore_errors=True)
 
 
 def fsync_dir(path: Path) -> None:

@@ -104,8 +104,13 @@ def test_export_will_not_overwrite_by_accident(tmp_path: Path) -> None:
     with pytest.raises(CheckpointError, match="--overwrite"):
         export_hf(saved.steps[1], tmp_path / "hf")
     assert (tmp_path / "hf" / "keep.txt").read_text() == "mine"
-    export_hf(saved.steps[1], tmp_path / "hf", overwrite=True)
-    assert sorted(p.name for p in (tmp_path / "hf").iterdir()) == ["config.json", "model.safetensors"]
+    with pytest.raises(CheckpointError, match="refusing to overwrite"):  # not an earlier export: never replaced
+        export_hf(saved.steps[1], tmp_path / "hf", overwrite=True)
+    assert (tmp_path / "hf" / "keep.txt").read_text() == "mine"
+    export_hf(saved.steps[1], tmp_path / "hf2")
+    export_hf(saved.steps[1], tmp_path / "hf2", overwrite=True)  # an earlier export is
+    names = ["config.json", "kforge_export.json", "model.safetensors"]
+    assert sorted(p.name for p in (tmp_path / "hf2").iterdir()) == names
 
 
 def make_hf_llama(path: Path, *, tied: bool, seed: int = 0) -> torch.nn.Module:

@@ -112,8 +112,10 @@ def test_hooks_are_type_checked_before_instantiation_and_resume_names_them(
             load_hook(spec, settings)
     saved = load_settings(overrides=['--train.hooks=["evil.module:Payload"]'], use_env=False).settings
     (tmp_path / "config.toml").write_text(to_toml(saved))
-    resolve_resume(tmp_path, ["--checkpoint.resume=auto"])  # no checkpoint here: nothing to require
-    assert "train.hooks, which will be imported and run: evil.module:Payload" in capsys.readouterr().err
+    with pytest.raises(KforgeError, match=r"imported and run: evil\.module:Payload.*--allow-hooks=evil\.module"):
+        resolve_resume(
+            tmp_path, ["--checkpoint.resume=auto"]
+        )  # refused unless allowed (tests/unit/test_hostile_foreign_code.py)
 
 
 def test_a_symlinked_checkpoints_root_is_refused_before_anything_is_read_written_or_deleted(

@@ -253,7 +253,7 @@ def test_submit_without_sbatch_is_a_clear_error_naming_the_script(
     code, out, err = run_cli(["train", "--sbatch", "--submit", "--run-dir", str(tmp_path / "run")], capsys)
     script = tmp_path / "run" / "job.sbatch"
     assert code == 1 and out == ""
-    assert err.strip() == (
+    assert err.strip().splitlines()[-1] == (
         f"error: cannot submit: 'sbatch' not found on PATH (not a SLURM login node?); "
         f"the script is {script}: submit it with `sbatch {script}` where SLURM is available"
     )

@@ -26,6 +26,14 @@ SbatchOpt = Annotated[
     bool, typer.Option("--sbatch", help="Write RUN_DIR/job.sbatch for SLURM and print it instead of training.")
 ]
 SubmitOpt = Annotated[bool, typer.Option("--submit", help="With --sbatch: submit the script and print the job id.")]
+AllowHooksOpt = Annotated[
+    list[str] | None,
+    typer.Option(
+        "--allow-hooks",
+        help="Import these train.hooks modules (comma-separated) although a file, not this command line, names "
+        "them (a profile, --config, a run's config.toml). Without it such hooks are refused.",
+    ),
+]
 
 
 def resolve(profile: str | None, config: Path | None, overrides: list[str], **kwargs: Any) -> Any:
@@ -33,6 +41,8 @@ def resolve(profile: str | None, config: Path | None, overrides: list[str], **kw
     from kforge_cli.settings import load_settings
 
     resolved = load_settings(profile=profile, config=config, overrides=overrides, **kwargs)
+    for line in resolved.profile_origin():  # every run says which files its profile came from
+        echo_err(line)
     print_warnings(resolved)
     return resolved
 

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Annotated
 
 import typer
 
-from kforge_cli.cli.options import OVERRIDES, SbatchOpt, SubmitOpt, print_warnings
+from kforge_cli.cli.options import OVERRIDES, AllowHooksOpt, SbatchOpt, SubmitOpt, print_warnings
 
 if TYPE_CHECKING:
     from kforge_cli.settings import JobSettings, ResolvedSettings
@@ -29,6 +29,7 @@ def resume(
     run_dir: Annotated[Path, typer.Argument(help="The run directory to continue (holds config.toml).")],
     sbatch: SbatchOpt = False,
     submit: SubmitOpt = False,
+    allow_hooks: AllowHooksOpt = None,
 ) -> None:
     """Resume RUN_DIR from its latest complete checkpoint using its saved config.toml.
 
@@ -36,7 +37,7 @@ def resume(
     (e.g. --train.max_steps=20000) and recorded in RUN_DIR/config_changes.jsonl;
     config.toml itself is never rewritten. Ones that do are refused (exit 2).
     """
-    resolved = resolve_resume(run_dir, list(ctx.args))
+    resolved = resolve_resume(run_dir, list(ctx.args), allow_hooks)
     continue_resolved(resolved, sbatch=sbatch, submit=submit)
 
 
@@ -73,13 +74,14 @@ def _already_done(settings: JobSettings) -> str | None:
     )
 
 
-def resolve_resume(run_dir: Path, overrides: list[str]) -> ResolvedSettings:
+def resolve_resume(run_dir: Path, overrides: list[str], allow_hooks: list[str] | None = None) -> ResolvedSettings:
     """The run's saved settings plus `overrides`; refuses what its checkpoint cannot continue with.
 
     Without an explicit ``--checkpoint.resume`` the run must have a complete checkpoint
-    (``require``): resuming nothing would silently start over.
+    (``require``): resuming nothing would silently start over. Hooks the saved config names
+    are refused unless `allow_hooks` lists their modules (``settings.hook_policy``).
     """
-    return resolve_continuation(run_dir, overrides, command="resume")
+    return resolve_continuation(run_dir, overrides, command="resume", allow_hooks=allow_hooks)
 
 
 def resolve_continuation(
@@ -89,6 +91,7 @@ def resolve_continuation(
     command: str,
     profile: str | None = None,
     config: Path | None = None,
+    allow_hooks: list[str] | None = None,
 ) -> ResolvedSettings:
     """Settings for a command on the existing run in `run_dir`, checked before anything is written.
 
@@ -154,10 +157,7 @@ def resolve_continuation(
             f"nothing to resume: {root} holds no complete checkpoint. Start the run with its saved settings "
             f"(kforge train --run-dir {run.path}), or pass --checkpoint.resume=auto"
         )
-    hooks = settings.train.hooks
-    if hooks and not as_new:  # code named by a file on disk: say so before anything of it is imported
-        typer.echo(
-            f"kforge {command}: {run.config} names train.hooks, which will be imported and run: " + ", ".join(hooks),
-            err=True,
-        )
+    from kforge_cli.settings.hook_policy import refuse_unallowed_hooks
+
+    refuse_unallowed_hooks(resolved, allow_hooks, f"kforge {command}")  # code named by a file: only when allowed
     return resolved

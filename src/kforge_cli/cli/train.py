@@ -7,7 +7,16 @@ from typing import Annotated, Any
 
 import typer
 
-from kforge_cli.cli.options import OVERRIDES, ConfigOpt, ProfileOpt, RunDirOpt, SbatchOpt, SubmitOpt, resolve
+from kforge_cli.cli.options import (
+    OVERRIDES,
+    AllowHooksOpt,
+    ConfigOpt,
+    ProfileOpt,
+    RunDirOpt,
+    SbatchOpt,
+    SubmitOpt,
+    resolve,
+)
 
 
 def register(app: typer.Typer) -> None:
@@ -27,6 +36,7 @@ def train(
     ] = None,
     sbatch: SbatchOpt = False,
     submit: SubmitOpt = False,
+    allow_hooks: AllowHooksOpt = None,
 ) -> None:
     """Train a model. With no arguments: the cpu-debug profile on the built-in corpus.
 
@@ -39,21 +49,27 @@ def train(
     overrides = list(ctx.args)
     if run_dir is not None:
         overrides.append(f"--train.run_dir={run_dir}")
+    from kforge_cli.settings.hook_policy import allow_flag, refuse_unallowed_hooks
+
     existing = _existing_run(overrides)
     if existing is not None:  # a later command on a run: checked against the run's own settings first
         from kforge_cli.cli.resume import continue_resolved, resolve_continuation
 
-        resolved = resolve_continuation(existing, overrides, command="train", profile=profile, config=config)
+        resolved = resolve_continuation(
+            existing, overrides, command="train", profile=profile, config=config, allow_hooks=allow_hooks
+        )
         if nproc_per_node is None or sbatch or submit:
             continue_resolved(resolved, sbatch=sbatch, submit=submit)
     else:
         resolved = resolve(profile, config, overrides, for_run=True)
+        refuse_unallowed_hooks(resolved, allow_hooks, "kforge train")  # before anything of them is imported
     if sbatch or submit:  # --submit implies --sbatch
         from kforge_cli.slurm import sbatch_from_cli
 
         raise typer.Exit(sbatch_from_cli(resolved.settings, submit=submit))
     if nproc_per_node is not None:
-        raise typer.Exit(_launch_local(resolved, nproc_per_node, profile, config, overrides))
+        child_overrides = [*allow_flag(resolved.settings.train.hooks), *overrides]  # allowed above
+        raise typer.Exit(_launch_local(resolved, nproc_per_node, profile, config, child_overrides))
     from kforge_cli.cli.outcome import train_and_exit
 
     raise typer.Exit(train_and_exit(resolved.settings))

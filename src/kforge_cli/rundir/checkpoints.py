@@ -15,6 +15,7 @@ from __future__ import annotations
 import json
 import logging
 import re
+import secrets
 import shutil
 from pathlib import Path
 from typing import Any
@@ -181,9 +182,7 @@ def remove_checkpoint(step_dir: Path) -> None:
         return
     try:
         (step_dir / COMMIT_FILE).unlink(missing_ok=True)
-        trash = step_dir.with_name(_TRASH_PREFIX + step_dir.name)
-        if trash.exists():
-            shutil.rmtree(trash, ignore_errors=True)
+        trash = step_dir.with_name(f"{_TRASH_PREFIX}{step_dir.name}-{secrets.token_hex(4)}")  # nothing planted there
         step_dir.rename(trash)
         shutil.rmtree(trash, ignore_errors=True)
     except FileNotFoundError:

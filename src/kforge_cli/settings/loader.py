@@ -21,7 +21,15 @@ from pydantic_settings import EnvSettingsSource
 
 from kforge_cli.errors import ConfigError, ConfigIssue, InvalidInputError
 from kforge_cli.settings.job import JobSettings
-from kforge_cli.settings.profiles import DEFAULT_PROFILE, deep_merge, load_profile, read_toml
+from kforge_cli.settings.profiles import (
+    DEFAULT_PROFILE,
+    ENV_PATH,
+    ProfileFile,
+    deep_merge,
+    load_profile,
+    profile_chain,
+    read_toml,
+)
 
 
 @dataclass
@@ -31,6 +39,15 @@ class ResolvedSettings:
     settings: JobSettings
     sources: dict[str, str] = field(default_factory=dict)
     warnings: list[ConfigIssue] = field(default_factory=list)  # allowed but probably unintended
+    profile_files: list[ProfileFile] = field(default_factory=list)  # the profile, then what it extends
+
+    def profile_origin(self) -> list[str]:
+        """Where each profile file came from, one line each (empty without a profile layer)."""
+        lines = []
+        for i, entry in enumerate(self.profile_files):
+            what = f"profile {entry.name}" if i == 0 else f"  extends {entry.name}"
+            lines.append(f"{what}: {entry.describe()}")
+        return lines
 
     def source_of(self, dotted: str) -> str:
         """Where the value at `dotted` came from (the key itself or an enclosing one)."""
@@ -118,11 +135,13 @@ def load_settings(
     data on disk against the model (settings.data_check), in the same pass as the rules.
     """
     layers: list[tuple[str, dict[str, Any]]] = []
+    chain: list[ProfileFile] = []
     if base is not None:
         layers.append((base_source, base))
     else:
         name = profile or DEFAULT_PROFILE
-        data, path = load_profile(name)
+        data, path = load_profile(name)  # refuses a ./profiles file shadowing a shipped profile
+        chain = profile_chain(name)
         data = {"profile": name, **data}
         layers.append((f"profile {name} ({path})", data))
     if config is not None:
@@ -158,7 +177,12 @@ def load_settings(
     problems = _rule_issues(settings, for_run)
     if problems:
         raise ConfigError(problems)
-    return ResolvedSettings(settings=settings, sources=sources, warnings=config_warnings(settings))
+    warnings = [
+        ConfigIssue("profile", f"{e.path} from {ENV_PATH} SHADOWS the shipped profile {e.name} ({e.shadows_shipped})")
+        for e in chain
+        if e.shadows_shipped is not None and e.source == ENV_PATH
+    ]
+    return ResolvedSettings(settings, sources, warnings + config_warnings(settings), chain)
 
 
 def _rule_issues(settings: JobSettings, for_run: bool) -> list[ConfigIssue]:

@@ -31,11 +31,20 @@ def profile_sources() -> list[tuple[Path, str]]:
     package_dir = Path(__file__).resolve().parent.parent
     found.append((package_dir / "_profiles", SHIPPED))
     found.append((package_dir.parent.parent / "profiles", SHIPPED))
+    shipped_dirs = {_real(d) for d, source in found if source == SHIPPED}
     unique: list[tuple[Path, str]] = []
     for d, source in found:
-        if all(d != seen for seen, _ in unique):
-            unique.append((d, source))
+        if all(_real(d) != _real(seen) for seen, _ in unique):
+            # a source checkout run from its root: ./profiles *is* the shipped directory
+            unique.append((d, SHIPPED if _real(d) in shipped_dirs else source))
     return unique
+
+
+def _real(path: Path) -> Path:
+    try:
+        return path.resolve()
+    except OSError:
+        return path
 
 
 def profile_dirs() -> list[Path]:
@@ -80,19 +89,70 @@ def list_profiles() -> list[ProfileEntry]:
     return entries
 
 
-def find_profile(name: str) -> Path:
-    """The file of profile NAME (or NAME itself when it is a path to a .toml file)."""
+PATH_GIVEN = "a path given"
+
+
+@dataclass(frozen=True)
+class ProfileFile:
+    """The file a profile name resolved to, where it comes from, and the shipped file it shadows (if any)."""
+
+    name: str
+    path: Path
+    source: str  # SHIPPED, PROJECT, ENV_PATH or PATH_GIVEN
+    shadows_shipped: Path | None = None
+
+    def describe(self) -> str:
+        where = f"{self.path} ({self.source})"
+        if self.shadows_shipped is not None:
+            where += f", SHADOWING the shipped {self.shadows_shipped}"
+        return where
+
+
+def locate_profile(name: str) -> ProfileFile:
+    """Where profile NAME comes from (NAME itself when it is a path to a .toml file).
+
+    A file in ./profiles that has the name of a shipped profile is refused: a directory one
+    happens to run in (a colleague's project, a cloned repository) must not silently replace
+    a profile kforge ships, which can set checkpoint.dir, train.hooks or slurm.setup lines.
+    The user's own ``$KFORGE_PROFILE_PATH`` may shadow one; the resolution says so loudly.
+    """
     if name.endswith(".toml"):
         path = Path(name)
         if not path.is_file():
             raise InvalidInputError(f"profile file {name} does not exist")
-        return path
-    for d in profile_dirs():
-        candidate = d / f"{name}.toml"
-        if candidate.is_file():
-            return candidate
-    known = ", ".join(available_profiles()) or "none found"
-    raise InvalidInputError(f"unknown profile {name!r}; available profiles: {known}")
+        return ProfileFile(path.stem, path, PATH_GIVEN)
+    hits = [(d / f"{name}.toml", source) for d, source in profile_sources() if (d / f"{name}.toml").is_file()]
+    if not hits:
+        known = ", ".join(available_profiles()) or "none found"
+        raise InvalidInputError(f"unknown profile {name!r}; available profiles: {known}")
+    (path, source), rest = hits[0], hits[1:]
+    shipped = next((p for p, s in rest if s == SHIPPED), None)
+    if shipped is not None and source == PROJECT:
+        raise InvalidInputError(
+            f"profile {name!r}: {path} (in the working directory's ./profiles) has the name of the profile kforge "
+            f"ships ({shipped}) and would silently replace it. Rename that file, or use it deliberately by path: "
+            f"--profile {path}"
+        )
+    return ProfileFile(name, path, source, shipped)
+
+
+def find_profile(name: str) -> Path:
+    """The file of profile NAME (or NAME itself when it is a path to a .toml file); see :func:`locate_profile`."""
+    return locate_profile(name).path
+
+
+def profile_chain(name: str) -> list[ProfileFile]:
+    """Profile NAME's file and those of everything it extends, each with where it comes from."""
+    chain: list[ProfileFile] = []
+    while True:
+        entry = locate_profile(name)
+        if any(entry.path == e.path for e in chain):
+            raise InvalidInputError(f"profile inheritance cycle through {entry.path}")
+        chain.append(entry)
+        parent = read_toml(entry.path, "profile").get("extends")
+        if not isinstance(parent, str):
+            return chain
+        name = parent
 
 
 def read_toml(path: Path, what: str) -> dict[str, Any]:

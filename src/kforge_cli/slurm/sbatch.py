@@ -11,12 +11,14 @@ from __future__ import annotations
 
 import re
 import shlex
+from collections.abc import Sequence
 from pathlib import Path
 
 from kforge_cli import __version__
 from kforge_cli.errors import ConfigError, ConfigIssue, InvalidInputError
 from kforge_cli.rundir.layout import RunDir
 from kforge_cli.settings import JobSettings
+from kforge_cli.settings.hook_policy import allow_flag
 from kforge_cli.settings.infrastructure import SlurmSettings
 from kforge_cli.settings.section import control_character
 from kforge_cli.slurm.template import fill, find_template, placeholders
@@ -196,15 +198,17 @@ def task_python(slurm: SlurmSettings, default: str) -> str:
     return "python" if setup_lines(slurm) else default
 
 
-def train_command(run_dir: Path, python: str) -> list[str]:
+def train_command(run_dir: Path, python: str, hooks: Sequence[str] = ()) -> list[str]:
     """What every task runs: `kforge train --run-dir RUN_DIR`, which continues the run with its saved settings.
 
     With no other arguments `kforge train` on an existing run takes the run's config.toml plus
     its accepted changes (config_changes.jsonl, e.g. a `kforge resume --sbatch
     --train.max_steps=N`), starts it when it has no checkpoint yet and resumes it otherwise,
-    so a requeued job continues where the last one stopped.
+    so a requeued job continues where the last one stopped. ``hooks`` (allowed when the script
+    was written) are named in ``--allow-hooks``: a config.toml edited later to name other
+    modules is refused by the job instead of importing them.
     """
-    return [python, "-m", "kforge_cli", "train", "--run-dir", str(run_dir)]
+    return [python, "-m", "kforge_cli", "train", "--run-dir", str(run_dir), *allow_flag(hooks)]
 
 
 def _unsafe_paths(run_dir: Path, python: str, workdir: Path) -> list[ConfigIssue]:
@@ -237,6 +241,6 @@ def render_sbatch(settings: JobSettings, run_dir: Path, *, python: str, workdir:
         "env_exports": "\n".join(env_exports(settings.slurm)),
         "setup": _setup_block(settings.slurm),
         "cpus_per_task": str(settings.slurm.cpus_per_task),
-        "command": shlex.join(train_command(run_dir, python)),
+        "command": shlex.join(train_command(run_dir, python, settings.train.hooks)),
     }
     return fill(template.read_text(), values, template)

@@ -9,13 +9,13 @@ directory it names, else the byte tokenizer.
 
 from __future__ import annotations
 
-import shutil
 from pathlib import Path
 from typing import Any
 
 from kforge_cli.engine.data.shards import load_prepared
 from kforge_cli.engine.data.tokenizer import ByteTokenizer, HFTokenizer, load_tokenizer
 from kforge_cli.errors import InvalidInputError
+from kforge_cli.files import copy_file_atomic
 from kforge_cli.rundir.layout import RunDir
 from kforge_cli.rundir.names import TOKENIZER_FILE
 from kforge_cli.rundir.saved_config import read_saved_config
@@ -44,9 +44,7 @@ def record_run_tokenizer(data: DataSettings, run_dir: Path) -> Path | None:
     target = RunDir(run_dir).tokenizer
     if target.is_symlink():
         raise InvalidInputError(f"{target} is a symlink; kforge does not write through links in a run directory")
-    tmp = target.with_suffix(".json.tmp")
-    shutil.copyfile(source.root / TOKENIZER_FILE, tmp)
-    tmp.replace(target)
+    copy_file_atomic(source.root / TOKENIZER_FILE, target)  # unique temp, never through a planted link
     return target
 
 

@@ -40,6 +40,7 @@ from kforge_cli.engine.interop.hf_format import (
 from kforge_cli.engine.interop.hf_moe import FUSED_GATE, FUSED_UP, qwen3_moe_config, to_hf_moe_name
 from kforge_cli.engine.interop.hf_tokenizer import ExportedTokenizer, run_tokenizer, write_tokenizer
 from kforge_cli.engine.runtime.dtypes import DTYPES, torch_dtype_name
+from kforge_cli.files import output_dir, private_dir_beside, swap_in
 from kforge_cli.rundir.layout import kforge_contents
 
 DEFAULT_SHARD_BYTES = 5 * 2**30
@@ -132,24 +133,54 @@ def _check_exportable(view: CheckpointView) -> dict[str, Any]:
     return fields
 
 
+EXPORT_MARKER = "kforge_export.json"  # what an export wrote: the proof --overwrite needs
+EXPORT_FORMAT = "kforge-export-hf"
+
+
+def _not_an_earlier_export(out_dir: Path) -> str | None:
+    """Why `out_dir` is not provably an earlier export (None when it is).
+
+    It must hold this command's marker (a regular file) naming every entry, and nothing
+    else: only regular files, no directories, no links. A folder holding a run, a source
+    tree or anything the user added is never replaced.
+    """
+    owned = kforge_contents(out_dir)
+    if owned:
+        return f"it holds a kforge run or checkpoint ({owned})"
+    marker = out_dir / EXPORT_MARKER
+    if marker.is_symlink() or not marker.is_file() or marker.stat().st_size > 2**20:
+        return f"it has no {EXPORT_MARKER} (every kforge export-hf writes one)"
+    try:
+        record = json.loads(marker.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return f"its {EXPORT_MARKER} is unreadable"
+    files = record.get("files") if isinstance(record, dict) else None
+    if record.get("format") != EXPORT_FORMAT or not isinstance(files, list):
+        return f"its {EXPORT_MARKER} is not an export-hf record"
+    listed = {f for f in files if isinstance(f, str) and f and "/" not in f and f not in (".", "..")}
+    listed.add(EXPORT_MARKER)
+    foreign = sorted(
+        e.name for e in os.scandir(out_dir) if e.name not in listed or not e.is_file(follow_symlinks=False)
+    )
+    if foreign:
+        shown = ", ".join(foreign[:5]) + (f" and {len(foreign) - 5} more" if len(foreign) > 5 else "")
+        return f"it holds what the export did not write ({shown})"
+    return None
+
+
 def _prepare_out(out_dir: Path, overwrite: bool, source: Path) -> Path:
-    if out_dir.exists() and not out_dir.is_dir():
-        raise CheckpointError(f"{out_dir} is a file, not a directory: choose another output directory")
-    if source.is_relative_to(out_dir):
+    if source.resolve().is_relative_to(out_dir.resolve()):
         raise CheckpointError(f"{out_dir} holds the checkpoint being exported ({source}): choose another directory")
     if out_dir.exists() and any(out_dir.iterdir()):
         if not overwrite:
             raise CheckpointError(f"{out_dir} exists and is not empty; choose another directory or pass --overwrite")
-        owned = kforge_contents(out_dir)
-        if owned:
+        why = _not_an_earlier_export(out_dir)
+        if why is not None:
             raise CheckpointError(
-                f"refusing to overwrite {out_dir}: it holds a kforge run or checkpoint ({owned}); --overwrite only "
-                "replaces an earlier export. Choose another directory"
+                f"refusing to overwrite {out_dir}: {why}; --overwrite only replaces an earlier export of "
+                "kforge export-hf. Choose another directory"
             )
-    tmp = out_dir.with_name(f".{out_dir.name}.partial-{os.getpid()}")
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
-    return tmp
+    return private_dir_beside(out_dir)
 
 
 def export_hf(
@@ -186,7 +217,7 @@ def export_hf(
     if dtype is not None and dtype not in DTYPES:
         raise CheckpointError(f"--dtype {dtype!r} is not one of {', '.join(DTYPES)}")
     target = DTYPES[dtype] if dtype else _stored_dtype(entries)
-    out = Path(out_dir).expanduser().resolve()
+    out = output_dir(out_dir, "output")  # a link is refused, never resolved
     tmp = _prepare_out(out, overwrite, view.path)
     try:
         shards = _plan(entries, target.itemsize, max_shard_bytes)
@@ -218,10 +249,11 @@ def export_hf(
             generation["max_length"] = cfg.max_seq_len
             (tmp / GENERATION_CONFIG_FILE).write_text(json.dumps(generation, indent=2) + "\n")
         (tmp / CONFIG_FILE).write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+        written = sorted(p.name for p in tmp.iterdir())
+        marker = {"format": EXPORT_FORMAT, "files": written, "source": str(view.path), "step": view.step}
+        (tmp / EXPORT_MARKER).write_text(json.dumps(marker, indent=1) + "\n")
         _normal_permissions(tmp)
-        if out.exists():
-            shutil.rmtree(out)
-        tmp.rename(out)
+        swap_in(tmp, out)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise

@@ -36,6 +36,7 @@ from kforge_cli.engine.checkpoint.resolve import freeze_config
 from kforge_cli.engine.checkpoint.train_state import FORMAT
 from kforge_cli.engine.interop.hf_import import check_matches, read_hf_tensors
 from kforge_cli.errors import InvalidInputError
+from kforge_cli.files import output_dir, private_dir_beside, swap_in
 from kforge_cli.rundir.checkpoints import atomic_write_json, dcp_dirs, is_hf_dir, read_json, resolve_checkpoint
 from kforge_cli.rundir.fingerprint import fingerprint, shaping_config
 from kforge_cli.rundir.names import COMMIT_FILE, SUMMARY_FILE, TRAIN_STATE_FILE
@@ -188,33 +189,33 @@ def convert_mot(settings: JobSettings, source: str | Path, out: str | Path) -> C
         raise InvalidInputError(
             "convert-mot needs a MoT configuration (vlm.arch = 'mot'); e.g. --profile vlm-mot-debug"
         )
-    src, dst = Path(source).expanduser().resolve(), Path(out).expanduser().resolve()
-    if dst.exists() and not dst.is_dir():
-        raise InvalidInputError(f"{dst} is a file, not a directory; give a new output directory")
+    src, dst = Path(source).expanduser().resolve(), output_dir(out, "output")  # a link is refused, not resolved
     if dst.exists() and any(dst.iterdir()):
         raise InvalidInputError(f"{dst} exists and is not empty; give a new output directory")
     torch.manual_seed(settings.train.seed)
     with torch.device("cpu"):
         model = build_vlm(settings)
     names = load_dense_into_mot(model, src, settings)
-    tmp = dst.with_name(f".{dst.name}.partial")
-    if tmp.is_symlink():  # a planted link: removed, never written through
-        tmp.unlink()
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
-    with quiet_single_process():
-        dcp_save(
-            {"model": get_model_state_dict(model, options=OPTIONS)}, storage_writer=FileSystemWriter(tmp), no_dist=True
+    tmp = private_dir_beside(dst)  # fresh and unpredictable: nothing someone else made is removed or reused
+    try:
+        with quiet_single_process():
+            dcp_save(
+                {"model": get_model_state_dict(model, options=OPTIONS)},
+                storage_writer=FileSystemWriter(tmp),
+                no_dist=True,
+            )
+        state, summary = _summary(settings, src)
+        atomic_write_json(tmp / TRAIN_STATE_FILE, state)
+        atomic_write_json(tmp / SUMMARY_FILE, summary)
+        atomic_write_json(
+            tmp / COMMIT_FILE, {"step": 0, "dcp_dirs": ["."], "world_size": 1, "fingerprint": state["fingerprint"]}
         )
-    state, summary = _summary(settings, src)
-    atomic_write_json(tmp / TRAIN_STATE_FILE, state)
-    atomic_write_json(tmp / SUMMARY_FILE, summary)
-    atomic_write_json(
-        tmp / COMMIT_FILE, {"step": 0, "dcp_dirs": ["."], "world_size": 1, "fingerprint": state["fingerprint"]}
-    )
-    if dst.exists():
-        dst.rmdir()
-    tmp.rename(dst)
+        if dst.exists():
+            dst.rmdir()  # empty (checked above)
+        swap_in(tmp, dst)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)  # only the directory this call created
+        raise
     n_params = sum(p.numel() for p in model.parameters())
     log.info("convert-mot: %s -> %s (%d tensors from the dense model)", src, dst, len(names))
     return ConvertResult(dst, len(names), n_params)

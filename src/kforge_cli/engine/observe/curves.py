@@ -15,6 +15,7 @@ from typing import Any
 
 from kforge_cli.engine.observe.metrics_file import read_metrics
 from kforge_cli.errors import InvalidInputError
+from kforge_cli.files import atomic_write_via
 from kforge_cli.rundir.layout import RunDir
 
 DEFAULT_METRICS = ("loss", "eval_loss", "lr", "grad_norm", "tokens_per_sec")
@@ -95,6 +96,8 @@ def plot_runs(run_dirs: Sequence[Path], out: Path, metrics: Sequence[str] = DEFA
         ax.set_visible(False)
     fig.tight_layout()
     out.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(out, dpi=100)
-    plt.close(fig)
+    try:  # a planted link at `out` is replaced, never written through
+        atomic_write_via(out, lambda tmp: fig.savefig(tmp, dpi=100, format="png"))
+    finally:
+        plt.close(fig)
     return fig

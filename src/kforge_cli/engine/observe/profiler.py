@@ -18,7 +18,7 @@ import torch
 from torch.profiler import ProfilerAction, ProfilerActivity
 
 from kforge_cli.engine.observe.logs import get_logger
-from kforge_cli.files import real_dir
+from kforge_cli.files import atomic_write_via, real_dir
 from kforge_cli.rundir.layout import RunDir
 from kforge_cli.settings.infrastructure import ProfilingSettings
 
@@ -122,7 +122,7 @@ class WindowProfiler(TrainProfiler):
             return
         real_dir(self._trace_dir)  # never a link in the run directory
         path = self._trace_dir / f"rank{self._rank}_step{steps[-1]}.json"
-        prof.export_chrome_trace(str(path))
+        atomic_write_via(path, lambda tmp: prof.export_chrome_trace(str(tmp)))  # never through a planted link
         self.trace_paths.append(path)
         self._log.info("profiler: wrote steps %d-%d to %s", steps[0], steps[-1], path)
 

@@ -15,6 +15,7 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 from kforge_cli.errors import InvalidInputError
+from kforge_cli.files import real_dir
 from kforge_cli.rundir.names import TENSORBOARD_DIR
 
 if TYPE_CHECKING:
@@ -50,7 +51,7 @@ class TensorboardBackend:
 
     def _open(self, first_step: int) -> Any:
         if self._writer is None:
-            self.logdir.mkdir(parents=True, exist_ok=True)
+            real_dir(self.logdir)  # a link planted since start() is refused too
             purge_step = first_step if self.purge else None
             self._writer = self._writer_cls(log_dir=str(self.logdir), purge_step=purge_step, flush_secs=30)
         return self._writer

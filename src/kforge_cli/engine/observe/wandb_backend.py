@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING, Any
 from urllib.parse import urlsplit
 
 from kforge_cli.errors import EXIT_FAILURE, EXIT_OK, EXIT_REQUEUE
+from kforge_cli.files import real_dir
 from kforge_cli.settings.infrastructure import MetricsSettings
 
 if TYPE_CHECKING:
@@ -116,6 +117,8 @@ class WandbBackend:
             # WANDB_DIR wins; else the run's files go under RUN_DIR/wandb, not the working directory.
             "dir": None if os.environ.get("WANDB_DIR") else str(info.run_dir),
         }
+        if not os.environ.get("WANDB_DIR"):
+            real_dir(info.run_dir / "wandb")  # a planted RUN_DIR/wandb link is refused, never written through
         try:
             run = wandb.init(mode=mode, **kwargs)  # pyright: ignore[reportArgumentType]
         except Exception as exc:
