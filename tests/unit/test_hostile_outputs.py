@@ -13,9 +13,9 @@ import os
 from pathlib import Path
 
 import pytest
-from kforge_cli.engine.interop.hf_export import export_hf
 
 from kforge_cli.cli.app import main
+from kforge_cli.engine.interop.hf_export import export_hf
 from tests.unit.test_checkpoint_hostile import saved
 
 
@@ -81,9 +81,8 @@ def test_a_symlinked_output_is_refused_not_resolved(
 
 
 def test_an_earlier_export_is_replaced_but_not_once_the_user_added_to_it(ckpt: Path, tmp_path: Path) -> None:
-    from kforge_cli.engine.interop.hf_export import EXPORT_MARKER
-
     from kforge_cli.engine.checkpoint.errors import CheckpointError
+    from kforge_cli.engine.interop.hf_export import EXPORT_MARKER
 
     out = tmp_path / "hf"
     export_hf(ckpt, out)
@@ -98,7 +97,6 @@ def test_an_earlier_export_is_replaced_but_not_once_the_user_added_to_it(ckpt: P
 
 def test_convert_mot_keeps_a_partial_directory_it_did_not_create_and_refuses_a_linked_out(tmp_path: Path) -> None:
     from kforge_cli.engine.interop.mot_convert import convert_mot
-
     from kforge_cli.errors import KforgeError
     from tests.unit.test_vlm_convert import dense_checkpoint
     from tests.unit.test_vlm_model import vlm_settings
