@@ -87,7 +87,11 @@ def type_text(annotation: Any, metadata: list[Any] | None = None) -> str:
         section = _section_of(element)
         text = f"list of {section.__name__} tables" if section else f"list of {type_text(element)}"
     elif origin is tuple:
-        text = "[" + ", ".join(type_text(a) for a in args) + "]"
+        items = [_unwrap(a) for a in args]
+        names = ", ".join(getattr(a, "__name__", str(a)) for a, _, _ in items)
+        shared = {_bounds(m) for _, _, m in items}
+        each = f" each {shared.pop()}" if len(shared) == 1 and "" not in shared else ""
+        text = f"[{names}]{each}" if each or shared == {""} else "[" + ", ".join(type_text(a) for a in args) + "]"
     elif origin is dict:
         text = f"table of {type_text(args[0])} -> {type_text(args[1])}"
     elif isinstance(inner, type) and issubclass(inner, BaseModel):
@@ -165,14 +169,11 @@ def _flatten(data: dict[str, Any], prefix: str = "") -> Iterator[tuple[str, Any]
 
 
 def _shipped_profiles() -> list[Path]:
-    from kforge_cli.settings.profiles import SHIPPED, profile_sources
-
-    found: dict[str, Path] = {}
-    for directory, source in profile_sources():
-        if source == SHIPPED and directory.is_dir():
-            for path in sorted(directory.glob("*.toml")):
-                found.setdefault(path.stem, path)
-    return [found[name] for name in sorted(found)]
+    """The profiles kforge ships: the checkout's ``profiles/`` (an installed wheel's ``_profiles``)."""
+    for directory in (ROOT / "profiles", Path(__file__).resolve().parent / "_profiles"):
+        if directory.is_dir():
+            return sorted(directory.glob("*.toml"), key=lambda p: p.stem)
+    return []
 
 
 def _profile_blocks() -> Iterator[str]:
