@@ -1,4 +1,5 @@
-"""The docs tell the truth about what ships: the VLM data formats the code accepts (docs/data.md).
+"""The docs tell the truth about what ships: the VLM data formats the code accepts (docs/data.md),
+every benchmark script (docs/benchmarks.md).
 
 Every profile in the configuration reference: tests/unit/test_docs_reference.py; the README's
 example commands run: tests/e2e/test_readme_examples.py.
@@ -38,3 +39,11 @@ def test_the_vlm_data_formats_the_docs_show_are_the_ones_the_code_accepts(tmp_pa
         ("image", "cat.png", "a cat"),
         ("video", "clip7", "a clip"),
     ]
+
+
+def test_every_benchmark_script_is_on_the_benchmarks_page() -> None:
+    page = (ROOT / "docs" / "benchmarks.md").read_text()
+    scripts = {p.name for p in (ROOT / "bench").iterdir() if p.suffix in (".py", ".sh")} - {"bare_typer_app.py"}
+    assert scripts, "no bench scripts found"
+    missing = sorted(name for name in scripts if f"`{name}`" not in page)
+    assert not missing, f"add to docs/benchmarks.md: {missing}"
