@@ -23,9 +23,9 @@ pytest.importorskip(
     "kforge_cli.engine.train.features", reason="the step-feature design (engine.train.features) is not in this tree"
 )
 
-from kforge_cli.engine.train import TrainHook, run_training  # noqa: E402
-from kforge_cli.engine.train.features import features_for  # noqa: E402
-from kforge_cli.settings import JobSettings, load_settings  # noqa: E402
+from kforge_cli.engine.train import TrainHook, run_training
+from kforge_cli.engine.train.features import features_for
+from kforge_cli.settings import JobSettings, load_settings
 
 EXAMPLES = Path(__file__).parents[2] / "docs" / "examples"
 TINY = [
