@@ -18,6 +18,7 @@ import resource
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -49,7 +50,18 @@ def in_process(profile: str, overrides: list[str], world: int, rank: int, repeat
     return {"wall_s": statistics.median(walls), "cpu_s": statistics.median(cpus)}
 
 
-def command(profile: str, overrides: list[str], world: int, rank: int) -> dict[str, float]:
+def byte_data_stub(root: Path) -> Path:
+    """A prepared-data directory holding only a byte-tokenizer metadata.json: what validate-config reads.
+
+    GPU profiles refuse to validate without a `data.path` (they would train on the demo corpus).
+    """
+    meta = {"format": "kforge-tokens", "format_version": 1, "vocab_size": 257, "eos_id": 256}
+    meta["tokenizer"] = {"kind": "byte", "vocab_size": 257, "eos_id": 256}
+    (root / "metadata.json").write_text(json.dumps(meta))
+    return root
+
+
+def command(profile: str, overrides: list[str], world: int, rank: int, data: Path) -> dict[str, float]:
     argv = [
         sys.executable,
         "-m",
@@ -58,6 +70,7 @@ def command(profile: str, overrides: list[str], world: int, rank: int) -> dict[s
         "--profile",
         profile,
         *overrides,
+        f"--data.path={data}",
         "--world-size",
         str(world),
         "--plan",
@@ -78,10 +91,12 @@ def main() -> None:
     parser.add_argument("--repeat", type=int, default=3)
     args = parser.parse_args()
     rows = []
-    for name, profile, overrides, world, rank in LAYOUTS:
-        plan = in_process(profile, overrides, world, rank, args.repeat)
-        cmd = command(profile, overrides, world, rank)
-        rows.append({"layout": name, "world_size": world, "rank": rank, "plan": plan, "command": cmd})
+    with tempfile.TemporaryDirectory() as tmp:
+        data = byte_data_stub(Path(tmp))
+        for name, profile, overrides, world, rank in LAYOUTS:
+            plan = in_process(profile, overrides, world, rank, args.repeat)
+            cmd = command(profile, overrides, world, rank, data)
+            rows.append({"layout": name, "world_size": world, "rank": rank, "plan": plan, "command": cmd})
     print(
         f"{'layout':<18}{'world':>6}  {'plan wall':>10}{'plan cpu':>10}  {'command wall':>13}{'command cpu':>12}  verdict"
     )

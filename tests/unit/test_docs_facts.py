@@ -1,4 +1,9 @@
-"""The README tells the truth about what ships: every profile, and the VLM data formats the code accepts."""
+"""The docs tell the truth about what ships: the VLM data formats the code accepts (docs/data.md),
+every benchmark script (docs/benchmarks.md).
+
+Every profile in the configuration reference: tests/unit/test_docs_reference.py; the README's
+example commands run: tests/e2e/test_readme_examples.py.
+"""
 
 from __future__ import annotations
 
@@ -10,16 +15,11 @@ from kforge_cli.engine.data.vlm.media import IMAGE_SUFFIXES
 from kforge_cli.engine.data.vlm.sources import resolve_records
 
 ROOT = Path(__file__).parents[2]
-README = (ROOT / "README.md").read_text()
+DATA_PAGE = (ROOT / "docs" / "data.md").read_text()
 
 
-def test_every_shipped_profile_is_in_the_readmes_table() -> None:
-    table = set(re.findall(r"^\| `([a-z0-9-]+)` \|", README, flags=re.M))
-    assert table == {p.stem for p in (ROOT / "profiles").glob("*.toml")}
-
-
-def test_the_vlm_data_formats_the_readme_shows_are_the_ones_the_code_accepts(tmp_path: Path) -> None:
-    section = README[README.index("### Image and video data for VLMs") :].split("\n## ")[0]
+def test_the_vlm_data_formats_the_docs_show_are_the_ones_the_code_accepts(tmp_path: Path) -> None:
+    section = DATA_PAGE[DATA_PAGE.index("## Image and video data for VLMs") :].split("\n### ")[0]
     examples = [json.loads(m) for m in re.findall(r"`(\{\"(?:image|video)\".*?\})`", section)]
     assert {next(iter(e)) for e in examples} == {"image", "video"}
     lines = [json.dumps(e) for e in examples]
@@ -39,3 +39,11 @@ def test_the_vlm_data_formats_the_readme_shows_are_the_ones_the_code_accepts(tmp
         ("image", "cat.png", "a cat"),
         ("video", "clip7", "a clip"),
     ]
+
+
+def test_every_benchmark_script_is_on_the_benchmarks_page() -> None:
+    page = (ROOT / "docs" / "benchmarks.md").read_text()
+    scripts = {p.name for p in (ROOT / "bench").iterdir() if p.suffix in (".py", ".sh")} - {"bare_typer_app.py"}
+    assert scripts, "no bench scripts found"
+    missing = sorted(name for name in scripts if f"`{name}`" not in page)
+    assert not missing, f"add to docs/benchmarks.md: {missing}"
