@@ -92,12 +92,14 @@ def test_block_formula_equals_saved_tensors_on_cpu(extra: dict) -> None:
 
 
 def test_block_formula_known_value() -> None:
-    """Hand count, fp32 on CPU, N = 2*64 tokens, D = 64, kv = 32, F = 192, 4 heads:
-    norms 2 x (4ND + 4N) + linear inputs 2 x 4ND + q/out 2 x 4ND + k/v 2 x 4N*kv + lse 4N*4 + MLP 4 x 4NF."""
+    """Hand count, fp32 on CUDA, N = 2*64 tokens, D = 64, kv = 32, F = 192, 4 heads:
+    norms 2 x (4ND + 4N) + linear inputs 2 x 4ND + q/out 2 x 4ND + k/v 2 x 4N*kv + lse 4N*4 + MLP 4 x 4NF.
+    On CPU torch's composite rms_norm also keeps the normalised input: another 4ND per norm."""
     cfg = ModelSettings(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=128, max_seq_len=T)
     n = B * T
     want = 2 * (4 * n * 64 + 4 * n) + 2 * 4 * n * 64 + 2 * 4 * n * 64 + 2 * 4 * n * 32 + 4 * n * 4 + 4 * 4 * n * 192
-    assert block_full_bytes(_inputs(cfg)) == want
+    assert block_full_bytes(_inputs(cfg, cuda=True)) == want
+    assert block_full_bytes(_inputs(cfg)) == want + 2 * 4 * n * 64
 
 
 @pytest.mark.parametrize("cuda", [True, False])
@@ -107,9 +109,9 @@ def test_tensor_parallel_divides_what_is_split(cuda: bool) -> None:
     n, d = B * T, 64
     # Norm inputs are split over the sequence, linear inputs are all-gathered (full), the rest is split by heads/F.
     split = 2 * (4 * n * d + 4 * n) + 2 * 4 * n * 64 + 2 * 4 * n * 32 + 4 * n * 4 + 4 * 4 * n * 192
-    # On CPU the sequence-parallel norms run on DTensors: torch's composite also keeps the normalised input.
-    composite = 0 if cuda else 2 * 4 * (n // 2) * d
-    assert block_full_bytes(one) - block_full_bytes(sp) == split // 2 - composite
+    # On CPU torch's composite rms_norm also keeps the normalised input (split over the sequence too).
+    composite = 0 if cuda else 2 * 4 * n * d
+    assert block_full_bytes(one) - block_full_bytes(sp) == (split + composite) // 2
     assert block_input_bytes(sp) == 4 * (n // 2) * d
 
 

@@ -4,10 +4,6 @@ RoPE is kept real-valued (cos/sin tables, no complex numbers) so it composes wit
 DTensor tensor parallelism, and follows the Hugging Face Llama "rotate_half"
 convention (dimension ``i`` is paired with ``i + head_dim/2``) so exporting to
 Hugging Face needs no permutation of the q/k projection weights.
-
-Eager CPU runs RMSNorm and RoPE through the cheaper closed-form versions in
-:mod:`.eager_cpu` (same numbers up to float rounding); compile, DTensor and CUDA use the
-plain formulations below.
 """
 
 from __future__ import annotations
@@ -17,8 +13,6 @@ from typing import Literal
 import torch
 import torch.nn.functional as F
 from torch import nn
-
-from kforge_cli.engine.model import eager_cpu
 
 NormKind = Literal["rmsnorm", "layernorm"]
 
@@ -42,8 +36,6 @@ class RMSNorm(nn.Module):
         nn.init.ones_(self.weight)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if eager_cpu.eager_cpu(x, self.weight):
-            return eager_cpu.rms_norm(x, self.weight, self.eps)
         return F.rms_norm(x.float(), (self.dim,), self.weight.float(), self.eps).to(x.dtype)
 
     def extra_repr(self) -> str:
@@ -96,8 +88,6 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
     ``cos``/``sin`` are ``[B, T, head_dim]`` (per-token positions) or ``[T, head_dim]``.
     The rotation runs in fp32 (angles of long positions need it) and is cast back.
     """
-    if eager_cpu.eager_cpu(x, cos, sin):
-        return eager_cpu.rotary((x,), cos, sin)[0]
     cos = cos.unsqueeze(-2)  # broadcast over heads
     sin = sin.unsqueeze(-2)
     xf = x.float()
@@ -107,9 +97,5 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
 def apply_rotary_pair(
     q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """:func:`apply_rotary` of queries and keys at the same positions (on eager CPU in one call
-    that builds the tables once)."""
-    if eager_cpu.eager_cpu(q, k, cos, sin):
-        rq, rk = eager_cpu.rotary((q, k), cos, sin)
-        return rq, rk
+    """:func:`apply_rotary` of queries and keys at the same positions."""
     return apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)

@@ -10,9 +10,8 @@ Per micro-batch of ``N`` local tokens, with ``c`` the compute dtype's bytes, one
 without activation checkpointing keeps (``/t`` = split over tensor-parallel ranks):
 
 - each RMSNorm: one fp32 ``N x D`` tensor (``4ND``: the upcast input for CUDA's fused
-  kernel, the normalised input for eager CPU's closed form, engine.model.eager_cpu) and its
-  rstd (``4N``); on CPU, a norm over DTensors (tensor parallelism) runs torch's composite,
-  which keeps both (another ``4ND``); under sequence parallelism over ``N/t`` tokens only;
+  kernel) and its rstd (``4N``); on CPU torch's composite ``rms_norm`` keeps the input and
+  the normalised input (another ``4ND``); under sequence parallelism over ``N/t`` tokens only;
 - the input of the following linears, ``cND`` (all-gathered to full ``N`` under SP);
 - attention: rotated ``q`` and the SDPA output (``cN*q_dim/t`` each), ``k`` and ``v``
   (``cN*kv_dim/t`` each), the log-sum-exp (``4N*heads/t``);
@@ -60,8 +59,8 @@ class ActivationInputs:
     loss_parallel: bool
     compute_bytes: int
     autocast: bool  # single process with a compute dtype below fp32: torch.autocast casts per op
-    cuda: bool  # CUDA kernels: a fused rms_norm also for DTensors (CPU's composite keeps the normalised input
-    # too), and an SDPA op that op-level AC saves (CPU's _scaled_dot_product_flash_attention_for_cpu is recomputed)
+    cuda: bool  # CUDA kernels: a fused rms_norm (CPU's composite keeps the normalised input too), and an
+    # SDPA op that op-level AC saves (CPU's _scaled_dot_product_flash_attention_for_cpu is recomputed)
     block_weight_copy_bytes: int  # compute-dtype weight copies autocast keeps per block (single process), else 0
     loss_chunk: int  # tokens per loss chunk (0 = the logits of the whole micro-batch at once)
     document_mask: bool  # attention runs with a dense SDPA mask (document masking, or a CP shard, without flex)
@@ -97,15 +96,15 @@ class ActivationInputs:
         return self.tokens // self.tp if self.tp > 1 and self.sequence_parallel else self.tokens
 
 
-def _norm_saved(a: ActivationInputs, width: int, tokens: int, dtensor: bool) -> int:
+def _norm_saved(a: ActivationInputs, width: int, tokens: int) -> int:
     """What one norm over ``tokens x width`` keeps for its backward (not its output).
 
-    ``dtensor``: the norm runs on DTensors (its weight is tensor-parallel), where CPU uses
-    torch's composite ``rms_norm`` rather than the eager closed form.
+    CUDA's fused ``rms_norm`` keeps the fp32 input and rstd; on CPU torch's composite also
+    keeps the normalised input.
     """
     if a.norm == "layernorm":
         return a.compute_bytes * tokens * width + 2 * FP32 * tokens
-    composite = FP32 * tokens * width if dtensor and not a.cuda else 0
+    composite = 0 if a.cuda else FP32 * tokens * width
     return FP32 * tokens * width + composite + FP32 * tokens
 
 
@@ -115,15 +114,10 @@ def _attention_saved(a: ActivationInputs) -> int:
     saved = c * (n * 2 * a.q_dim + kv) // t + FP32 * n * a.n_heads // t
     if a.qk_norm:
         head_dim = a.q_dim // a.n_heads
-        saved += _norm_saved(a, head_dim, n * (a.q_dim + a.kv_dim) // head_dim // t, dtensor=t > 1)
+        saved += _norm_saved(a, head_dim, n * (a.q_dim + a.kv_dim) // head_dim // t)
     if a.document_mask:  # the additive mask SDPA builds from the boolean one per call (queries x keys)
         saved += c * a.micro_batch * (a.seq_len // a.cp) * a.seq_len
     return saved
-
-
-def _sequence_parallel_norms(a: ActivationInputs) -> bool:
-    """The block and final norms run on sequence-sharded DTensors (TP's SequenceParallel style)."""
-    return a.tp > 1 and a.sequence_parallel
 
 
 def _mlp_saved(a: ActivationInputs) -> int:
@@ -132,7 +126,7 @@ def _mlp_saved(a: ActivationInputs) -> int:
 
 def block_full_bytes(a: ActivationInputs) -> int:
     """Bytes one block keeps for its backward without activation checkpointing."""
-    norms = 2 * _norm_saved(a, a.dim, a.stream_tokens, dtensor=_sequence_parallel_norms(a))
+    norms = 2 * _norm_saved(a, a.dim, a.stream_tokens)
     # The inputs of the attention and MLP linears (all-gathered under SP). Autocast casts the fp32
     # norm output once per linear (wq, wk, wv; w1, w3), FSDP's mixed precision once per norm.
     casts = (3 + (2 if a.gated else 1)) if a.autocast else 2
@@ -177,9 +171,7 @@ def block_backward_bytes(a: ActivationInputs) -> int:
 
 def head_saved_bytes(a: ActivationInputs) -> int:
     """Final norm + what the head keeps: its input, and the fp32 logits the loss keeps (unchunked)."""
-    saved = (
-        _norm_saved(a, a.dim, a.stream_tokens, dtensor=_sequence_parallel_norms(a)) + a.compute_bytes * a.tokens * a.dim
-    )
+    saved = _norm_saved(a, a.dim, a.stream_tokens) + a.compute_bytes * a.tokens * a.dim
     if a.loss_chunk == 0:
         saved += FP32 * a.tokens * _local_vocab(a)
     return saved
