@@ -37,15 +37,15 @@ def resume(
     config.toml itself is never rewritten. Ones that do are refused (exit 2).
     """
     resolved = resolve_resume(run_dir, list(ctx.args))
-    continue_resolved(resolved, sbatch=sbatch, submit=submit)
-
-
-def continue_resolved(resolved: ResolvedSettings, *, sbatch: bool, submit: bool) -> None:
-    """Run (or write the job of) an accepted continuation; exit 0 at once when it has nothing left to do."""
     done = _already_done(resolved.settings)
     if done is not None:
         typer.echo(done, err=True)
         raise typer.Exit(0)
+    continue_resolved(resolved, sbatch=sbatch, submit=submit)
+
+
+def continue_resolved(resolved: ResolvedSettings, *, sbatch: bool, submit: bool) -> None:
+    """Run (or write the job of) an accepted continuation."""
     if sbatch or submit:  # a job that continues RUN_DIR (its changes are recorded beside config.toml)
         from kforge_cli.slurm import sbatch_from_cli
 
