@@ -178,3 +178,37 @@ def test_runs_table_numbers_share_one_format_and_read_the_metrics_tail(tmp_path:
     cells = {name: _cells(row, with_job=False) for name, row in rows.items()}
     assert cells["long"][2:5] == ("120,000/200,000", "2.0000", "2.5000")
     assert cells["short"][2:5] == ("2/4", "5.0000", "12.0000")
+
+
+def test_train_on_an_existing_run_refuses_untyped_changes_to_what_it_learns_and_records_the_rest(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    run = tmp_path / "run"
+
+    def cli(*argv: str) -> tuple[int, str]:
+        with pytest.raises(SystemExit) as exit_info:
+            main(["train", "--sbatch", "--run-dir", str(run), *argv])
+        return int(exit_info.value.code or 0), capsys.readouterr().err
+
+    start = ["--optimizer.lr=1e-4", "--metrics.log_interval=1", "--checkpoint.interval=5"]
+    assert cli(*start)[0] == 0
+    original = (run / "config.toml").read_bytes()
+    code, err = cli("--optimizer.lr=1e-4", "--train.max_steps=10")  # logging and cadence: how it runs
+    assert code == 0, err
+    [change] = [json.loads(x) for x in (run / "config_changes.jsonl").read_text().splitlines()]
+    assert change["changes"] == {
+        "checkpoint.interval": {"from": 5, "to": 100},
+        "metrics.log_interval": {"from": 1, "to": 10},
+        "train.max_steps": {"from": 300, "to": 10},
+    }
+    code, err = cli("--train.max_steps=20")  # the default learning rate would replace the run's
+    assert code == 2
+    assert "optimizer.lr: 0.0001 -> 0.003 (the run has 0.0001; this value comes from profile cpu-debug" in err
+    assert f"kforge resume {run} --checkpoint.resume=auto --train.max_steps=20" in err
+    assert (run / "config.toml").read_bytes() == original and len(
+        (run / "config_changes.jsonl").read_text().splitlines()
+    ) == 1
+    code, err = cli()  # alone: the run's settings, with the change recorded
+    assert code == 0, err
+    assert "train.max_steps (10)" in err  # the warmup warning sees the recorded max_steps
+    assert len((run / "config_changes.jsonl").read_text().splitlines()) == 1  # nothing new to record

@@ -38,15 +38,15 @@ def resume(
     config.toml itself is never rewritten. Ones that do are refused (exit 2).
     """
     resolved = resolve_resume(run_dir, list(ctx.args), allow_hooks)
-    continue_resolved(resolved, sbatch=sbatch, submit=submit)
-
-
-def continue_resolved(resolved: ResolvedSettings, *, sbatch: bool, submit: bool) -> None:
-    """Run (or write the job of) an accepted continuation; exit 0 at once when it has nothing left to do."""
     done = _already_done(resolved.settings)
     if done is not None:
         typer.echo(done, err=True)
         raise typer.Exit(0)
+    continue_resolved(resolved, sbatch=sbatch, submit=submit)
+
+
+def continue_resolved(resolved: ResolvedSettings, *, sbatch: bool, submit: bool) -> None:
+    """Run (or write the job of) an accepted continuation."""
     if sbatch or submit:  # a job that continues RUN_DIR (its changes are recorded beside config.toml)
         from kforge_cli.slurm import sbatch_from_cli
 
@@ -97,10 +97,12 @@ def resolve_continuation(
 
     ``resume``, and ``train`` with no profile, config or override: the run's saved settings
     (config.toml plus its recorded changes) plus `overrides`. ``train`` with any of them: those
-    settings as for a new run, refused where they differ from the run's in a value the command
-    line did not type (a default, a profile, a config file or the environment would silently
-    change the run). Either way, with a complete checkpoint the model's shape and the data order
-    must stay. Each refusal names the run's value and the fix (exit 2).
+    settings as for a new run, refused where they differ from the run's in what it learns from
+    (model, data, optimizer, schedule, steps, batches; see `shapes_learning`) without the
+    command line typing it: a default, a profile, a config file or the environment would
+    silently change the run. How it runs (parallelism, hooks, logging, checkpoint cadence) may
+    follow the new command. Either way, with a complete checkpoint the model's shape and the
+    data order must stay. Each refusal names the run's value and the fix (exit 2).
     """
     from kforge_cli.errors import CheckpointError, ConfigError, ConfigIssue
     from kforge_cli.rundir.layout import RunDir
@@ -109,6 +111,7 @@ def resolve_continuation(
         has_checkpoint,
         read_saved_config,
         settings_changes,
+        shapes_learning,
     )
     from kforge_cli.settings import load_settings
 
@@ -133,13 +136,13 @@ def resolve_continuation(
         untyped = [
             ConfigIssue(key, f"{old!r} -> {new!r} (the run has {old!r}; this value comes from {where}, not typed)")
             for key, old, new in settings_changes(saved, settings)
-            if not (where := resolved.source_of(key)).startswith("command line")
+            if shapes_learning(key) and not (where := resolved.source_of(key)).startswith("command line")
         ]
         if untyped:
             raise ConfigError(
                 untyped,
-                header=f"cannot continue {run.path} with these settings: kforge train on an existing run keeps the "
-                "run's settings and changes only what you type",
+                header=f"cannot continue {run.path} with these settings: kforge train on an existing run keeps what "
+                "it learns from (model, data, optimizer, schedule, steps) and changes only what you type",
                 fix=f"continue the run with its own settings and your overrides: {shlex.join(fix_prefix + typed)} ; "
                 "or train with these settings in a new --run-dir",
             )

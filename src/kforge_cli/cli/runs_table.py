@@ -172,6 +172,11 @@ def _mtime(run: RunDir, paths: Iterable[Path]) -> float | None:
     return max(times) if times else None
 
 
+def _updated(run: RunDir) -> float | None:
+    """When anything of the run last changed (its metrics, logs, settings or job script)."""
+    return _mtime(run, (run.metrics, *_logs(run), run.config, run.config_changes, run.job_script))
+
+
 def _checkpoint(run: RunDir, config: dict[str, Any]) -> tuple[str | None, str | None]:
     """(the newest complete checkpoint's name, why it was saved) under the run's checkpoint root."""
     directory = config.get("checkpoint", {}).get("dir") if isinstance(config.get("checkpoint"), dict) else None
@@ -201,7 +206,7 @@ def describe_run(
     step = last["loss"][0] if "loss" in last else 0
     latest, reason = _checkpoint(run, config)
     mtime = _mtime(run, (run.metrics, *_logs(run)))
-    updated = _mtime(run, (run.metrics, *_logs(run), run.config, run.config_changes, run.job_script))
+    updated = _updated(run)
     ids = job_ids(run) if run.job_script.is_file() else []
     job = ids[-1] if ids else None
     if run.job_script.is_file() and slurm is not None and job is None:
@@ -253,5 +258,5 @@ def list_runs(root: Path, *, active_s: float = 300.0, now: float | None = None) 
     runs = [r for r in runs if r.has_config() or r.metrics.is_file()]
     sbatch = [r for r in runs if r.job_script.is_file()]
     slurm = ask_slurm(j for r in sbatch for j in job_ids(r)[-1:]) if sbatch else None
-    rows = [describe_run(r.path, now=now, active_s=active_s, slurm=slurm) for r in runs]
-    return sorted(rows, key=lambda r: r.last_update or "", reverse=True)
+    rows = [(describe_run(r.path, now=now, active_s=active_s, slurm=slurm), _updated(r)) for r in runs]
+    return [row for row, _ in sorted(rows, key=lambda pair: pair[1] or 0.0, reverse=True)]

@@ -42,6 +42,40 @@ PER_COMMAND_KEYS = frozenset({"train.run_dir", "checkpoint.resume"})
 
 Change = tuple[str, Any, Any]  # (dotted key, the run's value, the new value)
 
+# What the run learns from: the model, the data and its order, the optimizer and schedule, the
+# steps and batches, the numerics. A continuation by `kforge train` with other arguments must
+# type a change to these; how it runs (parallelism, checkpoint cadence, logging, hooks,
+# threads, compile, activation checkpointing, loader workers, SLURM) may follow the new command.
+_LEARNING_SECTIONS = frozenset({"model", "optimizer", "scheduler", "data", "vision_encoder", "adapter", "vlm", "video"})
+_LEARNING_TRAIN_KEYS = frozenset(
+    {
+        "batch_size",
+        "seq_len",
+        "max_steps",
+        "grad_accum_steps",
+        "grad_clip_norm",
+        "seed",
+        "data_seed",
+        "mixed_precision",
+        "master_dtype",
+        "float8",
+        "float8_recipe",
+        "z_loss_weight",
+    }
+)
+_DATA_LOADER_KEYS = frozenset({"num_workers", "prefetch_factor", "pin_memory"})
+
+
+def shapes_learning(key: str) -> bool:
+    """True when the setting at dotted `key` changes what the run learns (see the sets above)."""
+    section, _, rest = key.partition(".")
+    name = rest.split(".", 1)[0]
+    if section == "train":
+        return name in _LEARNING_TRAIN_KEYS
+    if section == "data":
+        return name not in _DATA_LOADER_KEYS
+    return section in _LEARNING_SECTIONS
+
 
 def read_saved_config(run_dir: Path, *, missing_ok: bool = False) -> dict[str, Any]:
     """The run's settings as a dict: RUN_DIR/config.toml plus every accepted change, in order.
