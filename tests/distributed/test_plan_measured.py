@@ -100,7 +100,7 @@ def measure(overrides: list[str], *, run_step: bool = True) -> dict[str, Any]:
     from kforge_cli.engine.runtime import init_runtime
     from kforge_cli.engine.train.loss import build_loss_fn
     from kforge_cli.engine.train.optim.optimizer import build_optimizer
-    from kforge_cli.engine.train.step import loss_sum_from_output, model_computes_loss
+    from kforge_cli.engine.train.step.core import loss_sum_from_output, model_computes_loss
     from kforge_cli.settings import load_settings
 
     s = load_settings(overrides=overrides).settings
