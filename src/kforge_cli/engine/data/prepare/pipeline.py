@@ -41,7 +41,7 @@ from kforge_cli.engine.data.shards import FORMAT, FORMAT_VERSION, METADATA, Spli
 from kforge_cli.engine.data.tokenizer import ByteTokenizer, HFTokenizer, load_tokenizer, token_dtype
 from kforge_cli.errors import InvalidInputError
 from kforge_cli.files import fsync_dir
-from kforge_cli.settings.data import (
+from kforge_cli.prepare_defaults import (
     PREPARE_SHARD_TOKENS,
     PREPARE_TEXT_FIELD,
     PREPARE_TOKENIZER,
