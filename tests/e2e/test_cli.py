@@ -65,6 +65,18 @@ def test_every_help_is_free_of_torch_and_the_settings_model() -> None:
     assert int(out.split("N=")[1].split()[0]) >= 13, out
 
 
+def test_sqlite_tracking_without_full_mlflow_exits_2_naming_the_key() -> None:
+    """With only mlflow-skinny (sqlalchemy hidden here), a sqlite store is an exit 2 before anything runs."""
+    code = (
+        "import sys\nsys.modules['sqlalchemy'] = None\nfrom kforge_cli.cli.app import main\n"
+        "main(['validate-config', \"--metrics.backends=['mlflow']\", '--metrics.mlflow_tracking_uri=sqlite:///m.db'])\n"
+    )
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert r.returncode == 2, r.stderr
+    assert "metrics.mlflow_tracking_uri: 'sqlite:///m.db' is a database store" in r.stderr
+    assert "pip install 'kforge[mlflow-server]'" in r.stderr and "Traceback" not in r.stderr
+
+
 def test_validate_h100x64_reports_world_size_64(kforge, data_stub: Path) -> None:
     r = kforge("validate-config", "--profile", "h100x64", f"--data.path={data_stub}")
     assert r.returncode == 0, r.stderr

@@ -167,10 +167,12 @@ def _rule_issues(settings: JobSettings, for_run: bool) -> list[ConfigIssue]:
     problems = config_issues(settings)
     if for_run:
         from kforge_cli.settings.data_check import data_issues, make_paths_absolute, record_data_tokenizer
+        from kforge_cli.settings.tracking_check import tracking_issues
 
         make_paths_absolute(settings)
         record_data_tokenizer(settings)
         problems += data_issues(settings)
+        problems += tracking_issues(settings.metrics)
     return problems
 
 
