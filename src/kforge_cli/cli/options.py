@@ -20,7 +20,9 @@ ConfigOpt = Annotated[
 ]
 RunDirOpt = Annotated[
     Path | None,
-    typer.Option("--run-dir", help="Run directory (default runs/<profile>-<timestamp>); an existing one resumes."),
+    typer.Option(
+        "--run-dir", help="Run directory (default runs/<profile>[-<data>]-<timestamp>); an existing one resumes."
+    ),
 ]
 SbatchOpt = Annotated[
     bool, typer.Option("--sbatch", help="Write RUN_DIR/job.sbatch for SLURM and print it instead of training.")

@@ -52,6 +52,13 @@ def exit_code(outcome: TrainOutcome) -> int:
 def train_and_exit(settings: JobSettings) -> int:
     """Train per ``settings`` in this process and return the exit code (a rank of a multi-process
     job exits here at once, see `_exit_now`)."""
+    import os
+    import sys
+
+    if (
+        os.environ.get("RANK") or os.environ.get("SLURM_PROCID") or "0"
+    ) == "0":  # PyTorch takes seconds to import: say so (once per job)
+        print("kforge: starting (loading PyTorch) ...", file=sys.stderr, flush=True)
     from kforge_cli.engine.runtime import detect_launch
     from kforge_cli.engine.train import run_training
 

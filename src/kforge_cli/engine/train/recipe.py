@@ -44,6 +44,7 @@ from kforge_cli.engine.parallel import (
 )
 from kforge_cli.engine.resilience import NanGuard, ShutdownHandler
 from kforge_cli.engine.runtime import RuntimeContext, dtype_name, init_runtime, teardown_runtime
+from kforge_cli.engine.train.banner import building_line, log_start_banner
 from kforge_cli.engine.train.evaluation import eval_batches
 from kforge_cli.engine.train.hooks import StepInfo, build_hooks
 from kforge_cli.engine.train.loop import TrainOutcome, run_training_loop
@@ -159,11 +160,11 @@ def run_training(
     """Train per `settings`. The process group is torn down only after a successful run."""
     runtime = init_runtime(settings)
     run_dir = resolve_run_dir(settings, runtime)  # rank 0 holds its lock until the run ends, however it ends
-    if runtime.threads is not None:
-        log.info(runtime.threads.describe())
     with ExitStack() as stack:
         stack.callback(release_run_dir, run_dir)
         setup_logging(runtime.rank, runtime.world_size, run_dir / "logs")
+        if runtime.is_main:
+            log.info(building_line(settings, runtime))  # the banner follows once everything is built
         if runtime.is_main:
             write_config(settings, run_dir)
         shutdown = ShutdownHandler(settings.resilience.shutdown_signals).install()
@@ -231,13 +232,8 @@ def run_training(
             hooks=hooks,
             grad_scaler=grad_scaler,
         )
-        log.info(
-            "training %s on %d process(es), device %s, run dir %s",
-            settings.profile or "custom config",
-            runtime.world_size,
-            runtime.device,
-            run_dir,
-        )
+        if runtime.is_main:
+            log_start_banner(session)
         try:
             outcome = run_training_loop(session, step_fn or select_step_fn(settings))
         except BaseException:
