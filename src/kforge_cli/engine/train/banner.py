@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from kforge_cli import __version__
+from kforge_cli.engine.observe.curves import RESUMED
 from kforge_cli.engine.runtime import RuntimeContext
 from kforge_cli.settings import JobSettings
 from kforge_cli.settings.explain import vision_param_counts
@@ -181,8 +182,9 @@ def building_line(settings: JobSettings, runtime: RuntimeContext) -> str:
     return f"building the model ({params_text(total)} parameters) and the data on {runtime.device} ..."
 
 
-def log_start_banner(session: TrainingSession) -> None:
-    """Log the banner of ``session`` (call on rank 0, after the restore, before the first step)."""
+def announce_start(session: TrainingSession) -> None:
+    """Log the banner of ``session``; a job that resumed the run also writes ``{"step", "resumed": true}``
+    to metrics.jsonl (kforge plot marks it). Call on rank 0, after the restore, before the first step."""
     from kforge_cli.engine.runtime import dtype_name
     from kforge_cli.engine.train.evaluation import eval_batches
     from kforge_cli.settings.run_dir import checkpoint_root
@@ -199,3 +201,6 @@ def log_start_banner(session: TrainingSession) -> None:
     )
     for line in lines:
         log.info(line)
+    restored = session.checkpointer.restored
+    if restored is not None and restored.kind == "resume":
+        session.metrics.write({"step": session.state.step, RESUMED: True})

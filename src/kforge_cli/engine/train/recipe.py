@@ -44,7 +44,7 @@ from kforge_cli.engine.parallel import (
 )
 from kforge_cli.engine.resilience import NanGuard, ShutdownHandler
 from kforge_cli.engine.runtime import RuntimeContext, dtype_name, init_runtime, teardown_runtime
-from kforge_cli.engine.train.banner import building_line, log_start_banner
+from kforge_cli.engine.train.banner import announce_start, building_line
 from kforge_cli.engine.train.evaluation import eval_batches
 from kforge_cli.engine.train.hooks import StepInfo, build_hooks
 from kforge_cli.engine.train.loop import TrainOutcome, run_training_loop
@@ -233,7 +233,7 @@ def run_training(
             grad_scaler=grad_scaler,
         )
         if runtime.is_main:
-            log_start_banner(session)
+            announce_start(session)  # the banner; a resumed job's marker in metrics.jsonl
         try:
             outcome = run_training_loop(session, step_fn or select_step_fn(settings))
         except BaseException:

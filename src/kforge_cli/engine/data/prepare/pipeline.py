@@ -97,6 +97,7 @@ class _Assembler:
         self.last_split: str | None = None
         self.records = 0
         self.by_kind = {split: dict.fromkeys(DOCUMENT_KINDS, 0) for split in writers}
+        self.text_bytes = dict.fromkeys(writers, 0)
         self.text_files: set[int] = set()
 
     def _close(self, split: str) -> None:
@@ -107,6 +108,7 @@ class _Assembler:
 
     def add(self, seg: SegmentResult, part_fd: int, itemsize: int) -> None:
         self.records += seg.records
+        self.text_bytes[seg.split] += seg.text_bytes
         if not seg.length:
             return
         if seg.kind != "text" or (
@@ -286,7 +288,8 @@ def prepare_data(
                     on_progress(done, total)
             asm.finish()
             splits: dict[str, dict[str, Any]] = {
-                s: w.close() | {"documents_by_kind": asm.by_kind[s]} for s, w in writers.items()
+                s: w.close() | {"documents_by_kind": asm.by_kind[s], "text_bytes": asm.text_bytes[s]}
+                for s, w in writers.items()
             }
             parts.rmdir()
             sources = [
@@ -307,6 +310,8 @@ def prepare_data(
             "eos_id": tok.eos_id,
             "dtype": dtype.name,
             "document_separator": "the EOS id follows every document",
+            "text_bytes": "per split: UTF-8 bytes of the text tokenized (no EOS); bits per byte = "
+            "loss / ln(2) * tokens / text_bytes (kforge plot --bits-per-byte)",
             "documents": DOCUMENT_KINDS,
             "text_files": len(asm.text_files),
             "splits": splits,
