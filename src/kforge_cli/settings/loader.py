@@ -67,6 +67,7 @@ def parse_overrides(args: list[str]) -> list[tuple[str, Any]]:
         if not arg.startswith("--") or "." not in arg.split("=", 1)[0]:
             raise InvalidInputError(
                 f"unexpected argument {arg!r}: overrides look like --section.key=value (e.g. --model.dim=512)"
+                + _did_you_mean(arg)
             )
         if "=" in arg:
             key, raw = arg[2:].split("=", 1)
@@ -78,6 +79,15 @@ def parse_overrides(args: list[str]) -> list[tuple[str, Any]]:
         pairs.append((key.replace("-", "_"), parse_override_value(raw)))
         i += 1
     return pairs
+
+
+def _did_you_mean(arg: str) -> str:
+    """``; did you mean --optimizer.lr=1e-3?`` for a bare ``--learning_rate=1e-3`` (a key without its section)."""
+    if not arg.startswith("--"):
+        return ""
+    name, sep, raw = arg[2:].partition("=")
+    key = suggest_key([name.replace("-", "_")]) if name else None
+    return f"; did you mean --{key}{sep}{raw}?" if key else ""
 
 
 def nest(dotted: str, value: Any) -> dict[str, Any]:
