@@ -176,3 +176,20 @@ def test_heldout_states_its_batch_count_and_a_tokenizer_clash_names_both_tokeniz
     assert message.startswith(f"--task heldout:{bpe}: that directory was prepared with a tokenizer.json (vocab ")
     assert "the run was trained on the built-in corpus with the byte tokenizer" in message
     assert "eval.path" not in message and "--tokenizer byte" in message
+
+
+def test_generate_names_a_bad_prompt_by_its_place_counting_from_1(
+    run_dir: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from kforge_cli.cli.app import main
+
+    for prompts, message in (
+        (["The cat", "", "A dog"], "prompt 2 is empty"),
+        (["The cat", "A dog", "x" * 100], "prompt 3 is 100 tokens, longer than the model's max_seq_len=64"),
+    ):
+        args = [a for p in prompts for a in ("-p", p)]
+        with pytest.raises(SystemExit) as done:
+            main(["generate", str(run_dir), *args, "--max-new-tokens", "2"])
+        err = capsys.readouterr()
+        assert done.value.code == 2 and message in err.err, err.err
+        assert err.out == ""  # nothing generated before the check

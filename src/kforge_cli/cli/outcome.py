@@ -33,7 +33,8 @@ def exit_code(outcome: TrainOutcome) -> int:
     """Log how the run ended and return its exit code."""
     if outcome.status == "completed":
         loss = f"{outcome.last_loss:.4f}" if outcome.last_loss is not None else "n/a"
-        log.info("training complete: %d steps, final loss %s, run dir %s", outcome.step, loss, outcome.run_dir)
+        steps = f"{outcome.step} step{'' if outcome.step == 1 else 's'}"
+        log.info("training complete: %s, final loss %s, run dir %s", steps, loss, outcome.run_dir)
         return EXIT_OK
     if outcome.checkpoint_saved:
         log.warning(

@@ -14,7 +14,7 @@ def register(app: typer.Typer) -> None:
 
 def plot(
     run_dirs: Annotated[
-        list[Path], typer.Argument(help="Run directories (their metrics.jsonl), side by side.", metavar="RUN_DIR...")
+        list[Path], typer.Argument(help="Run directories (their metrics.jsonl), side by side.", metavar="RUN_DIR")
     ],
     out: Annotated[Path, typer.Option("--out", "-o", help="The PNG to write.")] = Path("curves.png"),
     metric: Annotated[

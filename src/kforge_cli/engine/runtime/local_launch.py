@@ -46,6 +46,10 @@ def _child_env(nproc: int, rank: int, port: int) -> dict[str, str]:
         MASTER_PORT=str(port),
         KFORGE_LOCAL_CHILD="1",  # cli.options.LOCAL_CHILD_ENV: the launcher printed the config warnings once
     )
+    if rank != 0 and "TORCH_CPP_LOG_LEVEL" not in os.environ:
+        # torch's C++ warnings (e.g. "No backend of type 0 found" at teardown) once, from rank 0, not N times;
+        # the Python warnings of the other ranks go to their logs/rank_N.log (engine.observe.logs)
+        env["TORCH_CPP_LOG_LEVEL"] = "ERROR"
     return env
 
 
