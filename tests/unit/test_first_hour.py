@@ -129,3 +129,27 @@ def test_training_complete_says_1_step(caplog: pytest.LogCaptureFixture) -> None
     with caplog.at_level(logging.INFO, logger="kforge"):
         exit_code(TrainOutcome(status="completed", step=1, run_dir=Path("r"), last_loss=2.0, last_eval_loss=None))
     assert "training complete: 1 step, final loss 2.0000" in caplog.text
+
+
+def test_integer_settings_refuse_quoted_and_decimal_values_but_env_text_is_parsed(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from kforge_cli.errors import ConfigError
+    from kforge_cli.settings import load_settings
+
+    config = tmp_path / "c.toml"
+    config.write_text('[train]\nmax_steps = "100"\n')
+    with pytest.raises(ConfigError) as err:
+        load_settings(config=config, use_env=False)
+    assert [i.path for i in err.value.issues] == ["train.max_steps"]
+    assert "not the string '100': write it without quotes" in str(err.value) and str(config) in str(err.value)
+    with pytest.raises(ConfigError) as err:
+        load_settings(overrides=["--train.batch_size=8.0"], use_env=False)
+    assert "train.batch_size" in str(err.value) and "not the float 8.0" in str(err.value)
+    with pytest.raises(ConfigError):
+        load_settings(overrides=["--train.data_seed=3.0"], use_env=False)  # int | None too
+    assert (
+        load_settings(overrides=["--optimizer.lr=1", "--train.data_seed=3"], use_env=False).settings.optimizer.lr == 1.0
+    )
+    monkeypatch.setenv("KFORGE_TRAIN__MAX_STEPS", "100")  # environment variables are text: parsed
+    assert load_settings().settings.train.max_steps == 100

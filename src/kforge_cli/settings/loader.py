@@ -140,7 +140,8 @@ def load_settings(
     if use_env:
         env = EnvSettingsSource(JobSettings)()
         for path in leaf_paths(env):
-            layers.append((f"env KFORGE_{path.upper().replace('.', '__')}", nest(path, _get(env, path))))
+            value = _env_value(path, _get(env, path))
+            layers.append((f"env KFORGE_{path.upper().replace('.', '__')}", nest(path, value)))
     for key, value in parse_overrides(overrides or []):
         layers.append((f"command line --{key}", nest(key, value)))
 
@@ -203,6 +204,22 @@ def _validate_without(merged: dict[str, Any], locs: list[tuple[Any, ...]]) -> Jo
         return JobSettings.model_validate(data)
     except ValidationError:
         return None
+
+
+def _env_value(dotted: str, value: Any) -> Any:
+    """An environment variable's text as the integer an integer field needs (``KFORGE_TRAIN__MAX_STEPS=100``);
+    a TOML file or the command line gives the integer itself, and a quoted one there is refused."""
+    from kforge_cli.settings.section import is_int_field
+
+    loc = dotted.split(".")
+    model = _model_at(loc[:-1])
+    info = model.model_fields.get(loc[-1]) if model is not None else None
+    if isinstance(value, str) and info is not None and is_int_field(info.annotation):
+        try:
+            return int(value.strip())
+        except ValueError:
+            return value  # refused by the field, naming the variable
+    return value
 
 
 def _get(data: dict[str, Any], dotted: str) -> Any:
