@@ -153,3 +153,41 @@ def test_integer_settings_refuse_quoted_and_decimal_values_but_env_text_is_parse
     )
     monkeypatch.setenv("KFORGE_TRAIN__MAX_STEPS", "100")  # environment variables are text: parsed
     assert load_settings().settings.train.max_steps == 100
+
+
+def test_tensorboard_tags_are_grouped() -> None:
+    from kforge_cli.engine.observe.tensorboard_backend import tensorboard_tag
+
+    tags = {
+        k: tensorboard_tag(k)
+        for k in (
+            "loss",
+            "lr",
+            "grad_norm",
+            "tokens_seen",
+            "loss/web",
+            "tokens/web",
+            "eval_loss",
+            "tokens_per_sec",
+            "mfu",
+            "peak_rss_gib",
+            "checkpoint_step",
+            "checkpoint/bytes",
+            "eval/heldout/loss",
+        )
+    }
+    assert tags == {
+        "loss": "train/loss",
+        "lr": "train/lr",
+        "grad_norm": "train/grad_norm",
+        "tokens_seen": "train/tokens_seen",
+        "loss/web": "train/loss/web",
+        "tokens/web": "train/tokens/web",
+        "eval_loss": "eval/loss",
+        "tokens_per_sec": "perf/tokens_per_sec",
+        "mfu": "perf/mfu",
+        "peak_rss_gib": "memory/peak_rss_gib",
+        "checkpoint_step": "checkpoint/step",
+        "checkpoint/bytes": "checkpoint/bytes",
+        "eval/heldout/loss": "eval/heldout/loss",
+    }

@@ -12,11 +12,10 @@ lines and generated job scripts).
 
 from __future__ import annotations
 
-import unicodedata
-from typing import Any
-
 import types
 import typing
+import unicodedata
+from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
 
