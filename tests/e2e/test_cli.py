@@ -47,6 +47,36 @@ def test_cheap_commands_do_not_import_torch(argv: list[str]) -> None:
     assert "HEAVY=\n" in out, out
 
 
+def test_every_help_is_free_of_torch_and_the_settings_model() -> None:
+    """`kforge --help` and every `kforge SUB --help` stay cheap (bench/cli_startup.py: <= 1.3x a bare Typer app)."""
+    code = (
+        "import sys\nfrom kforge_cli.cli.app import app, main\n"
+        "names = [''] + [c.name for c in app.registered_commands]\n"
+        "for g in app.registered_groups:\n"
+        "    names += [g.name] + [f'{g.name} {c.name}' for c in g.typer_instance.registered_commands]\n"
+        "for name in names:\n"
+        "    try:\n        main([*name.split(), '--help'])\n    except SystemExit:\n        pass\n"
+        "heavy = [m for m in ('torch', 'numpy', 'pydantic_settings', 'kforge_cli.settings', 'kforge_cli.engine')"
+        " if m in sys.modules]\n"
+        "print(f'N={len(names)} HEAVY=' + ','.join(heavy))\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert "HEAVY=\n" in out, out
+    assert int(out.split("N=")[1].split()[0]) >= 13, out
+
+
+def test_sqlite_tracking_without_full_mlflow_exits_2_naming_the_key() -> None:
+    """With only mlflow-skinny (sqlalchemy hidden here), a sqlite store is an exit 2 before anything runs."""
+    code = (
+        "import sys\nsys.modules['sqlalchemy'] = None\nfrom kforge_cli.cli.app import main\n"
+        "main(['validate-config', \"--metrics.backends=['mlflow']\", '--metrics.mlflow_tracking_uri=sqlite:///m.db'])\n"
+    )
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert r.returncode == 2, r.stderr
+    assert "metrics.mlflow_tracking_uri: 'sqlite:///m.db' is a database store" in r.stderr
+    assert "pip install 'kforge[mlflow-server]'" in r.stderr and "Traceback" not in r.stderr
+
+
 def test_validate_h100x64_reports_world_size_64(kforge, data_stub: Path) -> None:
     r = kforge("validate-config", "--profile", "h100x64", f"--data.path={data_stub}")
     assert r.returncode == 0, r.stderr

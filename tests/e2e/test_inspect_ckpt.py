@@ -89,9 +89,9 @@ def test_in_loop_eval_tasks_over_two_ranks_equal_the_one_process_scores(fsdp_run
     assert (logged["eval/tiny_mc/acc"], logged["eval/tiny_mc/acc_norm"]) == (right / 3, right_norm / 3)
 
 
-def inspect_json(*args: str) -> dict:
+def inspect_json(*args: str, code: int = 0) -> dict:
     r = run_kforge("inspect-ckpt", *args, "--json")
-    assert r.returncode == 0, r.stderr[-3000:]
+    assert r.returncode == code, r.stderr[-3000:]
     return json.loads(r.stdout)
 
 
@@ -112,8 +112,10 @@ def test_text_output_and_run_dir_resolution(fsdp_run: Path) -> None:
     r = run_kforge("inspect-ckpt", str(fsdp_run))
     assert r.returncode == 0, r.stderr[-3000:]
     assert f"{fsdp_run / 'checkpoints' / 'step_4'}  [kforge, complete]" in r.stdout
-    assert "step 4, 512 tokens seen" in r.stdout and "written by 2 rank(s)" in r.stdout
-    assert "model.layers.1.feed_forward.w2.weight" in r.stdout
+    assert "step 4, 512 tokens seen" in r.stdout and "written by 2 ranks" in r.stdout
+    assert "    feed_forward.w2.weight" in r.stdout and "layers.1.feed_forward.w2.weight" not in r.stdout
+    full = run_kforge("inspect-ckpt", str(fsdp_run), "--all")
+    assert full.returncode == 0 and "layers.1.feed_forward.w2.weight" in full.stdout
 
 
 def test_tensor_statistics_match_the_loaded_model(fsdp_run: Path) -> None:
@@ -144,7 +146,7 @@ def test_verify_accepts_the_checkpoint_and_fails_cleanly_on_a_truncated_shard(fs
 
 def test_diff_of_two_steps_lists_the_changed_tensors(fsdp_run: Path) -> None:
     ckpts = fsdp_run / "checkpoints"
-    data = inspect_json(str(ckpts / "step_2"), "--diff", str(ckpts / "step_4"))
+    data = inspect_json(str(ckpts / "step_2"), "--diff", str(ckpts / "step_4"), code=1)
     changed = {d["name"] for d in data["differing"]}
     model_tensors = {
         t["name"] for t in inspect_json(str(ckpts / "step_4"))["tensors"] if t["name"].startswith("model.")
@@ -152,7 +154,7 @@ def test_diff_of_two_steps_lists_the_changed_tensors(fsdp_run: Path) -> None:
     assert model_tensors <= changed and not data["identical"]
     assert all(d["max_abs"] > 0 and d["rel_l2"] > 0 for d in data["differing"])
     text = run_kforge("inspect-ckpt", str(ckpts / "step_2"), "--diff", str(ckpts / "step_4"))
-    assert text.returncode == 0 and "model.output.weight" in text.stdout
+    assert text.returncode == 1 and "model.output.weight" in text.stdout  # 1: they differ, like diff
     assert f"{len(changed)} of {data['compared']} common tensors differ" in text.stdout
 
 

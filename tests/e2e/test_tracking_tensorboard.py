@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 
+from kforge_cli.engine.observe.tensorboard_backend import tensorboard_tag
 from tests.conftest import REPO
 from tests.e2e.test_tracking_hooks import HOOKS, TINY, hook_env, numeric_metrics
 from tests.e2e.test_tracking_mlflow import read_jsonl
@@ -50,9 +51,10 @@ def test_preempted_and_requeued_job_is_one_tensorboard_run(kforge, tmp_path: Pat
     events = EventAccumulator(str(run_dir / "tensorboard"), size_guidance={"scalars": 0})
     events.Reload()
     tags = set(events.Tags()["scalars"])
-    assert {"loss", "eval_loss", "lr", "grad_norm", "checkpoint_step"} <= tags
+    assert {"train/loss", "eval/loss", "train/lr", "train/grad_norm", "checkpoint/step"} <= tags  # grouped
+    assert {tag.split("/", 1)[0] for tag in tags} <= {"train", "eval", "perf", "memory", "checkpoint"}, tags
     for key, by_step in expected.items():
-        scalars = events.Scalars(key)
+        scalars = events.Scalars(tensorboard_tag(key))
         assert [s.step for s in scalars] == sorted(by_step), key  # every step once: the redone step 4 purged
         for s in scalars:
             assert s.value == pytest.approx(by_step[s.step], rel=1e-6), (key, s.step)  # stored as float32

@@ -133,3 +133,60 @@ def test_profile_given_as_a_path_names_the_run_dir_like_sbatch(kforge, tmp_path:
         sum((p / "job.sbatch").is_file() for p in runs) == 1 and sum((p / "metrics.jsonl").is_file() for p in runs) == 1
     )
     assert not list(profile.parent.glob("my.toml-*")), "a run directory was created next to the profile"
+
+
+def test_first_screen_threads_banner_once_before_the_first_step_and_a_run_name_with_the_data(
+    kforge, tmp_path: Path
+) -> None:
+    """The first screen: a line at once, one while the model builds, then the banner once, then the steps."""
+    src = tmp_path / "corpus.txt"
+    src.write_text("\n".join(f"line {i} of a small corpus" for i in range(400)))
+    data = tmp_path / "my data!"  # the run name keeps only safe characters
+    assert kforge("prepare-data", str(src), "--out", str(data), "--quiet").returncode == 0
+    meta = __import__("json").loads((data / "metadata.json").read_text())
+    work = tmp_path / "work"
+    work.mkdir()
+    model = ["--model.dim=32", "--model.n_layers=1", "--model.n_heads=2", "--model.n_kv_heads=1"]
+    r = kforge(
+        "train",
+        f"--data.path={data}",
+        *model,
+        "--train.batch_size=2",
+        "--train.seq_len=32",
+        "--train.max_steps=3",
+        "--scheduler.warmup_steps=1",
+        "--eval.interval=2",
+        "--eval.steps=3",
+        "--checkpoint.interval=2",
+        "--metrics.log_interval=2",
+        "--metrics.progress_bar=off",
+        "--train.num_threads=1",
+        cwd=work,
+    )
+    assert r.returncode == 0, r.stderr[-3000:]
+    (run,) = list((work / "runs").iterdir())
+    assert re.fullmatch(r"cpu-debug-my-data-\d{8}-\d{6}", run.name), run.name
+    lines = [line.split("[INFO] ", 1)[1] if "[INFO] " in line else line for line in r.stderr.splitlines()]
+    assert lines[0] == "kforge: starting (loading PyTorch) ..."
+    assert sum(line.startswith("kforge 0.") and ": training cpu-debug" in line for line in lines) == 1
+    first = lines.index(next(line for line in lines if ": training cpu-debug" in line))
+    building = lines.index(next(line for line in lines if line.startswith("building the model")))
+    step1 = lines.index(next(line for line in lines if line.startswith("step 1/3")))
+    assert building < first < step1
+    banner = lines[first + 1 : step1]
+    from kforge_cli.settings import load_settings
+
+    total = load_settings(overrides=model).settings.model.param_count()
+    train, val = meta["splits"]["train"]["tokens"], meta["splits"]["val"]["tokens"]
+    assert banner == [
+        f"  model: {total / 1e3:,.1f}K parameters, dim 32, 1 layer, 2 heads (1 kv), vocab 320",
+        "  step: 64 tokens (batch 2 x seq 32 x dp 1); 3 steps = 192 tokens",
+        f"  data: {data} (byte tokenizer, {train:,} train + {val:,} val tokens)",
+        "  mesh: 1 process, pp=1 dp_replicate=1 dp_shard=1 tp=1",
+        "  device: cpu, compute fp32, 1 CPU thread per process (train.num_threads)",
+        f"  run dir: {run}",
+        f"  checkpoints: every 2 steps, and at the end, keep the last 2 -> {run / 'checkpoints'}",
+        "  eval: every 2 steps and at the end, 3 held-out batches of 2 x 32 tokens",
+        f"  trackers: jsonl ({run / 'metrics.jsonl'})",
+    ]
+    assert [line.split(" | ")[0] for line in lines if line.startswith("step ")] == ["step 1/3", "step 2/3", "step 3/3"]

@@ -128,7 +128,7 @@ def reference(slurm_cluster: LocalSlurm, tmp_path_factory: pytest.TempPathFactor
     out = batch_log(run_dir, job_id)
     assert f"kforge: job {job_id} restart 0" in out and "kforge: training complete" in out, out
     rank0 = (run_dir / "logs" / "rank_0.log").read_text()
-    assert "on 2 process(es), device cpu" in rank0 and (run_dir / "logs" / "rank_1.log").is_file()
+    assert "mesh: 2 processes, pp=1 dp_replicate=1 dp_shard=2" in rank0 and (run_dir / "logs" / "rank_1.log").is_file()
     assert {f.name for f in (run_dir / "logs").glob("srun_rank*.out")} == {"srun_rank0.out", "srun_rank1.out"}
     curve = losses(run_dir)
     assert sorted(curve) == list(range(1, STEPS + 1))

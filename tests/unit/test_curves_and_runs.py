@@ -1,4 +1,4 @@
-"""`kforge plot` (PNG size, axes, a requeued run as one continuous curve) and `kforge runs` (status per run)."""
+"""`kforge runs` (status per run); `kforge plot` is in test_plot.py."""
 
 from __future__ import annotations
 
@@ -10,7 +10,6 @@ from pathlib import Path
 import pytest
 
 from kforge_cli.cli.runs_table import list_runs
-from kforge_cli.engine.observe.curves import plot_runs
 from kforge_cli.rundir.names import COMMIT_FILE, DCP_METADATA, SUMMARY_FILE
 
 
@@ -44,27 +43,6 @@ def _requeued() -> list[dict]:
     first = [_train(s, 5.0 - 0.1 * s) for s in range(1, 7)]
     second = [_train(s, 4.0 - 0.1 * s) for s in range(5, 9)]
     return [*first, {"step": 4, "eval_loss": 4.5}, *second, {"step": 8, "eval_loss": 3.5}]
-
-
-def test_plot_two_runs_png_size_axes_and_a_continuous_requeued_curve(tmp_path: Path) -> None:
-    import matplotlib.image
-
-    a = _run(tmp_path, "a", _requeued(), 8)
-    b = _run(tmp_path, "b", [_train(s, 6.0 - 0.2 * s) for s in range(1, 9)], 8)
-    fig = plot_runs([a, b], tmp_path / "curves.png")
-    png = matplotlib.image.imread(tmp_path / "curves.png")
-    assert png.shape[:2] == (720, 1500)  # 2 rows x 3 columns of 5 x 3.6 inches at 100 dpi
-    visible = [ax for ax in fig.axes if ax.get_visible()]
-    assert [ax.get_title() for ax in visible] == ["loss", "eval_loss", "lr", "grad_norm", "tokens_per_sec"]
-    assert all(ax.get_xlabel() == "step" for ax in visible)
-    loss_a, loss_b = visible[0].get_lines()
-    assert loss_a.get_label() == "a" and loss_b.get_label() == "b"
-    assert list(loss_a.get_xdata()) == [1, 2, 3, 4, 5, 6, 7, 8]  # once per step, in order: one curve
-    assert list(loss_a.get_ydata())[4:] == pytest.approx([3.5, 3.4, 3.3, 3.2])  # the requeued job's values win
-    (eval_a,) = visible[1].get_lines()  # run b logged no eval
-    assert list(eval_a.get_xdata()) == [4, 8]
-    fig = plot_runs([a], tmp_path / "tok.png", metrics=["loss"], x="tokens")
-    assert fig.axes[0].get_xlabel() == "tokens" and list(fig.axes[0].get_lines()[0].get_xdata())[-1] == 512
 
 
 def test_runs_table_statuses(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

@@ -147,3 +147,49 @@ def test_lm_eval_adapter_scores_like_our_own_scoring(run_dir: Path) -> None:
     ((ll, _),) = adapter.loglikelihood([Req()])
     tok = loaded.tokenizer
     assert ll == pytest.approx(continuation_logliks(loaded.model, tok.encode(Req.args[0]), [tok.encode(" mat")])[0])
+
+
+def test_heldout_states_its_batch_count_and_a_tokenizer_clash_names_both_tokenizers(
+    run_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from kforge_cli.cli.app import main
+    from kforge_cli.engine.data.prepare.pipeline import prepare_data
+    from tests.unit.test_data_tokens import _bpe_file
+
+    with pytest.raises(SystemExit) as done:
+        main(["eval", str(run_dir), "--task", "heldout", "--no-log"])
+    assert done.value.code == 0
+    got = run_task(open_for_inference(run_dir), "heldout")
+    assert (got["batches"], got["tokens"]) == (3.0, 3 * 2 * 32) and got["val_tokens"] > got["tokens"]
+    line = next(x for x in capsys.readouterr().out.splitlines() if x.startswith("heldout: "))
+    assert line == (
+        f"heldout: loss over 3 held-out batches (192 tokens of the {int(got['val_tokens']):,} in the val split; "
+        "--steps N for more)"
+    )
+    text = tmp_path / "t.txt"
+    text.write_text("the cat sat on the mat\n" * 200)
+    bpe = tmp_path / "bpe"
+    prepare_data([text], bpe, tokenizer=str(_bpe_file(tmp_path, ["<|endoftext|>"])), val_fraction=0.1, workers=1)
+    with pytest.raises(InvalidInputError) as err:
+        run_task(open_for_inference(run_dir), f"heldout:{bpe}")
+    message = str(err.value)
+    assert message.startswith(f"--task heldout:{bpe}: that directory was prepared with a tokenizer.json (vocab ")
+    assert "the run was trained on the built-in corpus with the byte tokenizer" in message
+    assert "eval.path" not in message and "--tokenizer byte" in message
+
+
+def test_generate_names_a_bad_prompt_by_its_place_counting_from_1(
+    run_dir: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from kforge_cli.cli.app import main
+
+    for prompts, message in (
+        (["The cat", "", "A dog"], "prompt 2 is empty"),
+        (["The cat", "A dog", "x" * 100], "prompt 3 is 100 tokens, longer than the model's max_seq_len=64"),
+    ):
+        args = [a for p in prompts for a in ("-p", p)]
+        with pytest.raises(SystemExit) as done:
+            main(["generate", str(run_dir), *args, "--max-new-tokens", "2"])
+        err = capsys.readouterr()
+        assert done.value.code == 2 and message in err.err, err.err
+        assert err.out == ""  # nothing generated before the check

@@ -239,3 +239,53 @@ def test_load_model_from_a_plain_dcp_dir_needs_the_model_settings(run: Saved, tm
     model = load_model(tmp_path, model_settings=run.settings.model)
     for name, value in model.state_dict().items():
         assert torch.equal(value, run.weights[2][name]), name
+
+
+def test_cli_summary_groups_blocks_one_optimizer_line_per_kind_and_fits_100_columns(
+    run: Saved, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from kforge_cli.cli.app import main
+
+    def cli(*args: str) -> tuple[int, str]:
+        with pytest.raises(SystemExit) as exit_info:
+            main(["inspect-ckpt", *args])
+        return int(exit_info.value.code or 0), capsys.readouterr().out
+
+    code, text = cli(str(run.steps[2]))
+    lines = text.splitlines()
+    assert code == 0 and all(len(line) <= 100 for line in lines[1:]), max(lines[1:], key=len)
+    n_params = len(dict(run.model.named_parameters()))
+    block = [n for n, _ in run.model.named_parameters() if n.startswith("layers.0.")]
+    per_block = sum(p.numel() for n, p in run.model.named_parameters() if n.startswith("layers.0."))
+    row = next(line for line in lines if line.startswith("layers.0-1 "))
+    assert row.split()[1:6] == ["2", "blocks", "x", str(len(block)), "float32"]
+    assert row.split()[6] == f"{2 * per_block:,}"
+    spelled = [line.split()[0] for line in lines if line.startswith("    ")]
+    assert spelled == [n.removeprefix("layers.0.") for n in block]  # one block spelled out, not both
+    assert not any(line.startswith("layers.1.") or "optimizer.state." in line for line in lines)
+    start = next(i for i, line in enumerate(lines) if line.startswith("optimizer state "))
+    end = lines.index("", start)
+    kinds = {line.split()[0]: line.split()[1] for line in lines[start + 1 : end]}
+    assert kinds == {"step": str(n_params), "exp_avg": str(n_params), "exp_avg_sq": str(n_params)}, kinds
+    code, full = cli(str(run.steps[2]), "--all")
+    full_lines = full.splitlines()
+    assert code == 0 and all(len(line) <= 100 for line in full_lines[1:])
+    assert sum(line.startswith("state.") for line in full_lines) == 3 * n_params  # every optimizer tensor
+    assert sum(line.startswith("layers.") for line in full_lines) == 2 * len(block)
+
+
+def test_cli_diff_exits_1_when_the_checkpoints_differ_and_0_when_identical(
+    run: Saved, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from kforge_cli.cli.app import main
+
+    for other, json_flag, expected in (
+        (run.steps[1], [], 1),
+        (run.steps[1], ["--json"], 1),
+        (run.steps[2], [], 0),
+    ):
+        with pytest.raises(SystemExit) as exit_info:
+            main(["inspect-ckpt", str(run.steps[2]), "--diff", str(other), *json_flag])
+        assert exit_info.value.code == expected, (other, json_flag)
+    out = capsys.readouterr().out
+    assert "common tensors differ" in out and '"identical": false' in out and "0 of " in out

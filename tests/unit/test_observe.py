@@ -235,15 +235,26 @@ def test_progress_disabled_is_a_noop(caplog: pytest.LogCaptureFixture) -> None:
     assert caplog.records == []
 
 
-def test_progress_bar_mode_keeps_lines_out_of_the_console(caplog: pytest.LogCaptureFixture) -> None:
-    logger = logging.getLogger("kforge_test.progress")
-    progress = ProgressReporter(10, 0, "on", True, logger)
-    with caplog.at_level(logging.INFO, logger=logger.name), progress:
-        assert progress.uses_bar
-        progress.update(1, {"loss": 1.0})
-    assert not progress.uses_bar  # closed by the with block
-    records = [(r.getMessage().split(" | ")[0], getattr(r, SKIP_CONSOLE)) for r in caplog.records]
-    assert records == [("step 1/10", True)]
+def test_progress_bar_mode_keeps_a_permanent_loss_line_per_log_interval(monkeypatch: pytest.MonkeyPatch) -> None:
+    """With the bar, each logged step's loss line stays in the terminal's scrollback (printed above the bar)."""
+    import io
+    import sys
+
+    monkeypatch.setenv("FORCE_COLOR", "1")  # a terminal, as far as rich is concerned
+    monkeypatch.setenv("COLUMNS", "120")
+    terminal = io.StringIO()
+    monkeypatch.setattr(sys, "stderr", terminal)
+    logger = setup_logging(0, 1, None)
+    try:
+        with ProgressReporter(30, 0, "on", True, logger) as progress:
+            assert progress.uses_bar
+            for step, loss in ((10, 3.25), (20, 2.5), (30, 2.125)):
+                progress.update(step, {"loss": loss})
+    finally:
+        shutdown_logging()
+    shown = re.sub(r"\x1b\[[0-9;?]*[A-Za-z]", "", terminal.getvalue()).splitlines()
+    kept = [line.split("[INFO] ")[1].split(" | eta")[0] for line in shown if "[INFO] step " in line]
+    assert kept == ["step 10/30 | loss 3.2500", "step 20/30 | loss 2.5000", "step 30/30 | loss 2.1250"], shown
 
 
 def test_log_lines_above_a_live_bar_keep_a_long_run_dir_path_on_one_line(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -99,3 +99,18 @@ def test_a_requeued_slurm_job_waits_for_the_old_lock_to_go(tmp_path: Path, monke
     with acquire_run_lock(run) as new:  # requeued: waits (up to REQUEUE_WAIT_S) instead of failing
         assert json.loads((run / LOCK_FILE).read_text())["slurm_job_id"] == "4242"
     assert new is not None
+
+
+def test_default_run_names_carry_the_data_name() -> None:
+    from kforge_cli.rundir.layout import run_name
+    from kforge_cli.settings import load_settings
+
+    def name(*overrides: str, profile: str | None = None) -> str:
+        return run_name(load_settings(profile=profile, overrides=list(overrides), use_env=False).settings)
+
+    assert name() == "cpu-debug"  # the built-in corpus: the profile alone, as before
+    assert name("--data.path=/scratch/data/fineweb-10B/") == "cpu-debug-fineweb-10B"
+    assert name("--data.path=/d/my data (v2)") == "cpu-debug-my-data-v2"
+    five = ", ".join(f'{{name="d{i}", path="/d/{i}"}}' for i in range(5))
+    assert name(f"--data.datasets=[{five}]") == "cpu-debug-d0+d1+d2+2more"
+    assert len(name(f"--data.path=/d/{'x' * 100}")) == len("cpu-debug-") + 40

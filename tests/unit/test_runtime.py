@@ -227,5 +227,21 @@ def test_thread_choice_prefers_settings_then_env_then_a_fair_share_of_free_cores
     assert choose_threads(None, {}, allowed=2, busy=1).threads == 1
     assert choose_threads(None, {}, allowed=16, busy=0).threads == 16
     shared = choose_threads(None, {"LOCAL_WORLD_SIZE": "4"}, allowed=16, busy=2)
-    assert shared.threads == 3 and "4 local process(es)" in shared.describe()
+    assert shared.describe() == (
+        "3 CPU threads per process (automatic: 16 cores available, 2 busy with other work, 4 local processes; "
+        "set train.num_threads or OMP_NUM_THREADS to choose)"
+    )
+    assert (
+        choose_threads(None, {}, allowed=1, busy=0).describe().startswith("1 CPU thread per process (automatic: 1 core")
+    )
     assert choose_threads(None, {}, allowed=2, busy=5).threads == 1  # never zero
+
+
+def test_explain_num_threads_states_the_automatic_rule_not_torchs_default() -> None:
+    from kforge_cli.settings import load_settings
+    from kforge_cli.settings.explain import explain_key
+
+    text = explain_key(load_settings(), "train.num_threads")
+    assert "torch's default" not in text
+    for rule in ("OMP_NUM_THREADS", "automatic", "affinity, cgroup quota", "busy", "divided by the local processes"):
+        assert rule in text, rule

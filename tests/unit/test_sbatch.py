@@ -199,7 +199,7 @@ def test_multi_node_profiles_without_partition_or_account_warn(
 ) -> None:
     code, _, err = run_cli(["validate-config", "-p", "h100x64", f"--data.path={data_stub}"], capsys)
     assert code == 0, err
-    assert "warning: slurm.partition: not set for a 8-node job" in err and "warning: slurm.account" in err
+    assert "warning: slurm.partition: not set for an 8-node job" in err and "warning: slurm.account" in err
     code, _, err = run_cli(
         ["validate-config", "-p", "h100x64", f"--data.path={data_stub}", "--slurm.partition=p", "--slurm.account=a"],
         capsys,

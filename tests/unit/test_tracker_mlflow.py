@@ -7,6 +7,7 @@ dies mid-run) is in tests/e2e/test_tracking_mlflow.py.
 from __future__ import annotations
 
 import logging
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -25,7 +26,7 @@ from kforge_cli.engine.observe.mlflow_backend import (
 )
 from kforge_cli.engine.observe.tracker import CheckpointMark, MetricPoints, RunInfo
 from kforge_cli.engine.train import TrainHook, run_training
-from kforge_cli.errors import InvalidInputError
+from kforge_cli.errors import ConfigError, InvalidInputError
 from kforge_cli.settings import JobSettings, load_settings
 from kforge_cli.settings.explain import to_toml
 from kforge_cli.settings.infrastructure import MetricsSettings
@@ -103,6 +104,24 @@ def test_file_stores_are_refused_and_sqlite_artifacts_sit_next_to_the_db(
         resolve_tracking_uri(None)
     assert local_artifact_root(f"sqlite:///{tmp_path}/m.db") == (tmp_path / "mlartifacts").as_uri()
     assert local_artifact_root("http://host:5000") is None
+
+
+def test_a_database_store_without_the_full_mlflow_is_refused_naming_the_key(monkeypatch: pytest.MonkeyPatch) -> None:
+    """kforge depends on mlflow-skinny; sqlite (MLflow's default store) needs sqlalchemy/alembic from full mlflow."""
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    assert resolve_tracking_uri("sqlite:///x.db") == "sqlite:///x.db"  # full mlflow (dev) installed here
+    monkeypatch.setitem(sys.modules, "sqlalchemy", None)  # find_spec -> None: as with mlflow-skinny alone
+    for uri, said in (("sqlite:///x.db", "'sqlite:///x.db' is a database store"), (None, "is not set")):
+        with pytest.raises(InvalidInputError, match="metrics.mlflow_tracking_uri") as err:
+            resolve_tracking_uri(uri)
+        assert said in str(err.value) and "kforge[mlflow-server]" in str(err.value)
+    assert resolve_tracking_uri("http://tracker:5000") == "http://tracker:5000"
+    mlflow_on = ["--metrics.backends=['jsonl', 'mlflow']"]
+    with pytest.raises(ConfigError) as cfg:
+        load_settings(overrides=[*mlflow_on, "--metrics.mlflow_tracking_uri=postgresql+psycopg2://h/db"], for_run=True)
+    assert [i.path for i in cfg.value.issues] == ["metrics.mlflow_tracking_uri"]
+    load_settings(overrides=[*mlflow_on, "--metrics.mlflow_tracking_uri=https://h"], for_run=True)
+    load_settings(overrides=["--metrics.mlflow_tracking_uri=sqlite:///x.db"], for_run=True)  # mlflow not a backend
 
 
 def test_run_is_logged_stopped_and_continued_as_one_run(tmp_path: Path, db_dir: Path, warnings_seen: list[str]) -> None:

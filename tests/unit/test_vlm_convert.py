@@ -67,7 +67,7 @@ def test_converted_mot_gives_the_dense_logits_on_text(tmp_path: Path) -> None:
     report = verify_checkpoint(result.path)  # weights only: complete without RNG or optimizer state
     assert report.ok, report.problems
     listing = _summary_text(summarize(view))
-    assert "complete, weights only" in listing and "rank(s) ()" not in listing and "written by 1 rank(s);" in listing
+    assert "complete, weights only" in listing and "rank(s) ()" not in listing and "written by 1 rank;" in listing
     mot = build_vlm(s)
     load_model_weights(mot, dcp_dirs(result.path), [])
     ids, pixels = inputs(batch=3)

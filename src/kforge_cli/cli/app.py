@@ -26,7 +26,7 @@ from kforge_cli.cli import (
     train,
     validate,
 )
-from kforge_cli.cli.help_text import apply_readable_help
+from kforge_cli.cli.help_text import apply_readable_help, plain_metavars
 
 app = typer.Typer(
     name="kforge",
@@ -64,7 +64,9 @@ def main(argv: list[str] | None = None) -> None:
     from kforge_cli.errors import KforgeError
 
     try:
-        app(args=argv, prog_name="kforge")
+        command = typer.main.get_command(app)
+        plain_metavars(command)
+        command(args=argv, prog_name="kforge")
     except KforgeError as exc:
         typer.echo(f"error: {exc}", err=True)
         sys.exit(exc.exit_code)

@@ -41,6 +41,13 @@ def evaluate(
     for name, metrics in results.items():
         for metric, value in metrics.items():
             typer.echo(f"{name:<24} {metric:<12} {value:>12.6g}")
+    for name, metrics in results.items():
+        if "batches" in metrics:  # say how much of the val split the held-out loss covers
+            n, tokens, held = int(metrics["batches"]), int(metrics["tokens"]), int(metrics.get("val_tokens", 0))
+            typer.echo(
+                f"{name}: loss over {n} held-out {'batch' if n == 1 else 'batches'} ({tokens:,} tokens of the "
+                f"{held:,} in the val split; --steps N for more)"
+            )
     if path is not None:
         logged = f"; logged at step {loaded.step} to metrics.jsonl" + "".join(f", {b}" for b in backends)
         typer.echo(f"wrote {path}{logged if not no_log else ''}")

@@ -58,7 +58,7 @@ def generate(
     from kforge_cli.errors import InvalidInputError
 
     prompts = _prompts(prompt, prompt_file)
-    from kforge_cli.engine.inference.generate import generate_text
+    from kforge_cli.engine.inference.generate import check_prompts, generate_text
     from kforge_cli.engine.inference.source import open_for_inference
     from kforge_cli.engine.model.generation import Sampling
 
@@ -67,6 +67,7 @@ def generate(
     except ValueError as exc:
         raise InvalidInputError(str(exc)) from None
     loaded = open_for_inference(ckpt, dtype=dtype, device=device, tokenizer=tokenizer)
+    check_prompts(loaded, prompts)  # all of them, before any output: an error names the prompt by its place (from 1)
 
     def stream(index: int, piece: str) -> None:
         sys.stdout.write(piece)

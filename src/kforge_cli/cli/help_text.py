@@ -63,3 +63,17 @@ def apply_readable_help(app: typer.Typer) -> None:
         if callback is not None and callback.callback is not None:  # a group's help is its callback's docstring
             group.help = readable_help(inspect.getdoc(callback.callback) or "")
         apply_readable_help(sub)
+
+
+def plain_metavars(command: object) -> None:
+    """Help that names things as the text does: ``RUN_DIR`` rather than ``run_dir``, and no ``<bool>``
+    after a flag (a flag takes no value). Applied to the click command typer built, every subcommand."""
+    for param in getattr(command, "params", []):
+        if getattr(param, "metavar", "") is not None:
+            continue
+        if getattr(param, "param_type_name", "") == "argument" and param.name:
+            param.metavar = param.name.upper()
+        elif getattr(param, "is_flag", False):
+            param.metavar = ""
+    for sub in (getattr(command, "commands", None) or {}).values():
+        plain_metavars(sub)

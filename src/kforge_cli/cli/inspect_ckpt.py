@@ -18,12 +18,23 @@ def inspect_ckpt(
     as_json: Annotated[bool, typer.Option("--json", help="Machine-readable output.")] = False,
     tensor: Annotated[str | None, typer.Option("--tensor", help="Statistics of one tensor by name.")] = None,
     verify: Annotated[bool, typer.Option("--verify", help="Check the checkpoint is complete and readable.")] = False,
-    diff: Annotated[Path | None, typer.Option("--diff", help="Compare with another checkpoint.")] = None,
+    diff: Annotated[
+        Path | None,
+        typer.Option(
+            "--diff", help="Compare with another checkpoint (exit 1 when they differ, like diff).", metavar="CKPT"
+        ),
+    ] = None,
+    show_all: Annotated[
+        bool, typer.Option("--all", help="List every tensor, optimizer state included, one row each.")
+    ] = False,
 ) -> None:
-    """Step, tokens, config summary and every tensor (shape, dtype, size, shards) of a checkpoint.
+    """Step, tokens, config summary and the tensors of a checkpoint.
 
-    Works on any DCP checkpoint, however many ranks wrote it. With --verify: exit 2 when
-    anything is missing, truncated or unreadable; --diff: the tensors that differ and by how much.
+    By default the model's tensors are grouped by block (the blocks that are alike in one row, one of
+    them spelled out) and the optimizer state is one line per kind (exp_avg, exp_avg_sq, step, ...);
+    --all lists every tensor. Works on any DCP checkpoint, however many ranks wrote it. With --verify:
+    exit 2 when anything is missing, truncated or unreadable; --diff: the tensors that differ and by
+    how much, exit 0 when identical and 1 when not.
     """
     from kforge_cli.errors import InvalidInputError
 
@@ -44,10 +55,12 @@ def inspect_ckpt(
 
         result = diff_checkpoints(view, open_checkpoint(diff))
         _emit(result.to_dict(), as_json, _diff_text)
+        if not result.identical:
+            raise typer.Exit(1)
     else:
         from kforge_cli.engine.checkpoint.inspection import summarize
 
-        _emit(summarize(view), as_json, _summary_text)
+        _emit(summarize(view), as_json, lambda data: _summary_text(data, show_all=show_all))
 
 
 def _emit(data: dict[str, Any], as_json: bool, to_text: Any) -> None:
@@ -93,14 +106,42 @@ def human_count(n: int) -> str:
     return str(n)
 
 
-def _table(rows: list[list[str]], header: list[str]) -> list[str]:
-    """Columns padded to width: the first left-aligned, the rest right-aligned."""
+WIDTH = 100  # columns every table row and wrapped line fits in
+
+
+def _fit(text: str, width: int) -> str:
+    """``text`` cut in the middle with '...' to at most ``width`` characters (both ends stay readable)."""
+    if len(text) <= width:
+        return text
+    keep = width - 3
+    return text[: keep // 2] + "..." + text[len(text) - (keep - keep // 2) :]
+
+
+def _table(rows: list[list[str]], header: list[str], width: int = WIDTH) -> list[str]:
+    """Columns padded to width: the first left-aligned (cut in the middle if the row would pass
+    ``width`` columns), the rest right-aligned."""
     widths = [max(len(r[i]) for r in [header, *rows]) for i in range(len(header))]
+    room = width - sum(widths[1:]) - 2 * (len(widths) - 1)
+    if widths[0] > room:
+        widths[0] = max(room, 12)
+        header = [_fit(header[0], widths[0]), *header[1:]]
+        rows = [[_fit(r[0], widths[0]), *r[1:]] for r in rows]
 
     def fmt(row: list[str]) -> str:
-        return "  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(row, widths, strict=True)))
+        cells = (c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(row, widths, strict=True)))
+        return "  ".join(cells).rstrip()
 
     return [fmt(header), *(fmt(r) for r in rows)]
+
+
+def _wrap(text: str, width: int = WIDTH) -> list[str]:
+    import textwrap
+
+    return textwrap.wrap(text, width, subsequent_indent="  ", break_long_words=False, break_on_hyphens=False)
+
+
+def _plural(n: int, one: str, many: str | None = None) -> str:
+    return f"{n:,} {one if n == 1 else (many or one + 's')}"
 
 
 def _group(name: str) -> str:
@@ -108,7 +149,89 @@ def _group(name: str) -> str:
     return head if head in ("model", "optimizer") else "other"
 
 
-def _summary_text(s: dict[str, Any]) -> str:
+def _shape(t: dict[str, Any]) -> str:
+    return "x".join(map(str, t["shape"])) or "scalar"
+
+
+def _block_key(name: str) -> tuple[str, int, str] | None:
+    """``layers.3.attention.wq.weight`` -> ("layers", 3, "attention.wq.weight"); None outside a numbered block."""
+    parts = name.split(".")
+    for i, part in enumerate(parts[:-1]):
+        if part.isdigit() and i > 0:
+            return ".".join(parts[:i]), int(part), ".".join(parts[i + 1 :])
+    return None
+
+
+def _model_rows(tensors: list[dict[str, Any]], shards: bool) -> list[list[str]]:
+    """The model's tensors, each run of alike blocks (same tensors, shapes, dtypes) as one row and
+    the first of them spelled out beneath it; other tensors one row each."""
+    rows: list[list[str]] = []
+    pending: list[tuple[str, int, list[dict[str, Any]]]] = []  # (prefix, index, its tensors), in order
+    items: list[tuple[str, Any]] = []  # ("tensor", t) or ("block", (prefix, index, tensors))
+    for t in tensors:
+        name = t["name"].removeprefix("model.")
+        key = _block_key(name)
+        if key is None:
+            items.append(("tensor", {**t, "name": name}))
+            continue
+        prefix, index, rest = key
+        if pending and pending[-1][:2] == (prefix, index):
+            pending[-1][2].append({**t, "name": rest})
+        else:
+            pending.append((prefix, index, [{**t, "name": rest}]))
+            items.append(("block", pending[-1]))
+
+    def signature(block: tuple[str, int, list[dict[str, Any]]]) -> tuple[Any, ...]:
+        return (block[0], tuple((t["name"], tuple(t["shape"]), t["dtype"]) for t in block[2]))
+
+    merged: list[tuple[str, Any]] = []
+    for kind, item in items:
+        if kind == "block" and merged and merged[-1][0] == "blocks":
+            run = merged[-1][1]
+            if signature(run[-1]) == signature(item) and run[-1][1] + 1 == item[1]:
+                run.append(item)
+                continue
+        merged.append(("blocks", [item]) if kind == "block" else (kind, item))
+
+    def row(name: str, shape: str, dtype: str, numel: int, nbytes: int, n_shards: str) -> list[str]:
+        return [name, shape, dtype, f"{numel:,}", human_bytes(nbytes), *([n_shards] if shards else [])]
+
+    for kind, item in merged:
+        if kind == "tensor":
+            rows.append(
+                row(item["name"], _shape(item), item["dtype"], item["numel"], item["bytes"], str(item["shards"]))
+            )
+            continue
+        first, last = item[0], item[-1]
+        prefix, tensors_of_one = first[0], first[2]
+        span = f"{prefix}.{first[1]}" if len(item) == 1 else f"{prefix}.{first[1]}-{last[1]}"
+        dtypes = sorted({t["dtype"] for t in tensors_of_one})
+        numel = sum(t["numel"] for b in item for t in b[2])
+        nbytes = sum(t["bytes"] for b in item for t in b[2])
+        n_tensors = len(tensors_of_one)
+        count = f"{_plural(len(item), 'block')} x {n_tensors}" if len(item) > 1 else _plural(n_tensors, "tensor")
+        rows.append(row(span, count, dtypes[0] if len(dtypes) == 1 else "mixed", numel, nbytes, ""))
+        for t in tensors_of_one:
+            rows.append(row(f"    {t['name']}", _shape(t), t["dtype"], t["numel"], t["bytes"], str(t["shards"])))
+    return rows
+
+
+def _optimizer_lines(tensors: list[dict[str, Any]]) -> list[str]:
+    """One line per kind of optimizer state (``optimizer.state.<param>.<kind>``), other entries by name."""
+    kinds: dict[str, list[dict[str, Any]]] = {}
+    for t in tensors:
+        name = t["name"].removeprefix("optimizer.")
+        kind = name.rsplit(".", 1)[-1] if name.startswith("state.") else name
+        kinds.setdefault(kind, []).append(t)
+    rows = []
+    for kind, ts in kinds.items():
+        dtypes = ", ".join(sorted({t["dtype"] for t in ts}))
+        numel, nbytes = sum(t["numel"] for t in ts), sum(t["bytes"] for t in ts)
+        rows.append([kind, _plural(len(ts), "tensor"), dtypes, f"{numel:,}", human_bytes(nbytes)])
+    return _table(rows, ["optimizer state", "tensors", "dtype", "numel", "size"])
+
+
+def _summary_text(s: dict[str, Any], show_all: bool = False) -> str:
     status = "complete" if s["complete"] else "INCOMPLETE (its save never finished)"
     if s["complete"] and s.get("file_problems"):
         status = f"DAMAGED: {s['file_problems'][0]}; run --verify for every problem"
@@ -121,43 +244,59 @@ def _summary_text(s: dict[str, Any]) -> str:
     if s.get("world_size"):
         mesh = ", ".join(f"{k}={v}" for k, v in (s.get("mesh") or {}).items())
         mesh = f" ({mesh})" if mesh else ""
-        lines.append(f"written by {s['world_size']} rank(s){mesh}; DCP dirs: {', '.join(s['dcp_dirs'])}")
+        ranks = _plural(s["world_size"], "rank")
+        lines += _wrap(f"written by {ranks}{mesh}; DCP dirs: {', '.join(s['dcp_dirs'])}")
     if s.get("model"):
-        lines.append("model: " + ", ".join(f"{k}={v}" for k, v in s["model"].items() if v is not None))
+        lines += _wrap("model: " + ", ".join(f"{k}={v}" for k, v in s["model"].items() if v is not None))
     if s.get("vlm"):
-        lines.append("vlm: " + ", ".join(f"{k}={v}" for k, v in s["vlm"].items()))
+        lines += _wrap("vlm: " + ", ".join(f"{k}={v}" for k, v in s["vlm"].items()))
     for name, run_id in (s.get("metrics_run_ids") or {}).items():
         lines.append(f"{name} run id: {run_id}")
     versions = [f"{k.removesuffix('_version')} {s[k]}" for k in ("kforge_version", "torch_version") if s.get(k)]
     if versions:
-        lines.append("saved with " + ", ".join(versions) + (f", profile {s['profile']}" if s.get("profile") else ""))
-    for group in ("model", "optimizer", "other"):
+        lines += _wrap("saved with " + ", ".join(versions) + (f", profile {s['profile']}" if s.get("profile") else ""))
+    sharded = any(t["shards"] != 1 for t in s["tensors"])
+    if not show_all:
+        model = [t for t in s["tensors"] if _group(t["name"]) == "model"]
+        if model:
+            header = ["model tensors", "shape", "dtype", "numel", "size", *(["shards"] if sharded else [])]
+            lines += ["", *_table(_model_rows(model, sharded), header)]
+        optimizer = [t for t in s["tensors"] if _group(t["name"]) == "optimizer"]
+        if optimizer:
+            lines += ["", *_optimizer_lines(optimizer)]
+        other = [t for t in s["tensors"] if _group(t["name"]) == "other"]
+        if other:
+            rows = [[t["name"], _shape(t), t["dtype"], f"{t['numel']:,}", human_bytes(t["bytes"])] for t in other]
+            lines += ["", *_table(rows, ["other tensors", "shape", "dtype", "numel", "size"])]
+    for group in ("model", "optimizer", "other") if show_all else ():
         rows = [
             [
-                t["name"],
-                "x".join(map(str, t["shape"])) or "scalar",
+                t["name"].removeprefix(f"{group}."),
+                _shape(t),
                 t["dtype"],
                 f"{t['numel']:,}",
                 human_bytes(t["bytes"]),
-                str(t["shards"]),
+                *([str(t["shards"])] if sharded else []),
             ]
             for t in s["tensors"]
             if _group(t["name"]) == group
         ]
         if rows:
-            lines += ["", *_table(rows, [f"{group} tensors", "shape", "dtype", "numel", "size", "shards"])]
+            header = [f"{group} tensors", "shape", "dtype", "numel", "size", *(["shards"] if sharded else [])]
+            lines += ["", *_table(rows, header)]
     t = s["totals"]
     lines.append("")
     for group in ("model", "optimizer", "other"):
         if t[group]["tensors"]:
             g = t[group]
             lines.append(
-                f"{group}: {g['tensors']} tensors, {human_count(g['numel'])} elements "
+                f"{group}: {_plural(g['tensors'], 'tensor')}, {human_count(g['numel'])} elements "
                 f"({g['numel']:,}), {human_bytes(g['bytes'])}"
             )
-    lines.append(
-        f"total: {t['all']['tensors']} tensors, {human_bytes(t['all']['bytes'])} in {t['files']} shard "
-        f"file(s) ({human_bytes(t['file_bytes'])} on disk), {s['non_tensor_items']} non-tensor items"
+    lines += _wrap(
+        f"total: {_plural(t['all']['tensors'], 'tensor')}, {human_bytes(t['all']['bytes'])} in "
+        f"{_plural(t['files'], 'shard file')} ({human_bytes(t['file_bytes'])} on disk), "
+        f"{_plural(s['non_tensor_items'], 'non-tensor item')}" + ("" if show_all else "; --all lists every tensor")
     )
     return "\n".join(lines)
 

@@ -20,7 +20,9 @@ ConfigOpt = Annotated[
 ]
 RunDirOpt = Annotated[
     Path | None,
-    typer.Option("--run-dir", help="Run directory (default runs/<profile>-<timestamp>); an existing one resumes."),
+    typer.Option(
+        "--run-dir", help="Run directory (default runs/<profile>[-<data>]-<timestamp>); an existing one resumes."
+    ),
 ]
 SbatchOpt = Annotated[
     bool, typer.Option("--sbatch", help="Write RUN_DIR/job.sbatch for SLURM and print it instead of training.")
@@ -40,6 +42,7 @@ def resolve(profile: str | None, config: Path | None, overrides: list[str], **kw
     """Load and validate the settings (imports pydantic only when a command runs); print its warnings."""
     from kforge_cli.settings import load_settings
 
+    refuse_underscored_options(overrides)
     resolved = load_settings(profile=profile, config=config, overrides=overrides, **kwargs)
     for line in resolved.profile_origin():  # every run says which files its profile came from
         echo_err(line)
@@ -47,7 +50,36 @@ def resolve(profile: str | None, config: Path | None, overrides: list[str], **kw
     return resolved
 
 
+def refuse_underscored_options(args: list[str]) -> None:
+    """``--nproc_per_node=2`` (torchrun's spelling) for this command's ``--nproc-per-node``: say so (exit 2)."""
+    from kforge_cli.errors import InvalidInputError
+
+    try:  # typer >= 0.2x carries its own copy of click
+        from typer._click.globals import get_current_context  # pyright: ignore[reportMissingImports]
+    except ImportError:
+        from click import get_current_context
+    ctx = get_current_context(silent=True)
+    if ctx is None:
+        return
+    options = {opt for param in ctx.command.params for opt in getattr(param, "opts", []) if opt.startswith("--")}
+    for arg in args:
+        name, sep, value = arg.partition("=")
+        dashed = name.replace("_", "-")
+        if arg.startswith("--") and "." not in name and dashed != name and dashed in options:
+            fix = f"{dashed} {value}" if sep else dashed
+            raise InvalidInputError(f"unexpected argument {arg!r}: did you mean {fix}?")
+
+
+LOCAL_CHILD_ENV = "KFORGE_LOCAL_CHILD"  # set by `--nproc-per-node` for its processes (it printed the warnings)
+
+
 def print_warnings(resolved: Any) -> None:
+    """The settings' warnings, once per job: not again in each process of a multi-process launch."""
+    import os
+
+    rank = os.environ.get("RANK") or os.environ.get("SLURM_PROCID") or "0"
+    if os.environ.get(LOCAL_CHILD_ENV) or rank != "0":
+        return
     for issue in resolved.warnings:
         echo_err(f"warning: {issue}")
 

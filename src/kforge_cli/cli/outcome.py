@@ -33,7 +33,8 @@ def exit_code(outcome: TrainOutcome) -> int:
     """Log how the run ended and return its exit code."""
     if outcome.status == "completed":
         loss = f"{outcome.last_loss:.4f}" if outcome.last_loss is not None else "n/a"
-        log.info("training complete: %d steps, final loss %s, run dir %s", outcome.step, loss, outcome.run_dir)
+        steps = f"{outcome.step} step{'' if outcome.step == 1 else 's'}"
+        log.info("training complete: %s, final loss %s, run dir %s", steps, loss, outcome.run_dir)
         return EXIT_OK
     if outcome.checkpoint_saved:
         log.warning(
@@ -52,6 +53,13 @@ def exit_code(outcome: TrainOutcome) -> int:
 def train_and_exit(settings: JobSettings) -> int:
     """Train per ``settings`` in this process and return the exit code (a rank of a multi-process
     job exits here at once, see `_exit_now`)."""
+    import os
+    import sys
+
+    if (
+        os.environ.get("RANK") or os.environ.get("SLURM_PROCID") or "0"
+    ) == "0":  # PyTorch takes seconds to import: say so (once per job)
+        print("kforge: starting (loading PyTorch) ...", file=sys.stderr, flush=True)
     from kforge_cli.engine.runtime import detect_launch
     from kforge_cli.engine.train import run_training
 

@@ -7,7 +7,7 @@ from typing import Annotated
 
 import typer
 
-from kforge_cli.settings.data import (
+from kforge_cli.prepare_defaults import (
     PREPARE_SHARD_TOKENS,
     PREPARE_TEXT_FIELD,
     PREPARE_TOKENIZER,

@@ -49,15 +49,20 @@ def profiles(
     if not entries:
         typer.echo("no profiles found (looked in $KFORGE_PROFILE_PATH, ./profiles and the shipped ones)")
         return
+    import textwrap
+
     width = max(len(e.name) for e in entries)
-    for e in entries:
+    indent = " " * (width + 2)
+    for e in entries:  # the description wrapped under the name, every line within 100 columns
         origin = e.source if e.source != "$KFORGE_PROFILE_PATH" else f"{e.source} ({e.path.parent})"
         if e.source != "shipped":
             origin += f", {e.path}"
         extra = f"; extends {e.extends}" if e.extends else ""
         shadow = f"; shadows {', '.join(str(p) for p in e.shadows)}" if e.shadows else ""
         typer.echo(f"{e.name:<{width}}  [{origin}{extra}{shadow}]")
-        typer.echo(f"{'':<{width}}  {e.description or '(no description)'}")
+        text = e.description or "(no description)"
+        lines = textwrap.wrap(text, 100, initial_indent=indent, subsequent_indent=indent, break_on_hyphens=False)
+        typer.echo("\n".join(lines))
 
 
 @profiles_app.command("show")

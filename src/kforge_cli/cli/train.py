@@ -15,6 +15,7 @@ from kforge_cli.cli.options import (
     RunDirOpt,
     SbatchOpt,
     SubmitOpt,
+    refuse_underscored_options,
     resolve,
 )
 
@@ -47,6 +48,7 @@ def train(
     codes: 0 done, 1 failure, 2 invalid input, 75 stopped on a signal after a checkpoint (requeue).
     """
     overrides = list(ctx.args)
+    refuse_underscored_options(overrides)  # before the overrides are parsed for a run directory
     if run_dir is not None:
         overrides.append(f"--train.run_dir={run_dir}")
     from kforge_cli.settings.hook_policy import allow_flag, refuse_unallowed_hooks

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import json
-from typing import Annotated, Any
+from typing import Annotated, Any, Literal
 
 import typer
 
@@ -24,7 +24,9 @@ def validate_config(
             "--world-size", "-n", help="Processes the job runs with (default: slurm.nodes x slurm.gpus_per_node)."
         ),
     ] = None,
-    fmt: Annotated[str | None, typer.Option("--format", help="Print the resolved config as 'toml' or 'json'.")] = None,
+    fmt: Annotated[
+        Literal["toml", "json"] | None, typer.Option("--format", help="Print the resolved config as TOML or JSON.")
+    ] = None,
     explain: Annotated[
         str | None, typer.Option("--explain", help="Describe one key (e.g. model.dim): type, default, value, source.")
     ] = None,

@@ -7,6 +7,7 @@ themselves live in :mod:`kforge_cli.rundir.names`.
 
 from __future__ import annotations
 
+import re
 import time
 import tomllib
 from dataclasses import dataclass
@@ -22,6 +23,8 @@ if TYPE_CHECKING:  # the settings (pydantic) load only where they are used: `kfo
     from kforge_cli.settings.job import JobSettings
 
 RUNS_DIR = Path("runs")
+MAX_DATA_NAME = 40  # characters of the data's name in a default run directory
+_NAME_UNSAFE = re.compile(r"[^A-Za-z0-9._+-]+")
 
 # What kforge writes into a run directory (any one of them makes it a kforge run) ...
 _RUN_ENTRIES = (
@@ -174,18 +177,36 @@ def kforge_contents(path: Path) -> str | None:
     return None
 
 
+def data_name(settings: JobSettings) -> str | None:
+    """The training data's short name: data.path's directory name, a mixture's dataset names joined
+    with '+' (the first three, then '+N'), the VLM data directory's name; None for a built-in corpus."""
+    if settings.vlm is not None:
+        names_ = [Path(settings.vlm.data_path).name] if settings.vlm.data_path else []
+    elif settings.data.datasets:
+        names_ = [d.name for d in settings.data.datasets]
+        names_ = [*names_[:3], f"{len(names_) - 3}more"] if len(names_) > 3 else names_
+    else:
+        names_ = [Path(settings.data.path).name] if settings.data.path else []
+    cleaned = [_NAME_UNSAFE.sub("-", n).strip("-.") for n in names_]
+    text = "+".join(n for n in cleaned if n)[:MAX_DATA_NAME]
+    return text or None
+
+
 def run_name(settings: JobSettings) -> str:
-    """The profile's name (a profile given as a path: its file's stem), or 'custom'."""
-    return Path(settings.profile).stem if settings.profile else "custom"
+    """<profile>-<data>: the profile's name (a profile given as a path: its file's stem, else 'custom'),
+    then the data's name (none for the built-in corpus), so runs on different data differ at a glance."""
+    profile = Path(settings.profile).stem if settings.profile else "custom"
+    data = data_name(settings)
+    return f"{profile}-{data}" if data else profile
 
 
 def default_run_dir(settings: JobSettings) -> Path:
-    """runs/<profile>-<timestamp> (relative: resolved against the working directory)."""
+    """runs/<profile>[-<data>]-<timestamp> (relative: resolved against the working directory)."""
     return RUNS_DIR / f"{run_name(settings)}-{time.strftime('%Y%m%d-%H%M%S')}"
 
 
 def claim_default_run_dir(settings: JobSettings, base: Path | None = None) -> Path:
-    """Create and return a fresh default run directory: runs/<profile>-<timestamp>[-N].
+    """Create and return a fresh default run directory: runs/<profile>[-<data>]-<timestamp>[-N].
 
     ``mkdir`` without ``exist_ok`` is atomic, so two runs started in the same second get
     two directories (the second one ``-2``) instead of sharing one.

@@ -8,12 +8,6 @@ from pydantic import Field
 
 from kforge_cli.settings.section import Section, field
 
-# `kforge prepare-data` defaults (the CLI's options and the engine's function share them).
-PREPARE_TOKENIZER = "byte"
-PREPARE_VAL_FRACTION = 0.01
-PREPARE_SHARD_TOKENS = 100_000_000
-PREPARE_TEXT_FIELD = "text"
-
 
 class DatasetSpec(Section):
     """One dataset of a mixture."""

@@ -81,7 +81,9 @@ class MetricsSettings(Section):
         "auto", "W&B mode (auto = online with an API key and network, else offline)."
     )
     wandb_run_id: str | None = field(None, "W&B run id to continue (normally taken from the checkpoint).")
-    mlflow_tracking_uri: str | None = field(None, "MLflow tracking URI (server URL or sqlite:///file.db).")
+    mlflow_tracking_uri: str | None = field(
+        None, "MLflow tracking URI: a server URL, or sqlite:///file.db (needs kforge[mlflow-server])."
+    )
     mlflow_experiment: str = field("kforge", "MLflow experiment name.")
     mlflow_run_id: str | None = field(None, "MLflow run id to continue (normally taken from the checkpoint).")
     progress_bar: Literal["auto", "on", "off"] = field("auto", "Rich progress bar (auto = on a terminal).")

@@ -42,7 +42,15 @@ class ResolvedSettings:
     profile_files: list[ProfileFile] = field(default_factory=list)  # the profile, then what it extends
 
     def profile_origin(self) -> list[str]:
-        """Where each profile file came from, one line each (empty without a profile layer)."""
+        """Where each profile file came from, one line each.
+
+        Empty without a profile layer, and when every file is one kforge ships (the
+        default everyone expects); any local, $KFORGE_PROFILE_PATH or given file is named.
+        """
+        from kforge_cli.settings.profiles import SHIPPED
+
+        if all(e.source == SHIPPED for e in self.profile_files):
+            return []
         lines = []
         for i, entry in enumerate(self.profile_files):
             what = f"profile {entry.name}" if i == 0 else f"  extends {entry.name}"
@@ -84,6 +92,7 @@ def parse_overrides(args: list[str]) -> list[tuple[str, Any]]:
         if not arg.startswith("--") or "." not in arg.split("=", 1)[0]:
             raise InvalidInputError(
                 f"unexpected argument {arg!r}: overrides look like --section.key=value (e.g. --model.dim=512)"
+                + _did_you_mean(arg)
             )
         if "=" in arg:
             key, raw = arg[2:].split("=", 1)
@@ -95,6 +104,15 @@ def parse_overrides(args: list[str]) -> list[tuple[str, Any]]:
         pairs.append((key.replace("-", "_"), parse_override_value(raw)))
         i += 1
     return pairs
+
+
+def _did_you_mean(arg: str) -> str:
+    """``; did you mean --optimizer.lr=1e-3?`` for a bare ``--learning_rate=1e-3`` (a key without its section)."""
+    if not arg.startswith("--"):
+        return ""
+    name, sep, raw = arg[2:].partition("=")
+    key = suggest_key([name.replace("-", "_")]) if name else None
+    return f"; did you mean --{key}{sep}{raw}?" if key else ""
 
 
 def nest(dotted: str, value: Any) -> dict[str, Any]:
@@ -149,7 +167,8 @@ def load_settings(
     if use_env:
         env = EnvSettingsSource(JobSettings)()
         for path in leaf_paths(env):
-            layers.append((f"env KFORGE_{path.upper().replace('.', '__')}", nest(path, _get(env, path))))
+            value = _env_value(path, _get(env, path))
+            layers.append((f"env KFORGE_{path.upper().replace('.', '__')}", nest(path, value)))
     for key, value in parse_overrides(overrides or []):
         layers.append((f"command line --{key}", nest(key, value)))
 
@@ -191,10 +210,12 @@ def _rule_issues(settings: JobSettings, for_run: bool) -> list[ConfigIssue]:
     problems = config_issues(settings)
     if for_run:
         from kforge_cli.settings.data_check import data_issues, make_paths_absolute, record_data_tokenizer
+        from kforge_cli.settings.tracking_check import tracking_issues
 
         make_paths_absolute(settings)
         record_data_tokenizer(settings)
         problems += data_issues(settings)
+        problems += tracking_issues(settings.metrics)
     return problems
 
 
@@ -215,6 +236,22 @@ def _validate_without(merged: dict[str, Any], locs: list[tuple[Any, ...]]) -> Jo
         return JobSettings.model_validate(data)
     except ValidationError:
         return None
+
+
+def _env_value(dotted: str, value: Any) -> Any:
+    """An environment variable's text as the integer an integer field needs (``KFORGE_TRAIN__MAX_STEPS=100``);
+    a TOML file or the command line gives the integer itself, and a quoted one there is refused."""
+    from kforge_cli.settings.section import is_int_field
+
+    loc = dotted.split(".")
+    model = _model_at(loc[:-1])
+    info = model.model_fields.get(loc[-1]) if model is not None else None
+    if isinstance(value, str) and info is not None and is_int_field(info.annotation):
+        try:
+            return int(value.strip())
+        except ValueError:
+            return value  # refused by the field, naming the variable
+    return value
 
 
 def _get(data: dict[str, Any], dotted: str) -> Any:

@@ -116,7 +116,7 @@ def config_warnings(s: JobSettings) -> list[ConfigIssue]:
                 out.append(
                     ConfigIssue(
                         f"slurm.{name}",
-                        f"not set for a {s.slurm.nodes}-node job: most clusters need one "
+                        f"not set for {_a(s.slurm.nodes)} {s.slurm.nodes}-node job: most clusters need one "
                         f"(--slurm.{name}=NAME), else the cluster's default is used",
                     )
                 )
@@ -381,3 +381,13 @@ def resolve_dims(s: JobSettings, world_size: int) -> ParallelDims:
     d = s.distributed
     dp_shard = d.dp_shard if d.dp_shard > 0 else world_size // (d.dp_replicate * d.tp * d.pp * d.cp)
     return ParallelDims(pp=d.pp, dp_replicate=d.dp_replicate, dp_shard=dp_shard, tp=d.tp, cp=d.cp, ep=d.ep)
+
+
+def _a(n: int) -> str:
+    """The article before a number as it is spoken: "an 8-node job", "an 11-node job", "a 16-node job"."""
+    digits = str(n)
+    return (
+        "an"
+        if digits.startswith("8") or digits in ("11", "18") or (len(digits) == 5 and digits[:2] in ("11", "18"))
+        else "a"
+    )

@@ -12,12 +12,24 @@ lines and generated job scripts).
 
 from __future__ import annotations
 
+import types
+import typing
 import unicodedata
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
 
 SETTINGS_CONFIG = ConfigDict(extra="forbid", validate_assignment=True, frozen=False, allow_inf_nan=False)
+
+
+def is_int_field(annotation: Any) -> bool:
+    """``int`` or ``int | None`` (not bool, not a union with other types)."""
+    if annotation is int:
+        return True
+    if typing.get_origin(annotation) in (typing.Union, types.UnionType):
+        args = set(typing.get_args(annotation))
+        return int in args and args <= {int, type(None)}
+    return False
 
 
 def control_character(value: Any, where: str = "") -> tuple[str, str] | None:
@@ -56,6 +68,19 @@ class Section(BaseModel):
     @classmethod
     def _printable(cls, value: Any) -> Any:
         return reject_control_characters(value)
+
+    @field_validator("*", mode="before")
+    @classmethod
+    def _whole_numbers_stay_numbers(cls, value: Any, info: ValidationInfo) -> Any:
+        """An integer field takes an integer: not ``"100"`` (a TOML string) nor ``8.0`` (a float),
+        which would otherwise be converted silently (environment variables are parsed before this)."""
+        if info.field_name is None or not is_int_field(cls.model_fields[info.field_name].annotation):
+            return value
+        if isinstance(value, str):
+            raise ValueError(f"must be an integer, not the string {value!r}: write it without quotes")
+        if isinstance(value, float):
+            raise ValueError(f"must be an integer, not the float {value!r}: write it without a decimal point")
+        return value
 
 
 def field(default: Any, description: str, **kwargs: Any) -> Any:

@@ -89,7 +89,7 @@ class TrainSettings(Section):
     """The training loop: batch shape, steps, precision, memory/speed trade-offs."""
 
     run_dir: str | None = field(
-        None, "Run directory (None = runs/<profile>-<timestamp>); an existing one auto-resumes."
+        None, "Run directory (None = runs/<profile>[-<data>]-<timestamp>); an existing one auto-resumes."
     )
     batch_size: int = field(8, "Micro-batch size in sequences per data-parallel rank.", gt=0)
     seq_len: int = field(256, "Tokens per training sequence.", gt=0)
@@ -120,7 +120,12 @@ class TrainSettings(Section):
     )
     z_loss_weight: float = field(0.0, "Weight of the z-loss (log(Z)^2) regulariser (0 = off).", ge=0)
     hooks: list[str] = field(list, "Training hooks by import path, e.g. 'my_pkg.hooks:LogGradNorms'.")
-    num_threads: int | None = field(None, "torch CPU threads per process (None = torch's default).", gt=0)
+    num_threads: int | None = field(
+        None,
+        "torch CPU threads per process (None = OMP_NUM_THREADS when set, else automatic: the cores this process "
+        "may use (affinity, cgroup quota) minus those other work keeps busy, divided by the local processes).",
+        gt=0,
+    )
 
     def tokens_per_step(self, dp_size: int) -> int:
         """Global tokens one optimizer step consumes (every micro-batch of every data-parallel rank)."""

@@ -48,6 +48,7 @@ def heldout_loss(loaded: LoadedCheckpoint, data_dir: str | None = None, steps: i
     """
     settings = run_settings(loaded)
     if data_dir is not None:
+        _check_heldout_tokenizer(settings, data_dir)
         settings.eval.path = data_dir
     bundle = build_data(settings, dp_rank=0, dp_size=1)
     if bundle.val is None:
@@ -56,15 +57,49 @@ def heldout_loss(loaded: LoadedCheckpoint, data_dir: str | None = None, steps: i
     batch_size = settings.eval.batch_size or settings.train.batch_size
     device = next(loaded.model.parameters()).device
     total, tokens = torch.zeros((), dtype=torch.float64), 0
+    n_batches = steps or settings.eval.steps
     with torch.no_grad():
-        for batch in bundle.val.iter_batches(steps or settings.eval.steps, batch_size):
+        for batch in bundle.val.iter_batches(n_batches, batch_size):
             kwargs = {k: batch[k].to(device) for k in ("doc_ids", "positions") if k in batch}
             logits = loaded.model(batch["input_ids"].to(device), **kwargs)
             labels = batch["labels"].to(device)
             total += loss_fn.from_logits(logits.float(), labels).double().cpu()
             tokens += int((labels != IGNORE_INDEX).sum())
     loss = float(total / max(tokens, 1))
-    return {"loss": loss, "perplexity": math.exp(min(loss, 700.0)), "tokens": float(tokens)}
+    available = sum(w.num_windows for w in bundle.val.windows) * settings.train.seq_len
+    return {
+        "loss": loss,
+        "perplexity": math.exp(min(loss, 700.0)),
+        "tokens": float(tokens),
+        "batches": float(n_batches),
+        "val_tokens": float(available),  # what the val split holds: `--steps` covers more of it
+    }
+
+
+def _tokenizer_name(tokenizer: dict[str, Any]) -> str:
+    if tokenizer.get("kind") == "byte":
+        return "the byte tokenizer"
+    sha = str(tokenizer.get("sha256", ""))[:12]
+    return f"a tokenizer.json (vocab {tokenizer.get('vocab_size', '?')}, sha256 {sha}...)"
+
+
+def _check_heldout_tokenizer(settings: JobSettings, data_dir: str) -> None:
+    """``--task heldout:DIR`` on data of another tokenizer than the run's: say which two clash (exit 2)."""
+    from kforge_cli.engine.data.shards import load_prepared
+    from kforge_cli.engine.data.tokenizer import ByteTokenizer
+
+    mine = ByteTokenizer().describe()
+    train_path = settings.data.path or (settings.data.datasets[0].path if settings.data.datasets else None)
+    if train_path:
+        mine = load_prepared(train_path).tokenizer
+    theirs = load_prepared(data_dir).tokenizer
+    if theirs != mine:
+        raise InvalidInputError(
+            f"--task heldout:{data_dir}: that directory was prepared with {_tokenizer_name(theirs)}, but the run "
+            f"was trained on {train_path or 'the built-in corpus'} with {_tokenizer_name(mine)}: prepare it again "
+            f"with `kforge prepare-data ... --tokenizer "
+            f"{'byte' if mine.get('kind') == 'byte' else (Path(train_path or '.') / 'tokenizer.json')}`"
+        )
 
 
 def multiple_choice(loaded: LoadedCheckpoint, path: str | Path, limit: int | None = None) -> dict[str, float]:

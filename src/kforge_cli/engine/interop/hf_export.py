@@ -245,8 +245,9 @@ def export_hf(
         if exported is not None:
             # kforge trains documents separated by EOS (no BOS): EOS also starts a document.
             config.update(bos_token_id=exported.eos_id, eos_token_id=exported.eos_id)
+            # No max_length: with it, every generate(max_new_tokens=...) warns that both are set
+            # (config.json's max_position_embeddings already states the context length).
             generation = {"bos_token_id": exported.eos_id, "eos_token_id": exported.eos_id}
-            generation["max_length"] = cfg.max_seq_len
             (tmp / GENERATION_CONFIG_FILE).write_text(json.dumps(generation, indent=2) + "\n")
         (tmp / CONFIG_FILE).write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
         written = sorted(p.name for p in tmp.iterdir())

@@ -97,6 +97,19 @@ def setup_logging(rank: int, world_size: int, log_dir: Path | None, level: str =
         setattr(file_handler, _HANDLER_MARK, True)
         logger.addHandler(file_handler)
 
+    if rank != 0:
+        # Python warnings (a library's UserWarning raised the same on every rank) reach the console once,
+        # from rank 0; the other ranks keep theirs in their own file.
+        logging.captureWarnings(True)
+        py_warnings = logging.getLogger("py.warnings")
+        py_warnings.propagate = False
+        for handler in logger.handlers:
+            if handler is not console:
+                py_warnings.addHandler(handler)
+        if not py_warnings.handlers:
+            py_warnings.addHandler(logging.NullHandler())
+        setattr(py_warnings, _HANDLER_MARK, True)
+
     logger.debug("logging set up for rank %d of %d (level %s)", rank, world_size, level.upper())
     return logger
 
@@ -104,6 +117,13 @@ def setup_logging(rank: int, world_size: int, log_dir: Path | None, level: str =
 def shutdown_logging() -> None:
     """Remove and close the handlers :func:`setup_logging` installed (flushes the rank file)."""
     logger = logging.getLogger(LOGGER_NAME)
+    py_warnings = logging.getLogger("py.warnings")
+    if getattr(py_warnings, _HANDLER_MARK, False):  # a rank other than 0 routed Python warnings to its file
+        logging.captureWarnings(False)
+        for handler in list(py_warnings.handlers):
+            py_warnings.removeHandler(handler)
+        py_warnings.propagate = True
+        delattr(py_warnings, _HANDLER_MARK)
     for handler in list(logger.handlers):
         if getattr(handler, _HANDLER_MARK, False):
             logger.removeHandler(handler)

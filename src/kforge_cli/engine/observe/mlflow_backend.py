@@ -28,6 +28,7 @@ from urllib.parse import urlsplit
 
 from kforge_cli.errors import InvalidInputError
 from kforge_cli.settings.infrastructure import MetricsSettings
+from kforge_cli.settings.tracking_check import mlflow_store_issue
 
 if TYPE_CHECKING:
     from mlflow import MlflowClient
@@ -86,7 +87,8 @@ def resolve_tracking_uri(configured: str | None) -> str | None:
 
     Raises a clear error for a plain file store: MLflow 3 keeps it in maintenance mode
     and refuses to create runs there, which would otherwise surface only as a warning
-    after the model is built.
+    after the model is built; and for a database store (MLflow's default) when only the
+    mlflow-skinny client is installed.
     """
     uri = configured or os.environ.get("MLFLOW_TRACKING_URI") or None
     if uri is not None and urlsplit(uri).scheme in ("", "file"):
@@ -95,6 +97,9 @@ def resolve_tracking_uri(configured: str | None) -> str | None:
             f"{source} = {uri!r} is a plain file store, which MLflow 3 refuses (maintenance mode): use a "
             "database such as 'sqlite:///path/to/mlflow.db' or a tracking server URL such as 'http://host:5000'"
         )
+    issue = mlflow_store_issue(configured, os.environ.get("MLFLOW_TRACKING_URI"))
+    if issue is not None:  # also checked with the settings (kforge train), this covers direct use
+        raise InvalidInputError(str(issue))
     return uri
 
 

@@ -1,7 +1,8 @@
 """Training progress for a human: a rich bar on a terminal, plain log lines elsewhere.
 
-On a terminal a live bar is easier to read than a scrolling log; in a SLURM log file
-or a CI job a bar's control codes are noise, so there each update is one log line.
+On a terminal a live bar shows where the run is, with the loss lines (one every
+``metrics.log_interval`` steps) scrolling above it; in a SLURM log file or a CI job a bar's
+control codes are noise, so there only the lines are written.
 Only rank 0 reports (the others get a reporter whose methods do nothing). The ETA
 uses the steps done by *this* process, because a resumed run would otherwise count
 the time of steps it never ran.
@@ -20,8 +21,6 @@ from typing import Any
 
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn
-
-from kforge_cli.engine.observe.logs import SKIP_CONSOLE
 
 _MODES = ("auto", "on", "off")
 
@@ -127,10 +126,9 @@ class ProgressReporter:
         line = f"step {step}/{self.total_steps} | {info}" if info else f"step {step}/{self.total_steps}"
         if self._progress is not None:
             self._progress.update(self._task_id, completed=step, info=info)
-            # Keep the line in the per-rank log file; the console shows the bar.
-            self._logger.info(line, extra={SKIP_CONSOLE: True})
-        else:
-            self._logger.info(line)
+        # A permanent line every metrics.log_interval steps, also with the bar (printed above it):
+        # the scrollback keeps the loss history, the bar shows where the run is now.
+        self._logger.info(line)
 
     def log_eval(self, step: int, eval_loss: float) -> None:
         """Report an evaluation (always a log line, printed above the bar if there is one)."""

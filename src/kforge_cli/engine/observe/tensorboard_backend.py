@@ -22,6 +22,29 @@ if TYPE_CHECKING:
     from kforge_cli.engine.observe.tracking_types import CheckpointMark, MetricPoints, RunInfo, TrackerStatus
 
 LOG_SUBDIR = TENSORBOARD_DIR
+PERF_KEYS = ("tokens_per_sec", "step_time_s", "mfu")
+
+
+def tensorboard_tag(key: str) -> str:
+    """A metrics.jsonl key as a grouped TensorBoard tag: ``loss`` -> ``train/loss``, ``eval_loss`` ->
+    ``eval/loss``, ``tokens_per_sec`` -> ``perf/tokens_per_sec``, ``checkpoint_step`` -> ``checkpoint/step``.
+
+    TensorBoard groups scalars by the text before the first '/'; keys that already have a group
+    (``eval/heldout/loss``, ``checkpoint/bytes``) keep it, per-dataset ones join their metric's
+    (``loss/web`` -> ``train/loss/web``).
+    """
+    head, sep, rest = key.partition("/")
+    if head == "eval_loss":
+        return f"eval/loss{sep}{rest}"
+    if key == "checkpoint_step":
+        return "checkpoint/step"
+    if sep and head in ("eval", "checkpoint", "train", "perf", "memory"):
+        return key
+    if key in PERF_KEYS:
+        return f"perf/{key}"
+    if head.startswith("peak_"):
+        return f"memory/{key}"
+    return f"train/{key}"
 
 
 class TensorboardBackend:
@@ -62,12 +85,14 @@ class TensorboardBackend:
         writer = self._open(min(p.step for p in batch))
         for points in batch:
             for key, value in points.values.items():
-                writer.add_scalar(key, value, global_step=points.step, walltime=points.time)
+                writer.add_scalar(tensorboard_tag(key), value, global_step=points.step, walltime=points.time)
         writer.flush()
 
     def log_checkpoint(self, mark: CheckpointMark) -> None:
         writer = self._open(mark.step)
-        writer.add_scalar("checkpoint_step", float(mark.step), global_step=mark.step, walltime=mark.time)
+        writer.add_scalar(
+            tensorboard_tag("checkpoint_step"), float(mark.step), global_step=mark.step, walltime=mark.time
+        )
 
     def finish(self, status: TrackerStatus) -> None:
         if self._writer is not None:

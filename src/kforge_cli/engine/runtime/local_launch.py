@@ -21,7 +21,7 @@ import sys
 import time
 from types import FrameType
 
-from kforge_cli.engine.runtime.threads import choose_threads
+from kforge_cli.engine.runtime.threads import allowed_cpus, choose_threads
 from kforge_cli.errors import EXIT_FAILURE
 
 FORWARDED = (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1)
@@ -44,8 +44,25 @@ def _child_env(nproc: int, rank: int, port: int) -> dict[str, str]:
         LOCAL_WORLD_SIZE=str(nproc),
         MASTER_ADDR="127.0.0.1",
         MASTER_PORT=str(port),
+        KFORGE_LOCAL_CHILD="1",  # cli.options.LOCAL_CHILD_ENV: the launcher printed the config warnings once
     )
+    if rank != 0 and "TORCH_CPP_LOG_LEVEL" not in os.environ:
+        # torch's C++ warnings (e.g. "No backend of type 0 found" at teardown) once, from rank 0, not N times;
+        # the Python warnings of the other ranks go to their logs/rank_N.log (engine.observe.logs)
+        env["TORCH_CPP_LOG_LEVEL"] = "ERROR"
     return env
+
+
+def oversubscription_warning(nproc: int, cores: int) -> str | None:
+    """A warning when ``nproc`` processes will time-share fewer cores (None when they fit)."""
+    if nproc <= cores:
+        return None
+    return (
+        f"warning: --nproc-per-node {nproc} starts {nproc} training processes on {cores} "
+        f"{'core' if cores == 1 else 'cores'}: they time-share the cores (each step waits for the slowest "
+        f"process), so this runs slower than --nproc-per-node {cores}; fine for trying a distributed config, "
+        "not for speed"
+    )
 
 
 def exit_code_of(returncodes: list[int]) -> int:
@@ -61,6 +78,9 @@ def exit_code_of(returncodes: list[int]) -> int:
 
 def launch_local(nproc: int, child_args: list[str]) -> int:
     """Run ``python -m kforge_cli <child_args>`` in ``nproc`` processes; returns the job's exit code."""
+    warning = oversubscription_warning(nproc, allowed_cpus())
+    if warning:
+        print(f"kforge: {warning}", file=sys.stderr)
     if not os.environ.get("OMP_NUM_THREADS"):
         choice = choose_threads(None, {**os.environ, "LOCAL_WORLD_SIZE": str(nproc)})
         os.environ["OMP_NUM_THREADS"] = str(choice.threads)

@@ -32,7 +32,7 @@ class ThreadChoice:
     reason: str
 
     def describe(self) -> str:
-        return f"using {self.threads} CPU thread(s) per process ({self.reason})"
+        return f"{_count(self.threads, 'CPU thread')} per process ({self.reason})"
 
 
 def allowed_cpus() -> int:
@@ -122,5 +122,12 @@ def choose_threads(
     nproc = local_processes(env)
     free = max(1, allowed - min(busy, allowed - 1))
     threads = max(1, free // nproc)
-    reason = f"{allowed} core(s) available, {busy} busy with other work, {nproc} local process(es)"
+    reason = (
+        f"automatic: {_count(allowed, 'core')} available, {busy} busy with other work, "
+        f"{_count(nproc, 'local process', 'local processes')}"
+    )
     return ThreadChoice(threads, "auto", reason + "; set train.num_threads or OMP_NUM_THREADS to choose")
+
+
+def _count(n: int, one: str, many: str | None = None) -> str:
+    return f"{n} {one if n == 1 else (many or one + 's')}"

@@ -72,6 +72,7 @@ from kforge_cli.engine.parallel import (
 )
 from kforge_cli.engine.resilience import NanGuard, ShutdownHandler
 from kforge_cli.engine.runtime import RuntimeContext, dtype_name, init_runtime, teardown_runtime
+from kforge_cli.engine.train.banner import announce_start, building_line
 from kforge_cli.engine.train.evaluation import eval_batches
 from kforge_cli.engine.train.features import build_step, features_for
 from kforge_cli.engine.train.hooks import StepInfo, build_hooks
@@ -270,19 +271,14 @@ def run_training(
         recipe = recipe.with_phases(hooks=(*recipe.hooks, *hooks))
     runtime = init_runtime(settings)
     run_dir = resolve_run_dir(settings, runtime)  # rank 0 holds its lock until the run ends, however it ends
-    if runtime.threads is not None:
-        log.info(runtime.threads.describe())
     with ExitStack() as stack:
         stack.callback(release_run_dir, run_dir)
         setup_logging(runtime.rank, runtime.world_size, RunDir(run_dir).logs)
+        if runtime.is_main:
+            log.info(building_line(settings, runtime))  # the banner follows once everything is built
         session = assemble(settings, runtime, run_dir, recipe, stack)
-        log.info(
-            "training %s on %d process(es), device %s, run dir %s",
-            settings.profile or "custom config",
-            runtime.world_size,
-            runtime.device,
-            run_dir,
-        )
+        if runtime.is_main:
+            announce_start(session)  # the banner; a resumed job's marker in metrics.jsonl
         try:
             outcome = run_training_loop(session)
         except BaseException:

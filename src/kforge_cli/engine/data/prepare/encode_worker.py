@@ -51,6 +51,7 @@ class SegmentResult:
     length: int  # tokens
     documents: int = 0  # EOS ids among them
     records: int = 0  # JSONL records tokenized
+    text_bytes: int = 0  # UTF-8 bytes of the text tokenized (no EOS): bits per byte = loss / ln 2 * tokens / bytes
 
 
 @dataclass
@@ -151,16 +152,25 @@ def _encodable(text: str) -> bool:
     return True
 
 
-def _segment_tokens(unit: WorkUnit, raw: bytes, offset: int, bad: _Bad, dtype: np.dtype[Any]) -> tuple[np.ndarray, int]:
-    """(tokens, JSONL records) of one segment."""
+def _segment_tokens(
+    unit: WorkUnit, raw: bytes, offset: int, bad: _Bad, dtype: np.dtype[Any]
+) -> tuple[np.ndarray, int, int]:
+    """(tokens, JSONL records, UTF-8 bytes of the text) of one segment."""
     tok = _TOKENIZER
     assert tok is not None, "init_worker was not called"
     if unit.file.kind == "text":
-        return tok.encode_bytes(_text(raw, offset, bad), dtype), 0
-    docs = tok.encode_batch(_records(raw, offset, unit.text_field, bad), dtype)
+        text = _text(raw, offset, bad)
+        return tok.encode_bytes(text, dtype), 0, len(text)
+    texts = _records(raw, offset, unit.text_field, bad)
+    docs = tok.encode_batch(texts, dtype)
     eos = np.array([tok.eos_id], dtype=dtype)
     parts = [p for d in docs for p in (d, eos)]
-    return (np.concatenate(parts) if parts else np.empty(0, dtype=dtype)), len(docs)
+    tokens = np.concatenate(parts) if parts else np.empty(0, dtype=dtype)
+    return tokens, len(docs), _utf8_bytes(texts)
+
+
+def _utf8_bytes(texts: list[str]) -> int:
+    return sum(len(t.encode("utf-8")) for t in texts)
 
 
 def _dataset_texts(records: hf_source.Records, field: str, bad: _Bad) -> list[str]:
@@ -194,14 +204,17 @@ def _encode_records(unit: WorkUnit, dtype: np.dtype[Any], part: str) -> UnitResu
         for records in hf_source.read_column(
             ds, unit.text_field, unit.first_record, unit.num_records, unit.segment_records
         ):
-            docs = tok.encode_batch(_dataset_texts(records, unit.text_field, bad), dtype)
+            texts = _dataset_texts(records, unit.text_field, bad)
+            docs = tok.encode_batch(texts, dtype)
             if not docs:
                 continue
             tokens = np.concatenate([p for d in docs for p in (d, eos)])
             out.write(tokens.tobytes())
             split = unit.splits[records.start // unit.segment_records - unit.first_segment]
             result.segments.append(
-                SegmentResult(split, "hf", unit.file.index, written, len(tokens), len(docs), len(docs))
+                SegmentResult(
+                    split, "hf", unit.file.index, written, len(tokens), len(docs), len(docs), _utf8_bytes(texts)
+                )
             )
             written += len(tokens)
     return result
@@ -224,8 +237,10 @@ def encode_unit(unit: WorkUnit, dtype_name: str, part: str) -> UnitResult:
         for i, split in enumerate(unit.splits):
             raw = fh.read(bounds[i + 1] - bounds[i])
             result.bytes_read += len(raw)
-            tokens, records = _segment_tokens(unit, raw, bounds[i], bad, dtype)
+            tokens, records, text_bytes = _segment_tokens(unit, raw, bounds[i], bad, dtype)
             out.write(tokens.tobytes())
-            result.segments.append(SegmentResult(split, f.kind, f.index, written, len(tokens), records, records))
+            result.segments.append(
+                SegmentResult(split, f.kind, f.index, written, len(tokens), records, records, text_bytes)
+            )
             written += len(tokens)
     return result

@@ -41,7 +41,7 @@ from kforge_cli.engine.data.shards import FORMAT, FORMAT_VERSION, METADATA, Spli
 from kforge_cli.engine.data.tokenizer import ByteTokenizer, HFTokenizer, load_tokenizer, token_dtype
 from kforge_cli.errors import InvalidInputError
 from kforge_cli.files import fsync_dir
-from kforge_cli.settings.data import (
+from kforge_cli.prepare_defaults import (
     PREPARE_SHARD_TOKENS,
     PREPARE_TEXT_FIELD,
     PREPARE_TOKENIZER,
@@ -98,6 +98,7 @@ class _Assembler:
         self.last_split: str | None = None
         self.records = 0
         self.by_kind = {split: dict.fromkeys(DOCUMENT_KINDS, 0) for split in writers}
+        self.text_bytes = dict.fromkeys(writers, 0)
         self.text_files: set[int] = set()
 
     def _close(self, split: str) -> None:
@@ -108,6 +109,7 @@ class _Assembler:
 
     def add(self, seg: SegmentResult, part_fd: int, itemsize: int) -> None:
         self.records += seg.records
+        self.text_bytes[seg.split] += seg.text_bytes
         if not seg.length:
             return
         if seg.kind != "text" or (
@@ -287,7 +289,8 @@ def prepare_data(
                     on_progress(done, total)
             asm.finish()
             splits: dict[str, dict[str, Any]] = {
-                s: w.close() | {"documents_by_kind": asm.by_kind[s]} for s, w in writers.items()
+                s: w.close() | {"documents_by_kind": asm.by_kind[s], "text_bytes": asm.text_bytes[s]}
+                for s, w in writers.items()
             }
             parts.rmdir()
             sources = [
@@ -308,6 +311,8 @@ def prepare_data(
             "eos_id": tok.eos_id,
             "dtype": dtype.name,
             "document_separator": "the EOS id follows every document",
+            "text_bytes": "per split: UTF-8 bytes of the text tokenized (no EOS); bits per byte = "
+            "loss / ln(2) * tokens / text_bytes (kforge plot --bits-per-byte)",
             "documents": DOCUMENT_KINDS,
             "text_files": len(asm.text_files),
             "splits": splits,
