@@ -14,30 +14,20 @@ from typing import Any
 
 from tests.conftest import REPO
 from tests.distributed.driver import run_case
+from tests.helpers import tiny
 
-# A 4-block model small enough for 2 CPU cores, big enough for every split (2 heads per TP rank).
+# Ten steps of the parity model (tiny.PARITY_MODEL), one thread per process, nothing saved.
 TINY = [
-    "--model.dim=64",
-    "--model.n_layers=4",
-    "--model.n_heads=4",
-    "--model.n_kv_heads=2",
-    "--model.vocab_size=320",
-    "--model.max_seq_len=64",
+    *tiny.PARITY_MODEL,
     "--train.seq_len=32",
     "--train.batch_size=2",
     "--train.max_steps=10",
-    "--train.device=cpu",
-    "--train.mixed_precision=fp32",
-    "--eval.interval=0",
+    *tiny.CPU_FP32,
+    *tiny.QUIET,
     "--checkpoint.save_final=false",
     "--checkpoint.interval=0",
-    "--metrics.log_interval=1",
-    "--metrics.progress_bar=off",
     "--scheduler.warmup_steps=2",
-    "--train.num_threads=1",
 ]
-# num_threads=1: on a shared 2-core machine, 2 intra-op threads per process make these tiny
-# steps ~20x slower (they spin against each other and the other ranks).
 
 # Stable across runs, so a torch.compile after the first is a cache hit.
 INDUCTOR_CACHE = Path(tempfile.gettempdir()) / "kforge-test-inductor-cache"

@@ -20,18 +20,13 @@ from pathlib import Path
 import pytest
 import torch
 
+from tests.helpers import tiny
+
 REPO = Path(__file__).resolve().parents[2]
 TINY = [
-    "--model.dim=32",
+    *tiny.TINY_MODEL,
     "--model.n_layers=4",
-    "--model.n_heads=4",
-    "--model.n_kv_heads=2",
-    "--model.vocab_size=64",
-    "--model.max_seq_len=32",
-    "--train.seq_len=16",
     "--train.batch_size=2",
-    "--train.device=cpu",
-    "--train.mixed_precision=fp32",
     "--train.max_steps=4",
     "--scheduler.warmup_steps=1",
     "--train.seed=11",

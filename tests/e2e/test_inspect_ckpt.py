@@ -16,10 +16,11 @@ from kforge_cli import load_model
 from kforge_cli.engine.model import Transformer, count_params
 from kforge_cli.settings import load_settings
 from tests.conftest import run_kforge
+from tests.helpers import tiny
 
 pytestmark = pytest.mark.e2e
 
-MODEL = ["--model.dim=32", "--model.n_layers=2", "--model.n_heads=4", "--model.n_kv_heads=2", "--model.max_seq_len=64"]
+MODEL = tiny.model(32, 2, 4, 2, max_seq_len=64)
 ARGS = [
     *MODEL,
     "--train.seq_len=32",
@@ -30,7 +31,7 @@ ARGS = [
     "--eval.interval=0",
     "--scheduler.warmup_steps=1",
     "--metrics.progress_bar=off",
-    "--train.num_threads=1",
+    *tiny.ONE_THREAD,
 ]
 
 

@@ -19,24 +19,19 @@ import torch
 from kforge_cli.engine.checkpoint import newest_complete, read_latest, resolve_checkpoint
 from kforge_cli.engine.train.hooks import TrainHook
 from tests.conftest import REPO, kforge_cmd
+from tests.helpers import tiny
 from tests.helpers.metrics import step_losses as losses
 
 pytestmark = pytest.mark.e2e
 
 # A small learnable job (built-in corpus), one log record per step, no eval, saves only where asked.
 ARGS = [
-    "--model.dim=64",
-    "--model.n_layers=2",
-    "--model.n_heads=4",
-    "--model.n_kv_heads=2",
+    *tiny.model(64, 2, 4, 2),
     "--train.seq_len=64",
     "--train.batch_size=8",
     "--scheduler.warmup_steps=2",
-    "--eval.interval=0",
-    "--metrics.log_interval=1",
+    *tiny.QUIET,
     "--checkpoint.interval=0",
-    "--metrics.progress_bar=off",
-    "--train.num_threads=1",
 ]
 HOOK = '--train.hooks=["tests.e2e.test_resume:SigtermAt"]'
 ENV = {"PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}

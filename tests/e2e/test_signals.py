@@ -11,21 +11,19 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import REPO, kforge_cmd
+from tests.helpers import tiny
 
 pytestmark = pytest.mark.e2e
 
 TINY = [
-    "--model.dim=32",
-    "--model.n_layers=2",
-    "--model.n_heads=2",
-    "--model.n_kv_heads=1",
+    *tiny.model(32, 2, 2, 1),
     "--train.batch_size=2",
     "--train.seq_len=32",
     "--train.max_steps=1000",
     "--scheduler.warmup_steps=1",
     "--eval.interval=0",
     "--checkpoint.interval=0",
-    "--train.num_threads=1",
+    *tiny.ONE_THREAD,
     '--train.hooks=["tests.helpers.slow_hooks:SlowSteps"]',
 ]
 
