@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import REPO, kforge_cmd
 from tests.helpers import tiny
+from tests.helpers.launch import PIPE, Proc, start_kforge, with_repo_path
 
 pytestmark = pytest.mark.e2e
 
@@ -28,16 +28,10 @@ TINY = [
 ]
 
 
-def _start(tmp_path: Path, *extra: str) -> tuple[subprocess.Popen[str], Path, Path]:
+def _start(tmp_path: Path, *extra: str) -> tuple[Proc | subprocess.Popen[str], Path, Path]:
     run, marker = tmp_path / "run", tmp_path / "step"
-    env = {
-        **os.environ,
-        "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]),
-        "KFORGE_TEST_STEP_FILE": str(marker),
-        "OMP_NUM_THREADS": "1",
-    }
-    cmd = [*kforge_cmd(), "train", *extra, "--run-dir", str(run), *TINY]
-    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    env = with_repo_path({**os.environ, "KFORGE_TEST_STEP_FILE": str(marker), "OMP_NUM_THREADS": "1"})
+    proc = start_kforge(["train", *extra, "--run-dir", str(run), *TINY], env=env, stdout=PIPE, stderr=PIPE)
     return proc, run, marker
 
 
@@ -49,7 +43,7 @@ def _reached(marker: Path, rank: int, step: int) -> bool:
 
 
 def _wait_for_step(
-    proc: subprocess.Popen[str], marker: Path, ranks: int = 1, step: int = 1, timeout: float = 240
+    proc: Proc | subprocess.Popen[str], marker: Path, ranks: int = 1, step: int = 1, timeout: float = 240
 ) -> None:
     deadline = time.monotonic() + timeout
     while not all(_reached(marker, r, step) for r in range(ranks)):
