@@ -6,7 +6,6 @@ import json
 import os
 import shutil
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -17,6 +16,7 @@ from kforge_cli.engine.model import Transformer, count_params
 from kforge_cli.settings import load_settings
 from tests.conftest import run_kforge
 from tests.helpers import tiny
+from tests.helpers.launch import torchrun
 
 pytestmark = pytest.mark.e2e
 
@@ -42,14 +42,8 @@ def fsdp_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
     run = root / "run"
     task = root / "tiny_mc.jsonl"  # 7 choices: the two ranks' shares differ, so the padding is exercised
     task.write_text("".join(json.dumps(r) + "\n" for r in TASK))
-    cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--standalone",
-        "--nproc_per_node=2",
-        "-m",
-        "kforge_cli",
+    cmd = [  # a real torchrun: kforge as its users launch it
+        *torchrun(2, "-m", "kforge_cli"),
         "train",
         "--run-dir",
         str(run),
