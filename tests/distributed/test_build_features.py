@@ -141,7 +141,7 @@ def test_srun_style_launch_from_slurm_variables(tmp_path: Path) -> None:
             "OMP_NUM_THREADS": "1",
         }
         procs.append(
-            start_kforge(["train", "--run-dir", str(run), *TINY], env=env, stdout=PIPE, stderr=STDOUT, slot=rank)
+            start_kforge(["train", "--run-dir", str(run), *TINY], env=env, stdout=PIPE, stderr=STDOUT, slot=rank % 2)
         )
     outputs = [p.communicate(timeout=300)[0] for p in procs]
     for rank, (p, out) in enumerate(zip(procs, outputs, strict=True)):

@@ -356,7 +356,7 @@ def kforge_ranks(
         with log.open("wb") as f:
             cmd = ["train", "--run-dir", str(run_dir), *args]
             procs.append(
-                start_kforge(cmd, env={**base, **rank_env(rank, world, port)}, stdout=f, stderr=STDOUT, slot=rank)
+                start_kforge(cmd, env={**base, **rank_env(rank, world, port)}, stdout=f, stderr=STDOUT, slot=rank % 2)
             )
         logs.append(log)
     codes = wait_all(procs, timeout)
@@ -395,7 +395,7 @@ def run_ranks(
                         env=rank_run,
                         stdout=f,
                         stderr=STDOUT,
-                        slot=rank,
+                        slot=rank % 2,
                     )
                 )
         codes = wait_all(procs, timeout)
