@@ -11,7 +11,9 @@ about 90% of a tiny ``kforge train``. The forked process is still a process of i
 (exit code, signals, environment, working directory, stdio, interpreter exit). Rank ``r``
 comes from server ``r % 2``, each server with its own hash seed, so the ranks of one job
 do not share one (as fresh interpreters would not). ``KFORGE_TEST_FRESH_PROCESSES=1``
-starts fresh interpreters instead (the console script, and torchrun for ``run_ranks``).
+starts fresh interpreters instead (the console script, and torchrun for ``run_ranks``), and
+so does a machine with a GPU: a CUDA context does not survive a fork, and GPU machines have
+the cores to spare.
 """
 
 from __future__ import annotations
@@ -35,7 +37,21 @@ from pathlib import Path
 from typing import IO, Any
 
 REPO = Path(__file__).resolve().parents[2]
-FRESH = os.environ.get("KFORGE_TEST_FRESH_PROCESSES") == "1"
+
+
+def fresh_processes() -> bool:
+    """Whether commands start as fresh interpreters (asked for, or a GPU present) instead of forks."""
+    global _FRESH
+    if _FRESH is None:
+        _FRESH = os.environ.get("KFORGE_TEST_FRESH_PROCESSES") == "1"
+        if not _FRESH:
+            import torch
+
+            _FRESH = torch.cuda.device_count() > 0  # NVML first: does not initialise CUDA here
+    return _FRESH
+
+
+_FRESH: bool | None = None
 # Stable across runs, so a torch.compile after the first is a cache hit.
 INDUCTOR_CACHE = Path(tempfile.gettempdir()) / "kforge-test-inductor-cache"
 PIPE, STDOUT, DEVNULL = subprocess.PIPE, subprocess.STDOUT, subprocess.DEVNULL
@@ -264,7 +280,7 @@ def _start(
 ) -> Proc | subprocess.Popen[Any]:
     env = dict(os.environ if env is None else env)
     cwd = str(cwd if cwd is not None else os.getcwd())
-    if FRESH:
+    if fresh_processes():
         if kind == "kforge":
             cmd = [*kforge_cmd(), *args]
         else:
@@ -379,7 +395,7 @@ def run_ranks(
     spec.write_text(json.dumps(list(cases)))
     env = with_repo_path({**os.environ, "TORCHINDUCTOR_CACHE_DIR": str(INDUCTOR_CACHE), "OMP_NUM_THREADS": "1"})
     logs = [out_dir / f"rank{r}.log" for r in range(world)]
-    if FRESH:
+    if fresh_processes():
         with logs[0].open("wb") as f:
             cmd = torchrun(world, "-m", "tests.helpers.ranks", str(spec), str(out_dir))
             codes = [subprocess.run(cmd, env=env, stdout=f, stderr=STDOUT, timeout=timeout).returncode]

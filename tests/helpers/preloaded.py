@@ -75,6 +75,7 @@ def _recv_exact(conn: socket.socket, n: int) -> bytes:
 
 def serve(path: str) -> tuple[dict[str, Any], list[int]] | None:
     """Accept commands until stdin closes; returns (request, fds) in a forked command process."""
+    os.environ["PYTORCH_NVML_BASED_CUDA_CHECK"] = "1"  # a CUDA check while preloading must not poison the forks
     for name in PRELOAD:
         try:
             importlib.import_module(name)
