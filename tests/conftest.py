@@ -2,31 +2,14 @@
 
 from __future__ import annotations
 
-import os
-import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
-REPO = Path(__file__).resolve().parents[1]
+from tests.helpers.launch import REPO, kforge_cmd, run_kforge
+
+__all__ = ["REPO", "SHARED_DATA", "kforge_cmd", "run_kforge"]
 SHARED_DATA = REPO.parent / "shared" / "data"
-
-
-def kforge_cmd() -> list[str]:
-    """The installed `kforge` console script (falls back to `python -m kforge_cli`)."""
-    exe = shutil.which("kforge", path=str(Path(sys.executable).parent)) or shutil.which("kforge")
-    return [exe] if exe else [sys.executable, "-m", "kforge_cli"]
-
-
-def run_kforge(
-    *args: str, cwd: Path | None = None, env: dict[str, str] | None = None, timeout: float = 600
-) -> subprocess.CompletedProcess[str]:
-    full_env = {**os.environ, **(env or {})}
-    return subprocess.run(
-        [*kforge_cmd(), *args], cwd=cwd, env=full_env, capture_output=True, text=True, timeout=timeout
-    )
 
 
 @pytest.fixture

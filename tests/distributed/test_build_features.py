@@ -11,7 +11,6 @@ import json
 import os
 import random
 import socket
-import subprocess
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -19,8 +18,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.conftest import kforge_cmd, run_kforge
-from tests.distributed.parity import INDUCTOR_CACHE, TINY, assert_close_losses, reference
+from tests.distributed.parity import TINY, assert_close_losses, reference
+from tests.helpers.launch import INDUCTOR_CACHE, PIPE, STDOUT, run_kforge, start_kforge
 
 pytestmark = pytest.mark.distributed
 
@@ -141,8 +140,9 @@ def test_srun_style_launch_from_slurm_variables(tmp_path: Path) -> None:
             "SLURM_JOB_NODELIST": "localhost",
             "OMP_NUM_THREADS": "1",
         }
-        cmd = [*kforge_cmd(), "train", "--run-dir", str(run), *TINY]
-        procs.append(subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
+        procs.append(
+            start_kforge(["train", "--run-dir", str(run), *TINY], env=env, stdout=PIPE, stderr=STDOUT, slot=rank % 2)
+        )
     outputs = [p.communicate(timeout=300)[0] for p in procs]
     for rank, (p, out) in enumerate(zip(procs, outputs, strict=True)):
         assert p.returncode == 0, f"task {rank} exited {p.returncode}:\n{out[-3000:]}"

@@ -6,18 +6,15 @@ every rank's exit code is visible: all must be 75 after a signal that only rank 
 
 from __future__ import annotations
 
-import os
 import shutil
-import socket
-import subprocess
 from pathlib import Path
 
 import pytest
 import torch
 
 from kforge_cli.engine.checkpoint import read_latest
-from tests.conftest import kforge_cmd
 from tests.e2e.test_resume import ARGS, ENV, HOOK, Payload, losses
+from tests.helpers.launch import kforge_ranks
 
 pytestmark = pytest.mark.distributed
 
@@ -31,35 +28,9 @@ REF_ARGS = [
 ]
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def launch(world: int, run_dir: Path, args: list[str], env: dict[str, str] | None = None) -> list[tuple[int, str]]:
     """Start `world` ranks of `kforge train`; (exit code, log) per rank."""
-    port, procs, logs = _free_port(), [], []
-    run_dir.mkdir(parents=True, exist_ok=True)
-    for rank in range(world):
-        rank_env = {
-            **os.environ,
-            **ENV,
-            **(env or {}),
-            "RANK": str(rank),
-            "LOCAL_RANK": str(rank),
-            "WORLD_SIZE": str(world),
-            "MASTER_ADDR": "127.0.0.1",
-            "MASTER_PORT": str(port),
-            "OMP_NUM_THREADS": "1",
-        }
-        log = run_dir.parent / f"{run_dir.name}.rank{rank}.log"
-        with log.open("wb") as f:
-            cmd = [*kforge_cmd(), "train", "--run-dir", str(run_dir), *args]
-            procs.append(subprocess.Popen(cmd, env=rank_env, stdout=f, stderr=subprocess.STDOUT))
-        logs.append(log)
-    codes = [p.wait(timeout=600) for p in procs]
-    return [(c, log.read_text()) for c, log in zip(codes, logs, strict=True)]
+    return kforge_ranks(world, run_dir, args, {**ENV, **(env or {})})
 
 
 def ok(results: list[tuple[int, str]], code: int = 0) -> None:

@@ -14,14 +14,11 @@ that straddle the shard boundaries).
 
 from __future__ import annotations
 
-import os
-import socket
 from pathlib import Path
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 import torch.nn.functional as F
 
 from kforge_cli.engine.model import Transformer
@@ -29,9 +26,10 @@ from kforge_cli.engine.model.sequence_shard import SequenceShard
 from kforge_cli.engine.observe import read_metrics
 from kforge_cli.engine.parallel.context_parallel import shard_batch
 from kforge_cli.settings.training import ModelSettings
-from tests.distributed.driver import run_case
 from tests.distributed.parity import TINY, assert_close_losses, completed, launch, reference
 from tests.distributed.test_parallel_parity import MOE_TP
+from tests.helpers.launch import run_ranks
+from tests.helpers.ranks import train, train_cases
 
 pytestmark = [pytest.mark.distributed, pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")]
 
@@ -65,48 +63,43 @@ def _loss_sum(model: Transformer, batch: dict[str, torch.Tensor]) -> torch.Tenso
     return F.cross_entropy(logits.flatten(0, 1), batch["labels"].flatten(), ignore_index=-100, reduction="sum")
 
 
-def _worker(rank: int, world: int, port: int) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=world)
-    try:
-        for documents in (False, True):
-            torch.manual_seed(0)
-            model = Transformer(ModelSettings(dim=32, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=VOCAB))
-            batch = _batch(documents)
-            ref = _loss_sum(model, batch)
-            ref.backward()
-            ref_grads = [p.grad.clone() for p in model.parameters()]  # type: ignore[union-attr]
-            model.zero_grad()
-            model.sequence_shard = SequenceShard(dist.group.WORLD, world, rank)
-            local = _loss_sum(model, shard_batch(batch, rank, world))
-            local.backward()
-            total = local.detach().clone()
-            dist.all_reduce(total)
-            torch.testing.assert_close(total, ref.detach(), rtol=1e-6, atol=1e-4)
-            assert (local.detach() - ref.detach()).abs() > 1.0  # each rank holds only a part of the loss
-            for p, want in zip(model.parameters(), ref_grads, strict=True):
-                grad = p.grad.clone()  # type: ignore[union-attr]
-                dist.all_reduce(grad)
-                torch.testing.assert_close(grad, want, rtol=1e-5, atol=1e-6)
-            # FlexAttention (what `auto` picks on CUDA for a CP shard): its block mask maps local
-            # queries and gathered keys to global positions; forward only (no CPU backward).
-            model.cfg = model.cfg.model_copy(update={"attention": "flex"})
-            with torch.no_grad():
-                flex = _loss_sum(model, shard_batch(batch, rank, world))
-            torch.testing.assert_close(flex, local.detach(), rtol=1e-5, atol=1e-4)
-    finally:
-        dist.destroy_process_group()
+def model_level(name: str, args: list[str], out_dir: Path) -> dict[str, str]:
+    """A case of the 2-rank launch (tests.helpers.ranks): the checks run on every rank."""
+    del name, args, out_dir
+    rank, world = dist.get_rank(), dist.get_world_size()
+    for documents in (False, True):
+        torch.manual_seed(0)
+        model = Transformer(ModelSettings(dim=32, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=VOCAB))
+        batch = _batch(documents)
+        ref = _loss_sum(model, batch)
+        ref.backward()
+        ref_grads = [p.grad.clone() for p in model.parameters()]  # type: ignore[union-attr]
+        model.zero_grad()
+        model.sequence_shard = SequenceShard(dist.group.WORLD, world, rank)
+        local = _loss_sum(model, shard_batch(batch, rank, world))
+        local.backward()
+        total = local.detach().clone()
+        dist.all_reduce(total)
+        torch.testing.assert_close(total, ref.detach(), rtol=1e-6, atol=1e-4)
+        assert (local.detach() - ref.detach()).abs() > 1.0  # each rank holds only a part of the loss
+        for p, want in zip(model.parameters(), ref_grads, strict=True):
+            grad = p.grad.clone()  # type: ignore[union-attr]
+            dist.all_reduce(grad)
+            torch.testing.assert_close(grad, want, rtol=1e-5, atol=1e-6)
+        # FlexAttention (what `auto` picks on CUDA for a CP shard): its block mask maps local
+        # queries and gathered keys to global positions; forward only (no CPU backward).
+        model.cfg = model.cfg.model_copy(update={"attention": "flex"})
+        with torch.no_grad():
+            flex = _loss_sum(model, shard_batch(batch, rank, world))
+        torch.testing.assert_close(flex, local.detach(), rtol=1e-5, atol=1e-4)
+    return {"status": "completed"}
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def test_cp2_loss_and_gradients_equal_one_process_with_and_without_documents() -> None:
-    mp.spawn(_worker, args=(2, _free_port()), nprocs=2, join=True)
+def test_cp2_loss_and_gradients_equal_one_process_with_and_without_documents(
+    two_ranks: tuple[dict[str, list[dict]], str],
+) -> None:
+    res, _ = two_ranks
+    completed(res["cp2_model_level"], "cp2_model_level")
 
 
 def test_shard_batch_gives_each_rank_a_head_and_a_tail_chunk() -> None:
@@ -131,7 +124,8 @@ def two_ranks(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict[str, list[
         "cp2_resume": [*CP2, f"--checkpoint.load_path={step5}"],
         "cp2_moe_docs": [*CP2, *MOE_TP, *DOCS],
     }
-    return launch(2, cases, out), step5
+    model_check = {"name": "cp2_model_level", "fn": f"{__name__}:model_level", "args": []}  # first: a fresh process
+    return run_ranks(2, [model_check, *train_cases(cases, base=TINY)], out), step5
 
 
 def test_cp2_trains_like_one_process_on_the_same_batch(two_ranks: tuple[dict[str, list[dict]], str]) -> None:
@@ -171,7 +165,7 @@ def test_cp2_resume_is_bit_exact_and_a_cp2_checkpoint_resumes_at_cp1(
     uninterrupted = completed(res["cp2"], "cp2")[0]["losses"]
     for r in completed(res["cp2_resume"], "cp2_resume"):
         assert r["losses"] == uninterrupted[5:]  # steps 6..10, bit for bit
-    one = run_case("cp1_resume", [*TINY, f"--checkpoint.load_path={step5}"], tmp_path)
+    one = train("cp1_resume", [*TINY, f"--checkpoint.load_path={step5}"], tmp_path)
     assert one["status"] == "completed" and len(one["losses"]) == 5
     for got, want in zip(one["losses"], uninterrupted[5:], strict=True):
         assert got == pytest.approx(want, rel=REL, abs=0)

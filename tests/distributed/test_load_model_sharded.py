@@ -1,6 +1,6 @@
 """`load_model` and HF warm start across layouts: 2-rank FSDP and pp=2 checkpoints give the same model.
 
-One torchrun launch (2 gloo processes) runs this file as a script: per case it builds
+One 2-rank launch (gloo) runs ``saved_case`` per case: it builds
 the parallel model (initialised exactly as one process would), optionally warm-starts
 it from a Hugging Face directory, saves a checkpoint through the real
 ``CheckpointManager`` and writes each rank's full view of the weights. The test then
@@ -10,28 +10,18 @@ requires bit-equality with the single-process model and with what the ranks held
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
-import traceback
 from pathlib import Path
 
 import pytest
 import torch
 
-REPO = Path(__file__).resolve().parents[2]
+from tests.helpers import tiny
+from tests.helpers.launch import run_ranks
+
 TINY = [
-    "--model.dim=32",
+    *tiny.TINY_MODEL,
     "--model.n_layers=4",
-    "--model.n_heads=4",
-    "--model.n_kv_heads=2",
-    "--model.vocab_size=64",
-    "--model.max_seq_len=32",
-    "--train.seq_len=16",
     "--train.batch_size=2",
-    "--train.device=cpu",
-    "--train.mixed_precision=fp32",
     "--train.max_steps=4",
     "--scheduler.warmup_steps=1",
     "--train.seed=11",
@@ -40,8 +30,9 @@ FSDP = ["--distributed.dp_shard=2"]
 PP = ["--distributed.pp=2", "--distributed.dp_shard=1", "--train.grad_accum_steps=2"]
 
 
-def _worker(cases_file: str, out: str) -> None:
-    """Runs under torchrun: one checkpoint per case, and each rank's full weights as a tensors-only file."""
+def saved_case(name: str, overrides: list[str], out_dir: Path) -> dict[str, str]:
+    """A case of the 2-rank launch (tests.helpers.ranks): one checkpoint, and this rank's full weights
+    as a tensors-only file."""
     import torch.distributed as dist
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
@@ -54,33 +45,20 @@ def _worker(cases_file: str, out: str) -> None:
     from kforge_cli.engine.train.train_state import TrainState
     from kforge_cli.settings import load_settings
 
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo")
-    rank = dist.get_rank()
-    try:
-        for case in json.loads(Path(cases_file).read_text()):
-            run_dir = Path(out) / case["name"]
-            s = load_settings(overrides=case["overrides"], use_env=False).settings
-            runtime = init_runtime(s)
-            model, _ = build_parallel_model(s, runtime)
-            opt = build_optimizer(model, s)
-            mgr = build_checkpointer(s, runtime, run_dir, RunParts(model, opt, build_scheduler(opt, s), TrainState()))
-            mgr.restore()
-            mgr.save(0, blocking=True)
-            full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True))
-            torch.save(
-                {k: v.detach().cpu() for k, v in full.items() if isinstance(v, torch.Tensor)},
-                run_dir / f"held.rank{rank}.pt",
-            )
-            dist.barrier()
-    except BaseException:
-        traceback.print_exc()
-        sys.stderr.flush()
-        os._exit(1)
-    dist.barrier()
-    dist.destroy_process_group()
-    sys.stdout.flush()
-    os._exit(0)  # skip interpreter teardown: gloo's threads can abort it after a clean destroy
+    run_dir = Path(out_dir) / name
+    s = load_settings(overrides=overrides, use_env=False).settings
+    runtime = init_runtime(s)
+    model, _ = build_parallel_model(s, runtime)
+    opt = build_optimizer(model, s)
+    mgr = build_checkpointer(s, runtime, run_dir, RunParts(model, opt, build_scheduler(opt, s), TrainState()))
+    mgr.restore()
+    mgr.save(0, blocking=True)
+    full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True))
+    torch.save(
+        {k: v.detach().cpu() for k, v in full.items() if isinstance(v, torch.Tensor)},
+        run_dir / f"held.rank{dist.get_rank()}.pt",
+    )
+    return {"status": "completed"}
 
 
 def _single_process_model() -> dict[str, torch.Tensor]:
@@ -102,30 +80,16 @@ def launched(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
     root = tmp_path_factory.mktemp("sharded")
     source = train_and_save(root / "source", ["--model.n_layers=4", "--model.vocab_size=64"], steps=1)
     hf_dir = export_hf(source.steps[1], root / "hf").out_dir  # weights unlike any fresh init
-    cases = [
-        {"name": "fsdp", "overrides": [*TINY, *FSDP]},
-        {"name": "pp", "overrides": [*TINY, *PP]},
-        {"name": "fsdp_hf", "overrides": [*TINY, *FSDP, f"--checkpoint.init_from={hf_dir}"]},
-        {"name": "pp_hf", "overrides": [*TINY, *PP, f"--checkpoint.init_from={hf_dir}"]},
-    ]
-    (root / "cases.json").write_text(json.dumps(cases))
-    cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--standalone",
-        "--nproc_per_node=2",
-        __file__,
-        str(root / "cases.json"),
-        str(root),
-    ]
-    env = {
-        **os.environ,
-        "OMP_NUM_THREADS": "1",
-        "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]),
+    cases = {
+        "fsdp": [*TINY, *FSDP],
+        "pp": [*TINY, *PP],
+        "fsdp_hf": [*TINY, *FSDP, f"--checkpoint.init_from={hf_dir}"],
+        "pp_hf": [*TINY, *PP, f"--checkpoint.init_from={hf_dir}"],
     }
-    r = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
-    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-4000:]
+    results = run_ranks(2, [{"name": n, "fn": f"{__name__}:saved_case", "args": o} for n, o in cases.items()], root)
+    for name, ranks in results.items():
+        for rank, r in enumerate(ranks):
+            assert r["status"] == "completed", f"{name} rank {rank}: {r.get('error', r['status'])}"
     return root, hf_dir
 
 
@@ -207,7 +171,3 @@ def test_a_2_rank_fsdp_checkpoint_generates_what_its_one_process_model_generates
                 for m in (sharded, reference)
             )
             assert got == want and len(got) == 12
-
-
-if __name__ == "__main__":
-    _worker(sys.argv[1], sys.argv[2])

@@ -19,31 +19,21 @@ import pytest
 from kforge_cli.engine.checkpoint import read_latest
 from tests.distributed.test_checkpoint_resume import launch, ok
 from tests.e2e.test_resume import HOOK, losses
+from tests.helpers import tiny
 
 pytestmark = pytest.mark.distributed
 
 # 2 ranks x batch 4 = 8 sequences per step; 2 MoE blocks of 4 experts (2 per EP=2 rank).
 MOE_ARGS = [
-    "--model.dim=32",
-    "--model.n_layers=2",
-    "--model.n_heads=4",
-    "--model.n_kv_heads=2",
-    "--model.moe.num_experts=4",
-    "--model.moe.top_k=2",
-    "--model.moe.expert_hidden_dim=32",
-    "--model.moe.num_shared_experts=1",
-    "--model.moe.bias_update_rate=0.01",
-    "--model.moe.aux_loss_weight=0.01",
+    *tiny.GQA32,
+    *tiny.moe(z_loss_weight=None),
     "--train.seq_len=32",
     "--train.batch_size=4",
     "--train.max_steps=6",
     "--scheduler.warmup_steps=2",
-    "--eval.interval=0",
-    "--metrics.log_interval=1",
-    "--metrics.progress_bar=off",
+    *tiny.QUIET,
     "--checkpoint.interval=3",
     "--checkpoint.keep_last_n=0",
-    "--train.num_threads=1",
     "--resilience.stop_check_interval=1",  # ranks agree to stop at the step the signal lands in
 ]
 EP2 = [*MOE_ARGS, "--distributed.ep=2"]

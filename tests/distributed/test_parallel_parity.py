@@ -13,6 +13,7 @@ import importlib.util
 import pytest
 
 from tests.distributed.parity import assert_close_losses, completed, launch, reference
+from tests.helpers import tiny
 
 pytestmark = pytest.mark.distributed
 
@@ -36,17 +37,8 @@ FEATURES = [
     "--eval.steps=2",
 ]
 
-MOE = [  # aux-loss-free bias, aux + z losses, two micro-batches: all must agree with one process
-    "--model.moe.num_experts=4",
-    "--model.moe.top_k=2",
-    "--model.moe.expert_hidden_dim=32",
-    "--model.moe.num_shared_experts=1",
-    "--model.moe.first_dense_layers=1",
-    "--model.moe.bias_update_rate=0.01",
-    "--model.moe.aux_loss_weight=0.01",
-    "--model.moe.z_loss_weight=0.001",
-    "--train.grad_accum_steps=2",
-]
+# aux-loss-free bias, aux + z losses, two micro-batches: all must agree with one process
+MOE = [*tiny.moe(), "--model.moe.first_dense_layers=1", "--train.grad_accum_steps=2"]
 # MoE under TP: strong aux/z losses, so a wrong router gradient shows in the (checked) grad norm. With MOE's
 # weak ones a top-k near-tie in step 6 flipped by float rounding (measured: the grad norm 9e-5 off one process,
 # the losses within 1e-6; with these weights every step's norm is within 3e-7).

@@ -1,7 +1,7 @@
 """The plan (engine.parallel.plan) against real runs of the same configurations.
 
 Three small configurations run for real on CPU with 1, 2 and 4 gloo ranks (the 2- and
-4-rank ones in one ``torch.distributed.run`` launch each, this file being the worker):
+4-rank ones in one launch each, ``measured_case`` the case every rank runs):
 the planned parameter, gradient and optimizer-state bytes of every rank must equal the
 measured ones exactly, and the activation estimate must be within 25% of the measured
 peak. A pipeline case checks the bytes of each stage's rank (its activations are not
@@ -17,10 +17,6 @@ unsharded gradients, which the tracker leaves in ``Temp``, are part of it.)
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
 from collections.abc import Callable
 from contextlib import nullcontext
 from pathlib import Path
@@ -29,14 +25,12 @@ from typing import Any
 
 import pytest
 
-REPO = Path(__file__).resolve().parents[2]
+from tests.helpers import tiny
+from tests.helpers.launch import run_ranks
+
 TOLERANCE = 0.25
-BASE = [
-    "--model.dim=128",
-    "--model.n_layers=4",
-    "--model.n_heads=4",
-    "--model.n_kv_heads=2",
-    "--model.max_seq_len=512",
+BASE = [  # bigger than the tests' tiny models: activations must dominate what the tracker sees
+    *tiny.model(128, 4, 4, 2, max_seq_len=512),
     "--train.seq_len=256",
     "--train.batch_size=4",
     "--train.device=cpu",
@@ -141,29 +135,16 @@ def measure(overrides: list[str], *, run_step: bool = True) -> dict[str, Any]:
     return out
 
 
+def measured_case(name: str, overrides: list[str], out_dir: Path) -> dict[str, Any]:
+    """A case of a multi-rank launch (tests.helpers.ranks): what this rank's model and optimizer held."""
+    del out_dir
+    return measure(overrides, run_step=name not in NO_STEP)
+
+
 def launch(world: int, out_dir: Path) -> dict[str, list[dict[str, Any]]]:
-    """Run CASES[world] in one torch.distributed.run launch; {case: [rank results]}."""
-    spec = out_dir / "cases.json"
-    spec.write_text(json.dumps(CASES[world]))
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
-    cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--standalone",
-        f"--nproc_per_node={world}",
-        str(Path(__file__).resolve()),
-        str(spec),
-        str(out_dir),
-    ]
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
-    files = [out_dir / f"rank{r}.json" for r in range(world)]
-    if not all(f.is_file() for f in files):
-        raise AssertionError(
-            f"world {world}: no result from every rank (exit {proc.returncode}):\n{(proc.stdout + proc.stderr)[-4000:]}"
-        )
-    per_rank = [json.loads(f.read_text()) for f in files]
-    return {name: [r[name] for r in per_rank] for name in CASES[world]}
+    """Measure CASES[world] in one ``world``-rank launch; {case: [rank results]}."""
+    cases = [{"name": n, "fn": f"{__name__}:measured_case", "args": o} for n, o in CASES[world].items()]
+    return run_ranks(world, cases, out_dir)
 
 
 @pytest.fixture(scope="module")
@@ -240,25 +221,3 @@ def test_activation_estimate_on_gpu(record_property: Callable[[str, object], Non
     )
     record_property("gpu_activation_error", round(error, 4))
     assert abs(error) <= TOLERANCE
-
-
-def _worker_main() -> None:
-    """torch.distributed.run entry: measure every case on this rank, write OUT/rank<r>.json."""
-    import torch
-    import torch.distributed as dist
-
-    cases = json.loads(Path(sys.argv[1]).read_text())
-    out_dir = Path(sys.argv[2])
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo")
-    rank = dist.get_rank()
-    results = {name: measure(overrides, run_step=name not in NO_STEP) for name, overrides in cases.items()}
-    (out_dir / f"rank{rank}.json").write_text(json.dumps(results))
-    dist.barrier()
-    dist.destroy_process_group()
-    sys.stdout.flush()
-    os._exit(0)  # gloo's threads can abort a normal interpreter exit; the results are on disk
-
-
-if __name__ == "__main__":
-    _worker_main()

@@ -14,18 +14,11 @@ from kforge_cli.settings import load_settings
 from tests.conftest import run_kforge
 from tests.distributed.test_checkpoint_resume import launch, ok
 from tests.e2e.test_resume import ENV, losses
+from tests.helpers import tiny
 
 pytestmark = pytest.mark.distributed
 
-BASE = [
-    "--profile",
-    "vlm-mot-debug",
-    "--scheduler.warmup_steps=2",
-    "--metrics.log_interval=1",
-    "--metrics.progress_bar=off",
-    "--eval.interval=0",
-    "--train.num_threads=1",
-]
+BASE = ["--profile", "vlm-mot-debug", "--scheduler.warmup_steps=2", *tiny.QUIET]
 # Encoder frozen for the updates after steps 0..2, trained from the update after step 3 on (update 4).
 UNFREEZE_AT = 3
 SCHEDULE = f'--vlm.freeze_schedule=[{{start_step=0, freeze=["vision"]}}, {{start_step={UNFREEZE_AT}, freeze=[]}}]'

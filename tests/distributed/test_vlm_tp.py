@@ -9,6 +9,7 @@ import pytest
 from tests.conftest import run_kforge
 from tests.distributed.test_checkpoint_resume import launch, ok
 from tests.e2e.test_resume import ENV, losses
+from tests.helpers import tiny
 
 pytestmark = pytest.mark.distributed
 
@@ -18,12 +19,9 @@ ARGS = [
     "--vlm.cross_attention_every=1",
     "--train.max_steps=4",
     "--scheduler.warmup_steps=2",
-    "--metrics.log_interval=1",
-    "--metrics.progress_bar=off",
-    "--eval.interval=0",
+    *tiny.QUIET,
     "--checkpoint.interval=0",
     "--checkpoint.save_final=false",
-    "--train.num_threads=1",
 ]
 
 

@@ -14,27 +14,21 @@ import torch
 
 from kforge_cli import load_model
 from tests.conftest import run_kforge
+from tests.helpers import tiny
 
 pytestmark = pytest.mark.e2e
 
 transformers = pytest.importorskip("transformers")
 
 # GQA (4 query heads, 2 kv heads) with a tied embedding / output head.
-MODEL = [
-    "--model.dim=32",
-    "--model.n_layers=2",
-    "--model.n_heads=4",
-    "--model.n_kv_heads=2",
-    "--model.max_seq_len=64",
-    "--model.tie_embeddings=true",
-]
+MODEL = [*tiny.model(32, 2, 4, 2, max_seq_len=64), "--model.tie_embeddings=true"]
 TRAIN = [
     "--train.seq_len=32",
     "--train.batch_size=2",
     "--eval.interval=0",
     "--scheduler.warmup_steps=1",
     "--metrics.progress_bar=off",
-    "--train.num_threads=1",
+    *tiny.ONE_THREAD,
     "--checkpoint.keep_last_n=0",
 ]
 REL_TOL = 1e-5

@@ -6,7 +6,6 @@ import json
 import os
 import shutil
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -16,10 +15,12 @@ from kforge_cli import load_model
 from kforge_cli.engine.model import Transformer, count_params
 from kforge_cli.settings import load_settings
 from tests.conftest import run_kforge
+from tests.helpers import tiny
+from tests.helpers.launch import torchrun
 
 pytestmark = pytest.mark.e2e
 
-MODEL = ["--model.dim=32", "--model.n_layers=2", "--model.n_heads=4", "--model.n_kv_heads=2", "--model.max_seq_len=64"]
+MODEL = tiny.model(32, 2, 4, 2, max_seq_len=64)
 ARGS = [
     *MODEL,
     "--train.seq_len=32",
@@ -30,7 +31,7 @@ ARGS = [
     "--eval.interval=0",
     "--scheduler.warmup_steps=1",
     "--metrics.progress_bar=off",
-    "--train.num_threads=1",
+    *tiny.ONE_THREAD,
 ]
 
 
@@ -41,14 +42,8 @@ def fsdp_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
     run = root / "run"
     task = root / "tiny_mc.jsonl"  # 7 choices: the two ranks' shares differ, so the padding is exercised
     task.write_text("".join(json.dumps(r) + "\n" for r in TASK))
-    cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--standalone",
-        "--nproc_per_node=2",
-        "-m",
-        "kforge_cli",
+    cmd = [  # a real torchrun: kforge as its users launch it
+        *torchrun(2, "-m", "kforge_cli"),
         "train",
         "--run-dir",
         str(run),

@@ -18,28 +18,23 @@ import torch
 
 from kforge_cli.engine.checkpoint import newest_complete, read_latest, resolve_checkpoint
 from kforge_cli.engine.train.hooks import TrainHook
-from tests.conftest import REPO, kforge_cmd
+from tests.helpers import tiny
+from tests.helpers.launch import STDOUT, Proc, start_kforge, with_repo_path
 from tests.helpers.metrics import step_losses as losses
 
 pytestmark = pytest.mark.e2e
 
 # A small learnable job (built-in corpus), one log record per step, no eval, saves only where asked.
 ARGS = [
-    "--model.dim=64",
-    "--model.n_layers=2",
-    "--model.n_heads=4",
-    "--model.n_kv_heads=2",
+    *tiny.model(64, 2, 4, 2),
     "--train.seq_len=64",
     "--train.batch_size=8",
     "--scheduler.warmup_steps=2",
-    "--eval.interval=0",
-    "--metrics.log_interval=1",
+    *tiny.QUIET,
     "--checkpoint.interval=0",
-    "--metrics.progress_bar=off",
-    "--train.num_threads=1",
 ]
 HOOK = '--train.hooks=["tests.e2e.test_resume:SigtermAt"]'
-ENV = {"PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
+ENV = with_repo_path(os.environ)
 
 
 class SigtermAt(TrainHook):
@@ -90,17 +85,12 @@ def test_sigterm_at_n_then_resume_matches_uninterrupted_run_bit_for_bit(kforge, 
     assert r.returncode == 2 and "model.dim: 64 -> 32" in r.stderr and "Traceback" not in r.stderr
 
 
-def _start(run: Path, args: list[str], log: Path) -> subprocess.Popen[bytes]:
+def _start(run: Path, args: list[str], log: Path) -> Proc | subprocess.Popen[bytes]:
     with log.open("wb") as f:
-        return subprocess.Popen(
-            [*kforge_cmd(), "train", "--run-dir", str(run), *args],
-            stdout=f,
-            stderr=subprocess.STDOUT,
-            env={**os.environ, **ENV},
-        )
+        return start_kforge(["train", "--run-dir", str(run), *args], stdout=f, stderr=STDOUT, env={**os.environ, **ENV})
 
 
-def _kill_during_save(proc: subprocess.Popen[bytes], root: Path, min_step: int, deadline: float) -> None:
+def _kill_during_save(proc: Proc | subprocess.Popen[bytes], root: Path, min_step: int, deadline: float) -> None:
     """SIGKILL as soon as this process has a save past `min_step` in progress (a step dir it created that has
     no commit marker yet), once an earlier checkpoint is complete."""
     started = time.time()
@@ -122,7 +112,7 @@ def _records(run: Path) -> int:
     return len(path.read_text().splitlines()) if path.exists() else 0
 
 
-def _kill_after_progress(proc: subprocess.Popen[bytes], run: Path, delay: float, deadline: float) -> None:
+def _kill_after_progress(proc: Proc | subprocess.Popen[bytes], run: Path, delay: float, deadline: float) -> None:
     """SIGKILL `delay` seconds after this process logged its first step."""
     before = _records(run)
     while time.monotonic() < deadline and proc.poll() is None:

@@ -10,36 +10,28 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import REPO, kforge_cmd
+from tests.helpers import tiny
+from tests.helpers.launch import PIPE, Proc, start_kforge, with_repo_path
 
 pytestmark = pytest.mark.e2e
 
 TINY = [
-    "--model.dim=32",
-    "--model.n_layers=2",
-    "--model.n_heads=2",
-    "--model.n_kv_heads=1",
+    *tiny.model(32, 2, 2, 1),
     "--train.batch_size=2",
     "--train.seq_len=32",
     "--train.max_steps=1000",
     "--scheduler.warmup_steps=1",
     "--eval.interval=0",
     "--checkpoint.interval=0",
-    "--train.num_threads=1",
+    *tiny.ONE_THREAD,
     '--train.hooks=["tests.helpers.slow_hooks:SlowSteps"]',
 ]
 
 
-def _start(tmp_path: Path, *extra: str) -> tuple[subprocess.Popen[str], Path, Path]:
+def _start(tmp_path: Path, *extra: str) -> tuple[Proc | subprocess.Popen[str], Path, Path]:
     run, marker = tmp_path / "run", tmp_path / "step"
-    env = {
-        **os.environ,
-        "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]),
-        "KFORGE_TEST_STEP_FILE": str(marker),
-        "OMP_NUM_THREADS": "1",
-    }
-    cmd = [*kforge_cmd(), "train", *extra, "--run-dir", str(run), *TINY]
-    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    env = with_repo_path({**os.environ, "KFORGE_TEST_STEP_FILE": str(marker), "OMP_NUM_THREADS": "1"})
+    proc = start_kforge(["train", *extra, "--run-dir", str(run), *TINY], env=env, stdout=PIPE, stderr=PIPE)
     return proc, run, marker
 
 
@@ -51,7 +43,7 @@ def _reached(marker: Path, rank: int, step: int) -> bool:
 
 
 def _wait_for_step(
-    proc: subprocess.Popen[str], marker: Path, ranks: int = 1, step: int = 1, timeout: float = 240
+    proc: Proc | subprocess.Popen[str], marker: Path, ranks: int = 1, step: int = 1, timeout: float = 240
 ) -> None:
     deadline = time.monotonic() + timeout
     while not all(_reached(marker, r, step) for r in range(ranks)):

@@ -17,6 +17,7 @@ from typing import Any
 
 from kforge_cli.engine.train import TrainHook
 from tests.conftest import REPO
+from tests.helpers import tiny
 
 HOOKS = "tests.e2e.test_tracking_hooks"
 
@@ -24,10 +25,7 @@ HOOKS = "tests.e2e.test_tracking_hooks"
 TINY = [
     "--train.batch_size=2",
     "--train.seq_len=32",
-    "--model.n_layers=1",
-    "--model.dim=64",
-    "--model.n_heads=2",
-    "--model.n_kv_heads=1",
+    *tiny.model(64, 1, 2, 1),
     "--scheduler.warmup_steps=2",
     "--metrics.log_interval=1",
     "--metrics.progress_bar=off",

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import re
+import time
 from pathlib import Path
 
 import pytest
@@ -125,6 +126,7 @@ def test_profile_given_as_a_path_names_the_run_dir_like_sbatch(kforge, tmp_path:
     work.mkdir()
     trained = kforge("train", "--profile", str(profile), cwd=work)
     assert trained.returncode == 0, trained.stderr[-2000:]
+    time.sleep(1.05 - time.time() % 1)  # the next second: a run dir named in the same one would get a -2
     sbatch = kforge("train", "--profile", str(profile), "--sbatch", cwd=work)
     assert sbatch.returncode == 0, sbatch.stderr[-2000:]
     runs = sorted(p for p in (work / "runs").iterdir())

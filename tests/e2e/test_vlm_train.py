@@ -9,16 +9,11 @@ from pathlib import Path
 import pytest
 
 from tests.e2e.test_resume import ENV, HOOK, losses
+from tests.helpers import tiny
 
 pytestmark = pytest.mark.e2e
 
-QUIET = [
-    "--metrics.log_interval=1",
-    "--metrics.progress_bar=off",
-    "--train.num_threads=1",
-    "--eval.interval=0",
-    "--checkpoint.interval=0",
-]
+QUIET = [*tiny.QUIET, "--checkpoint.interval=0"]
 SCHEDULE = '--vlm.freeze_schedule=[{start_step=0, freeze=["vision"]}, {start_step=4, freeze=["adapter"]}]'
 
 

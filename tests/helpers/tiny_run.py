@@ -18,19 +18,7 @@ from kforge_cli.engine.train.session import TrainingSession
 from kforge_cli.engine.train.train_state import TrainState
 from kforge_cli.engine.train.update import LossScaler
 from kforge_cli.settings import JobSettings, load_settings
-
-# A 2-layer, 32-wide GQA model over a 64-token vocabulary, fp32 on the CPU.
-TINY_MODEL = [
-    "--model.dim=32",
-    "--model.n_layers=2",
-    "--model.n_heads=4",
-    "--model.n_kv_heads=2",
-    "--model.vocab_size=64",
-    "--model.max_seq_len=32",
-    "--train.seq_len=16",
-    "--train.device=cpu",
-    "--train.mixed_precision=fp32",
-]
+from tests.helpers.tiny import TINY_MODEL  # a 2-layer, 32-wide GQA model, fp32 on the CPU
 
 
 def tiny_settings(*overrides: str) -> JobSettings:

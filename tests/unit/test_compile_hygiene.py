@@ -8,8 +8,9 @@ import torch
 from kforge_cli.engine.parallel import build_parallel_model, total_grad_norm
 from kforge_cli.engine.runtime import init_runtime
 from kforge_cli.settings import load_settings
+from tests.helpers import tiny
 
-TINY = ["--model.dim=64", "--model.n_layers=1", "--model.n_heads=4", "--model.vocab_size=128", "--train.device=cpu"]
+TINY = [*tiny.model(64, 1, 4, vocab_size=128), "--train.device=cpu"]
 
 
 def test_rope_tables_stay_fp32_with_bf16_master_weights_on_one_process() -> None:

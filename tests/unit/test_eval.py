@@ -17,22 +17,18 @@ from kforge_cli.engine.inference.source import open_for_inference
 from kforge_cli.engine.model.scoring import continuation_logliks
 from kforge_cli.engine.observe.metrics_file import read_metrics
 from kforge_cli.errors import InvalidInputError
+from tests.helpers import tiny
 
 TINY = [
-    "--model.dim=32",
-    "--model.n_layers=2",
-    "--model.n_heads=4",
-    "--model.max_seq_len=64",
+    *tiny.model(32, 2, 4, max_seq_len=64),
     "--train.seq_len=32",
     "--train.batch_size=4",
     "--train.max_steps=3",
-    "--train.num_threads=1",
     "--scheduler.warmup_steps=1",
+    *tiny.QUIET,
     "--eval.interval=3",
     "--eval.steps=3",
     "--eval.batch_size=2",
-    "--metrics.log_interval=1",
-    "--metrics.progress_bar=off",
     "--checkpoint.interval=0",
 ]
 TASK = [

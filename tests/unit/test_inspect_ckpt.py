@@ -21,18 +21,11 @@ from kforge_cli.engine.checkpoint.verify import verify_checkpoint
 from kforge_cli.engine.model import Transformer, count_params
 from kforge_cli.rundir.names import COMMIT_FILE
 from kforge_cli.settings import JobSettings, load_settings
+from tests.helpers import tiny
 from tests.helpers.tiny_run import tiny_run
 
 TINY = [
-    "--model.dim=32",
-    "--model.n_layers=2",
-    "--model.n_heads=4",
-    "--model.n_kv_heads=2",
-    "--model.vocab_size=64",
-    "--model.max_seq_len=32",
-    "--train.seq_len=16",
-    "--train.device=cpu",
-    "--train.mixed_precision=fp32",
+    *tiny.TINY_MODEL,
     "--train.max_steps=20",
     "--scheduler.warmup_steps=1",
     "--optimizer.lr=1e-2",

@@ -25,24 +25,14 @@ from kforge_cli.engine.parallel.activation_checkpoint import apply_activation_ch
 from kforge_cli.engine.parallel.float8 import float8_filter
 from kforge_cli.engine.runtime import init_runtime
 from kforge_cli.settings import load_settings
+from tests.helpers import tiny
 
 MOE = [
-    "--model.dim=32",
-    "--model.n_layers=2",
-    "--model.n_heads=4",
-    "--model.vocab_size=64",
-    "--model.max_seq_len=16",
-    "--model.moe.num_experts=4",
-    "--model.moe.top_k=2",
-    "--model.moe.expert_hidden_dim=16",
-    "--model.moe.num_shared_experts=1",
-    "--model.moe.bias_update_rate=0.01",
-    "--model.moe.aux_loss_weight=0.01",
-    "--model.moe.z_loss_weight=0.001",
+    *tiny.model(32, 2, 4, vocab_size=64, max_seq_len=16),
+    *tiny.moe(expert_hidden_dim=16),
     "--train.seq_len=16",
-    "--train.device=cpu",
-    "--train.mixed_precision=fp32",
-    "--train.num_threads=1",
+    *tiny.CPU_FP32,
+    *tiny.ONE_THREAD,
 ]
 SELECTIVE_OP = ["--train.activation_checkpointing=selective", "--train.ac_selective_mode=op"]
 

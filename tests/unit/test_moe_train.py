@@ -10,30 +10,18 @@ import torch
 from kforge_cli.engine.observe import read_metrics
 from kforge_cli.engine.train import TrainHook, run_training
 from kforge_cli.settings import load_settings
+from tests.helpers import tiny
 
 TINY = [
-    "--model.dim=32",
-    "--model.n_layers=2",
-    "--model.n_heads=4",
-    "--model.vocab_size=320",
-    "--model.max_seq_len=32",
-    "--model.moe.num_experts=4",
-    "--model.moe.top_k=2",
-    "--model.moe.expert_hidden_dim=32",
-    "--model.moe.num_shared_experts=1",
-    "--model.moe.bias_update_rate=0.01",
-    "--model.moe.aux_loss_weight=0.01",
-    "--model.moe.z_loss_weight=0.001",
+    *tiny.model(32, 2, 4, vocab_size=320, max_seq_len=32),
+    *tiny.moe(),
     "--train.seq_len=16",
     "--train.batch_size=4",
-    "--train.device=cpu",
-    "--train.mixed_precision=fp32",
-    "--train.num_threads=1",
+    *tiny.CPU_FP32,
     "--scheduler.name=constant",
     "--scheduler.warmup_steps=0",
-    "--eval.interval=0",
+    *tiny.QUIET,
     "--metrics.log_interval=2",
-    "--metrics.progress_bar=off",
     "--checkpoint.interval=3",
 ]
 

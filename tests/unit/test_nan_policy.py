@@ -17,19 +17,16 @@ from kforge_cli.engine.train import run_training
 from kforge_cli.engine.train.optim.scheduler import lr_multiplier
 from kforge_cli.errors import TrainingAborted
 from kforge_cli.settings import load_settings
+from tests.helpers import tiny
 from tests.helpers.nan_hooks import InjectNaN
 
 TINY = [
-    "--model.dim=32",
-    "--model.n_layers=2",
-    "--model.n_heads=4",
+    *tiny.model(32, 2, 4),
     "--train.seq_len=32",
     "--train.batch_size=4",
     "--train.max_steps=8",
     "--scheduler.warmup_steps=2",
-    "--eval.interval=0",
-    "--metrics.log_interval=1",
-    "--metrics.progress_bar=off",
+    *tiny.QUIET,
     "--checkpoint.interval=0",
 ]
 

@@ -16,24 +16,20 @@ from kforge_cli.engine.model.vlm import (
 )
 from kforge_cli.settings import JobSettings, load_settings
 from kforge_cli.settings.vlm import VisionEncoderSettings
+from tests.helpers import tiny
 
 # A tiny VLM: 16 px images, 8 px patches -> 4 tokens per frame; 2 text layers of dim 32.
 VLM_TINY = [
-    "--model.dim=32",
-    "--model.n_layers=2",
-    "--model.n_heads=4",
-    "--model.n_kv_heads=2",
-    "--model.max_seq_len=128",
+    *tiny.model(32, 2, 4, 2, max_seq_len=128),
     "--train.seq_len=64",
-    "--train.device=cpu",
-    "--train.mixed_precision=fp32",
+    *tiny.CPU_FP32,
     "--vision_encoder.image_size=16",
     "--vision_encoder.patch_size=8",
     "--vision_encoder.dim=32",
     "--vision_encoder.n_layers=1",
     "--vision_encoder.n_heads=4",
     "--vlm.max_text_len=48",
-    "--train.num_threads=1",
+    *tiny.ONE_THREAD,
 ]
 
 

@@ -1,15 +1,19 @@
-"""Runs several training configurations inside ONE multi-process launch (torchrun).
+"""The rank side of ``tests.helpers.launch.run_ranks``: one process group, many cases.
 
-Usage: ``python -m torch.distributed.run --nproc_per_node=N tests/distributed/driver.py CASES.json OUT_DIR``.
-The process group is created here once and reused by every case (``run_training``
-builds a fresh mesh per case and leaves a group it did not create alive), which saves
-the 5-10 s start-up of a launch per configuration. Each rank writes
-``OUT_DIR/<case>.rank<r>.json`` with what it saw: per-step losses and gradient norms,
-the bytes of parameters it holds, and the parameter count of the whole model.
+Every rank runs ``main(CASES_JSON, OUT_DIR)``: it creates the process group once and runs
+each case ``{"name", "fn": "module:function", "args"}`` in order, as
+``function(name, args, out_dir)``, writing what it returns to
+``OUT_DIR/<name>.rank<r>.json``. A case that raises is recorded as
+``{"status": "error", "error": traceback}`` and ends the launch (the other ranks may be
+waiting in one of its collectives). Also runnable under torchrun: ``-m tests.helpers.ranks``.
+
+``train`` is the usual case: ``run_training`` of some overrides (each case builds a fresh
+mesh and leaves the group it did not create alive), recording what every rank saw.
 """
 
 from __future__ import annotations
 
+import importlib
 import json
 import os
 import sys
@@ -58,8 +62,9 @@ class Recorder(TrainHook):
         self.moe_metrics = {k: v for k, v in info.extra.items() if k.startswith("moe/")}
 
 
-def run_case(name: str, overrides: list[str], out_dir: Path) -> dict[str, Any]:
-    settings = load_settings(overrides=[*overrides, f"--train.run_dir={out_dir / name}"]).settings
+def train(name: str, overrides: list[str], out_dir: Path) -> dict[str, Any]:
+    """``run_training`` of ``overrides`` in ``OUT_DIR/<name>``; what this rank saw (also usable in-process)."""
+    settings = load_settings(overrides=[*overrides, f"--train.run_dir={Path(out_dir) / name}"]).settings
     rec = Recorder()
     outcome = run_training(settings, hooks=[rec])
     return {
@@ -77,9 +82,15 @@ def run_case(name: str, overrides: list[str], out_dir: Path) -> dict[str, Any]:
     }
 
 
-def main() -> int:
-    cases = json.loads(Path(sys.argv[1]).read_text())
-    out_dir = Path(sys.argv[2])
+def train_cases(cases: dict[str, list[str]], base: list[str] | None = None) -> list[dict[str, Any]]:
+    """``train`` cases: {name: overrides} -> the launch's case list (``base`` first in each)."""
+    return [{"name": n, "fn": f"{__name__}:train", "args": [*(base or []), *o]} for n, o in cases.items()]
+
+
+def main(cases_file: str, out_dir: str) -> None:
+    torch.set_num_threads(1)
+    cases = json.loads(Path(cases_file).read_text())
+    out = Path(out_dir)
     if torch.cuda.is_available():  # the gpu-marked cases: NCCL for CUDA tensors, gloo for the rest
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
         dist.init_process_group("cpu:gloo,cuda:nccl")
@@ -88,17 +99,19 @@ def main() -> int:
     rank = dist.get_rank()
     failed = False
     for case in cases:
+        module, function = case["fn"].split(":")
         try:
-            result = run_case(case["name"], case["overrides"], out_dir)
-        except Exception:  # record and go on: one broken case must not hide the others' results
+            result = getattr(importlib.import_module(module), function)(case["name"], case["args"], out)
+        except Exception:  # record and stop: the other ranks may be stuck in a collective of this case
             result = {"status": "error", "error": traceback.format_exc()}
             failed = True
-        (out_dir / f"{case['name']}.rank{rank}.json").write_text(json.dumps(result))
+        (out / f"{case['name']}.rank{rank}.json").write_text(json.dumps(result))
         if failed:
-            break  # the other ranks may be stuck in a collective of the failed case
+            break
         dist.barrier()
-    dist.barrier() if not failed else None
-    dist.destroy_process_group()
+    if not failed:
+        dist.barrier()
+        dist.destroy_process_group()
     sys.stdout.flush()
     sys.stderr.flush()
     # Skip interpreter teardown: gloo's threads can abort it ("terminate called without an
@@ -107,5 +120,4 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    torch.set_num_threads(1)
-    main()
+    main(sys.argv[1], sys.argv[2])
