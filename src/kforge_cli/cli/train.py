@@ -32,7 +32,8 @@ def train(
 
     Overrides follow the options: `kforge train -p h100x8 --optimizer.lr=1e-4`.
     An existing run directory resumes from its latest checkpoint. Exit codes: 0 done,
-    1 failure, 2 invalid input, 75 stopped on a signal after a checkpoint (requeue).
+    1 failure, 2 invalid input, 75 stopped on a signal after a checkpoint (requeue),
+    76 stopped by the hang watchdog (requeue; RUN_DIR/logs/hang/summary.txt names the rank).
     """
     overrides = list(ctx.args)
     if run_dir is not None:

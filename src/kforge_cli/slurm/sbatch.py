@@ -4,7 +4,7 @@ The script asks for one task per GPU on every node (`--ntasks-per-node = gpus_pe
 `--requeue`, and a signal `slurm.signal_before_s` seconds before the time limit sent to every
 job step (plain `--signal=USR1@N`, not `B:`: verified on a real SLURM to reach every training
 rank through srun, while the batch shell is left alone). Each task runs `kforge train` on the
-run's saved config; the template turns exit code 75 into a requeue.
+run's saved config; the template turns exit code 75 (signal) and 76 (hang) into a requeue.
 """
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ from kforge_cli import __version__
 from kforge_cli.errors import ConfigError, ConfigIssue, InvalidInputError
 from kforge_cli.settings import JobSettings
 from kforge_cli.settings.infrastructure import SlurmSettings
+from kforge_cli.settings.run_dir import checkpoint_root
 from kforge_cli.settings.section import control_character
 from kforge_cli.slurm.template import fill, find_template, placeholders
 
@@ -238,5 +239,7 @@ def render_sbatch(settings: JobSettings, run_dir: Path, *, python: str, workdir:
         "setup": _setup_block(settings.slurm),
         "cpus_per_task": str(settings.slurm.cpus_per_task),
         "command": shlex.join(train_command(run_dir, python)),
+        "ckpt_root_q": shlex.quote(str(checkpoint_root(settings, run_dir))),
+        "max_hang_requeues": str(settings.resilience.hang_max_requeues),
     }
     return fill(template.read_text(), values, template)

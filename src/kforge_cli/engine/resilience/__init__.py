@@ -1,6 +1,7 @@
-"""engine.resilience (layer 1): NaN/Inf policy and graceful shutdown on signals."""
+"""engine.resilience (layer 1): NaN/Inf policy, graceful shutdown on signals, the hang watchdog."""
 
+from kforge_cli.engine.resilience.hang import HangWatchdog, NullWatchdog, archive_previous, hang_dir
 from kforge_cli.engine.resilience.nan_guard import NanGuard
 from kforge_cli.engine.resilience.shutdown import ShutdownHandler, StopVote
 
-__all__ = ["NanGuard", "ShutdownHandler", "StopVote"]
+__all__ = ["HangWatchdog", "NanGuard", "NullWatchdog", "ShutdownHandler", "StopVote", "archive_previous", "hang_dir"]

@@ -17,7 +17,8 @@ from typing import Any, Literal
 import torch
 
 from kforge_cli.engine.observe import mfu, peak_memory_stats
-from kforge_cli.engine.resilience import StopVote
+from kforge_cli.engine.resilience import HangWatchdog, NullWatchdog, StopVote, hang_dir
+from kforge_cli.engine.runtime import process_group_timeout_s
 from kforge_cli.engine.train.downstream import downstream_eval
 from kforge_cli.engine.train.evaluation import evaluate
 from kforge_cli.engine.train.session import StepInfo, TrainingSession
@@ -129,8 +130,43 @@ def _save_checkpoint(session: TrainingSession, reason: str, *, blocking: bool | 
     return True
 
 
+def _watchdog(session: TrainingSession) -> HangWatchdog | NullWatchdog:
+    """The hang watchdog of this rank (started), or a no-op when ``resilience.hang_timeout_s = 0``."""
+    r = session.settings.resilience
+    if r.hang_timeout_s == 0:
+        return NullWatchdog()
+    ckpt = session.checkpointer
+
+    def note() -> str:
+        return f" (last saved: step {ckpt.last_step})" if ckpt.last_step is not None else " (none saved yet)"
+
+    return HangWatchdog(
+        rank=session.runtime.rank,
+        world_size=session.runtime.world_size,
+        directory=hang_dir(session.run_dir),
+        timeout_s=r.hang_timeout_s,
+        pg_timeout_s=process_group_timeout_s(session.settings),
+        resume_note=note,
+    ).start()
+
+
 def run_training_loop(session: TrainingSession) -> TrainOutcome:
-    """Train until train.max_steps or a shutdown signal (agreed by all ranks at a step boundary)."""
+    """Train until train.max_steps or a shutdown signal (agreed by all ranks at a step boundary).
+
+    A hang watchdog thread watches the loop's progress (`engine.resilience.hang`); when it
+    fires it ends the process itself (exit 76), also when the main thread fails meanwhile.
+    """
+    watchdog = _watchdog(session)
+    try:
+        return _train(session, watchdog)
+    except BaseException:
+        watchdog.wait_if_fired()  # a peer that exited on a hang breaks our collective: exit as a hang too
+        raise
+    finally:
+        watchdog.stop()
+
+
+def _train(session: TrainingSession, watchdog: HangWatchdog | NullWatchdog) -> TrainOutcome:
     s = session.settings
     state, device = session.state, session.runtime.device
     batches = iter(session.data.train)
@@ -139,10 +175,13 @@ def run_training_loop(session: TrainingSession) -> TrainOutcome:
     last_eval: float | None = None
     stop = StopVote(session.shutdown, s.resilience.stop_check_interval, distributed=session.runtime.world_size > 1)
     session.hooks.on_train_begin(session)
+    mark = watchdog.mark
     while state.step < s.train.max_steps:
+        mark("stop vote")
         if stop.should_stop(state.step):
             log.warning("stopping at step %d (%s)", state.step, session.shutdown.signal_name)
             session.nan_guard.settle()
+            mark("checkpoint")
             saved = _save_checkpoint(session, "signal", blocking=True)
             return TrainOutcome(
                 status="stopped",
@@ -154,10 +193,13 @@ def run_training_loop(session: TrainingSession) -> TrainOutcome:
                 checkpoint_saved=saved,
             )
         t0 = time.perf_counter()
+        mark("data")
         micro = [_to_device(next(batches), device) for _ in range(s.train.grad_accum_steps)]
+        mark("forward/backward")
         result = session.step_fn(session, micro)
         step = state.step + 1
         lr = session.current_lr()
+        mark("update")
         skipped = apply_update(session, step, result)  # the NaN policy and fp16 loss scaling decide
         session.optimizer.zero_grad(set_to_none=True)
         session.scheduler.step()  # also on skipped steps: the schedule never drifts from the step
@@ -165,6 +207,7 @@ def run_training_loop(session: TrainingSession) -> TrainOutcome:
         state.step = step
         state.tokens_seen += session.tokens_per_step
         elapsed = time.perf_counter() - t0
+        watchdog.beat(step)
         meter.add(session.tokens_per_step, elapsed)
         session.profiler.step(step)
         last = result
@@ -172,13 +215,18 @@ def run_training_loop(session: TrainingSession) -> TrainOutcome:
             step=step, lr=lr, tokens_seen=state.tokens_seen, step_time_s=elapsed, result=result, skipped_flag=skipped
         )
         if step % s.metrics.log_interval == 0 or step == s.train.max_steps or step == 1:
+            mark("log")
             _log_step(session, info, meter)
+        mark("hooks")
         session.hooks.on_step_end(session, info)
         if s.eval.interval and step % s.eval.interval == 0:
+            mark("eval")
             last_eval = _run_eval(session)
+        mark("checkpoint")
         session.checkpointer.poll()  # commit a finished async save
         if session.checkpointer.due(step):
             _save_checkpoint(session, "interval")
+    mark("final")
     session.nan_guard.settle()
     if s.eval.interval and state.step % s.eval.interval != 0:
         last_eval = _run_eval(session)

@@ -70,7 +70,7 @@ from kforge_cli.engine.parallel import (
     fsdp_float8_all_gather,
     precompute_scales_after_each_step,
 )
-from kforge_cli.engine.resilience import NanGuard, ShutdownHandler
+from kforge_cli.engine.resilience import NanGuard, ShutdownHandler, archive_previous, hang_dir
 from kforge_cli.engine.runtime import RuntimeContext, dtype_name, init_runtime, teardown_runtime
 from kforge_cli.engine.train.evaluation import eval_batches
 from kforge_cli.engine.train.features import build_step, features_for
@@ -251,6 +251,16 @@ def assemble(
     return session
 
 
+def _archive_hang_report(run_dir: Path) -> None:
+    """Move the hang report of an earlier attempt of this run aside (logs/hang.N), and say so."""
+    moved = archive_previous(hang_dir(run_dir))
+    if moved is None:
+        return
+    summary = moved / "summary.txt"
+    first = summary.read_text().splitlines()[0] if summary.is_file() else "no summary was written"
+    log.warning("an earlier attempt of this run hung (%s); its report is now in %s", first, moved)
+
+
 def run_training(
     settings: JobSettings,
     recipe: Recipe | None = None,
@@ -274,6 +284,7 @@ def run_training(
         setup_logging(runtime.rank, runtime.world_size, run_dir / "logs")
         if runtime.is_main:
             write_config(settings, run_dir)
+            _archive_hang_report(run_dir)
         session = assemble(settings, runtime, run_dir, recipe, stack)
         log.info(
             "training %s on %d process(es), device %s, run dir %s",
