@@ -1,7 +1,19 @@
-"""engine.resilience (layer 1): NaN/Inf policy, graceful shutdown on signals, the hang watchdog."""
+"""engine.resilience (layer 1): NaN/Inf policy, graceful shutdown on signals, the hang watchdog,
+the straggler report."""
 
 from kforge_cli.engine.resilience.hang import HangWatchdog, NullWatchdog, archive_previous, hang_dir
 from kforge_cli.engine.resilience.nan_guard import NanGuard
 from kforge_cli.engine.resilience.shutdown import ShutdownHandler, StopVote
+from kforge_cli.engine.resilience.straggler import StragglerMonitor, local_parameter_count
 
-__all__ = ["HangWatchdog", "NanGuard", "NullWatchdog", "ShutdownHandler", "StopVote", "archive_previous", "hang_dir"]
+__all__ = [
+    "HangWatchdog",
+    "NanGuard",
+    "NullWatchdog",
+    "ShutdownHandler",
+    "StopVote",
+    "StragglerMonitor",
+    "archive_previous",
+    "hang_dir",
+    "local_parameter_count",
+]

@@ -17,7 +17,14 @@ from typing import Any, Literal
 import torch
 
 from kforge_cli.engine.observe import mfu, peak_memory_stats
-from kforge_cli.engine.resilience import HangWatchdog, NullWatchdog, StopVote, hang_dir
+from kforge_cli.engine.resilience import (
+    HangWatchdog,
+    NullWatchdog,
+    StopVote,
+    StragglerMonitor,
+    hang_dir,
+    local_parameter_count,
+)
 from kforge_cli.engine.runtime import process_group_timeout_s
 from kforge_cli.engine.train.downstream import downstream_eval
 from kforge_cli.engine.train.evaluation import evaluate
@@ -70,7 +77,7 @@ def _to_device(batch: dict[str, Any], device: torch.device) -> Batch:
     return {k: v.to(device, non_blocking=True) for k, v in batch.items() if isinstance(v, torch.Tensor)}
 
 
-def _log_step(session: TrainingSession, info: StepInfo, meter: _Meter) -> None:
+def _log_step(session: TrainingSession, info: StepInfo, meter: _Meter, straggler: StragglerMonitor | None) -> None:
     """One metrics record: the step's numbers are read from the device here (one transfer)."""
     session.nan_guard.settle()  # every rank, the same steps: the abort decision stays agreed
     tps, step_time = meter.take()
@@ -92,6 +99,8 @@ def _log_step(session: TrainingSession, info: StepInfo, meter: _Meter) -> None:
     record.update(info.extra)  # e.g. per-dataset losses from the step function
     if session.grad_scaler is not None:
         record.update(session.grad_scaler.metrics())
+    if straggler is not None:
+        record.update(straggler.report(info.step))  # one all-gather, every rank
     names = session.data.dataset_names
     if len(names) > 1:  # tokens drawn per dataset so far (global; the loader's counters survive resumes)
         counts = session.data.train.state_dict()["counts"]
@@ -150,6 +159,21 @@ def _watchdog(session: TrainingSession) -> HangWatchdog | NullWatchdog:
     ).start()
 
 
+def _straggler(session: TrainingSession) -> StragglerMonitor | None:
+    """The straggler report of this rank, or None (one process, or ``resilience.straggler_ratio = 0``)."""
+    r, runtime = session.settings.resilience, session.runtime
+    if r.straggler_ratio == 0 or runtime.world_size < 2:
+        return None
+    return StragglerMonitor(
+        rank=runtime.rank,
+        world_size=runtime.world_size,
+        device=runtime.device,
+        ratio=r.straggler_ratio,
+        windows=r.straggler_windows,
+        local_params=local_parameter_count(session.model),
+    )
+
+
 def run_training_loop(session: TrainingSession) -> TrainOutcome:
     """Train until train.max_steps or a shutdown signal (agreed by all ranks at a step boundary).
 
@@ -176,6 +200,7 @@ def _train(session: TrainingSession, watchdog: HangWatchdog | NullWatchdog) -> T
     stop = StopVote(session.shutdown, s.resilience.stop_check_interval, distributed=session.runtime.world_size > 1)
     session.hooks.on_train_begin(session)
     mark = watchdog.mark
+    straggler = _straggler(session)
     while state.step < s.train.max_steps:
         mark("stop vote")
         if stop.should_stop(state.step):
@@ -195,15 +220,19 @@ def _train(session: TrainingSession, watchdog: HangWatchdog | NullWatchdog) -> T
         t0 = time.perf_counter()
         mark("data")
         micro = [_to_device(next(batches), device) for _ in range(s.train.grad_accum_steps)]
+        data_s = time.perf_counter() - t0
         mark("forward/backward")
         result = session.step_fn(session, micro)
         step = state.step + 1
         lr = session.current_lr()
         mark("update")
+        timing = straggler.begin_update() if straggler is not None else None
         skipped = apply_update(session, step, result)  # the NaN policy and fp16 loss scaling decide
         session.optimizer.zero_grad(set_to_none=True)
         session.scheduler.step()  # also on skipped steps: the schedule never drifts from the step
         session.step_fn.after_update(session)
+        if straggler is not None:
+            straggler.end_update(timing, data_s)
         state.step = step
         state.tokens_seen += session.tokens_per_step
         elapsed = time.perf_counter() - t0
@@ -216,7 +245,7 @@ def _train(session: TrainingSession, watchdog: HangWatchdog | NullWatchdog) -> T
         )
         if step % s.metrics.log_interval == 0 or step == s.train.max_steps or step == 1:
             mark("log")
-            _log_step(session, info, meter)
+            _log_step(session, info, meter, straggler)
         mark("hooks")
         session.hooks.on_step_end(session, info)
         if s.eval.interval and step % s.eval.interval == 0:
