@@ -28,6 +28,7 @@ from kforge_cli.engine.resilience import (
 from kforge_cli.engine.runtime import process_group_timeout_s
 from kforge_cli.engine.train.downstream import downstream_eval
 from kforge_cli.engine.train.evaluation import evaluate
+from kforge_cli.engine.train.rewind import handle_spike, settle_spikes
 from kforge_cli.engine.train.session import StepInfo, TrainingSession
 from kforge_cli.engine.train.step import Batch, StepResult
 from kforge_cli.engine.train.update import apply_update
@@ -201,11 +202,16 @@ def _train(session: TrainingSession, watchdog: HangWatchdog | NullWatchdog) -> T
     session.hooks.on_train_begin(session)
     mark = watchdog.mark
     straggler = _straggler(session)
+    spikes = session.spike_guard
     while state.step < s.train.max_steps:
         mark("stop vote")
         if stop.should_stop(state.step):
             log.warning("stopping at step %d (%s)", state.step, session.shutdown.signal_name)
             session.nan_guard.settle()
+            event = settle_spikes(session)
+            if event is not None:
+                mark("rewind")
+                handle_spike(session, event)  # a rewind leaves the last checkpoint as the one to resume
             mark("checkpoint")
             saved = _save_checkpoint(session, "signal", blocking=True)
             return TrainOutcome(
@@ -235,6 +241,8 @@ def _train(session: TrainingSession, watchdog: HangWatchdog | NullWatchdog) -> T
             straggler.end_update(timing, data_s)
         state.step = step
         state.tokens_seen += session.tokens_per_step
+        if spikes.enabled:
+            spikes.observe(step, result.loss)  # on the device; decided at logging steps and before saves
         elapsed = time.perf_counter() - t0
         watchdog.beat(step)
         meter.add(session.tokens_per_step, elapsed)
@@ -243,11 +251,22 @@ def _train(session: TrainingSession, watchdog: HangWatchdog | NullWatchdog) -> T
         info = StepInfo(
             step=step, lr=lr, tokens_seen=state.tokens_seen, step_time_s=elapsed, result=result, skipped_flag=skipped
         )
-        if step % s.metrics.log_interval == 0 or step == s.train.max_steps or step == 1:
+        logged = step % s.metrics.log_interval == 0 or step == s.train.max_steps or step == 1
+        if logged:
             mark("log")
             _log_step(session, info, meter, straggler)
         mark("hooks")
         session.hooks.on_step_end(session, info)
+        if spikes.enabled and (logged or session.checkpointer.due(step)):
+            mark("rewind")
+            event = settle_spikes(session)  # every rank, the same steps: one broadcast
+            if event is not None and handle_spike(session, event):
+                batches = iter(session.data.train)  # from the position after the skipped window
+                meter.reset()
+                if straggler is not None:
+                    straggler.reset()
+                watchdog.restart_timing()
+                continue
         if s.eval.interval and step % s.eval.interval == 0:
             mark("eval")
             last_eval = _run_eval(session)

@@ -70,7 +70,7 @@ from kforge_cli.engine.parallel import (
     fsdp_float8_all_gather,
     precompute_scales_after_each_step,
 )
-from kforge_cli.engine.resilience import NanGuard, ShutdownHandler, archive_previous, hang_dir
+from kforge_cli.engine.resilience import NanGuard, ShutdownHandler, SpikeGuard, archive_previous, hang_dir
 from kforge_cli.engine.runtime import RuntimeContext, dtype_name, init_runtime, teardown_runtime
 from kforge_cli.engine.train.evaluation import eval_batches
 from kforge_cli.engine.train.features import build_step, features_for
@@ -78,6 +78,7 @@ from kforge_cli.engine.train.hooks import StepInfo, build_hooks
 from kforge_cli.engine.train.loop import TrainOutcome, run_training_loop
 from kforge_cli.engine.train.loss import LossFn, build_loss_fn
 from kforge_cli.engine.train.optim import build_optimizer, build_scheduler
+from kforge_cli.engine.train.rewind import apply_recorded_skips
 from kforge_cli.engine.train.run_dir import release_run_dir, resolve_run_dir, write_config
 from kforge_cli.engine.train.session import TrainHook, TrainingSession
 from kforge_cli.engine.train.step import StepFeature, StepFn
@@ -193,6 +194,7 @@ def assemble(
         shutdown.install()
     stack.callback(shutdown.close)
     nan_guard = NanGuard.from_settings(settings.resilience)
+    spike_guard = SpikeGuard.from_settings(settings.resilience)
     loss_fn = recipe.loss(settings)
     model, pipeline = recipe.model(settings, runtime)
     optimizer = recipe.optimizer(model, settings, runtime)
@@ -201,11 +203,12 @@ def assemble(
     state = TrainState()
     dtype = compute_dtype(settings, runtime.device)
     grad_scaler = build_loss_scaler(dtype, runtime)  # fp16 only
-    parts = RunParts(model, optimizer, scheduler, state, nan_guard, data.train, grad_scaler)
+    parts = RunParts(model, optimizer, scheduler, state, nan_guard, data.train, grad_scaler, spike_guard)
     checkpointer = recipe.checkpointer(settings, runtime, run_dir, parts)
     stack.callback(checkpointer.close)
     if restore:
         restored = checkpointer.restore()  # resume (the data order too) or warm start, if any
+        apply_recorded_skips(checkpointer, data.train, state)  # data a loss-spike rewind skipped from here
         maybe_mot_warm_start(settings, model, restored, checkpointer.groups.save)  # fresh runs only
     metrics = recipe.tracker(settings, runtime, run_dir, checkpointer.restored_metrics_run_ids)
     stack.enter_context(metrics)  # on an exception: the tracked run is marked failed (Ctrl-C: stopped)
@@ -242,6 +245,7 @@ def assemble(
         peak_flops=device_peak_flops(runtime.device, dtype_name(dtype), settings.metrics.peak_tflops),
         state=state,
         grad_scaler=grad_scaler,
+        spike_guard=spike_guard,
     )
     checkpointer.report = metrics.write  # one metrics.jsonl record per save (bytes, seconds, MB/s, blocked)
     bind_pipeline_loss(session)
