@@ -39,3 +39,11 @@ def test_the_vlm_data_formats_the_readme_shows_are_the_ones_the_code_accepts(tmp
         ("image", "cat.png", "a cat"),
         ("video", "clip7", "a clip"),
     ]
+
+
+def test_the_exit_code_table_lists_every_code_kforge_exits_with() -> None:
+    from kforge_cli import errors
+
+    table = {int(code) for code in re.findall(r"^\| (\d+) \|", README, flags=re.M)}
+    constants = {v for k, v in vars(errors).items() if k.startswith("EXIT_")}
+    assert constants | {130} == table
