@@ -168,3 +168,14 @@ def test_a_straggler_ratio_that_would_always_warn_is_refused(value: str) -> None
 
     with pytest.raises(ConfigError, match="resilience.straggler_ratio"):
         tiny_settings(f"--resilience.straggler_ratio={value}")
+
+
+def test_stragglers_are_compared_only_among_ranks_holding_as_many_parameters() -> None:
+    from kforge_cli.engine.resilience.straggler import worst_group
+
+    # two pipeline stages (100 and 60 parameters per rank), two data-parallel ranks each
+    rows = [[0.010, 100], [0.011, 100], [0.004, 60], [0.012, 60]]
+    ratio, slowest, median = worst_group(rows)
+    assert slowest == 3 and median == 0.004 and ratio == 3.0  # stage 2's slow rank, not stage 1's busier ones
+    assert worst_group([[0.01, 100], [0.02, 60]]) is None  # nothing comparable
+    assert worst_group([[0.01, 5], [0.01, 5]]) == (1.0, 0, 0.01)

@@ -37,7 +37,9 @@ class DistributedSettings(Section):
         None, "FSDP2: free gathered params after forward (None = yes, except where unsafe)."
     )
     backend: str = field("cpu:gloo,cuda:nccl", "torch.distributed backend string.")
-    timeout_s: int = field(1800, "Timeout of collectives, in seconds.", gt=0)
+    timeout_s: int = field(
+        1800, "Timeout of collectives, in seconds (raised above an explicit resilience.hang_timeout_s).", gt=0
+    )
 
 
 class CheckpointSettings(Section):
