@@ -258,8 +258,10 @@ def _train(session: TrainingSession, watchdog: HangWatchdog | NullWatchdog) -> T
         mark("hooks")
         session.hooks.on_step_end(session, info)
         if spikes.enabled and (logged or session.checkpointer.due(step)):
-            mark("rewind")
+            mark("spike check")
             event = settle_spikes(session)  # every rank, the same steps: one broadcast
+            if event is not None:
+                mark("rewind")  # restoring a checkpoint may take long: the slow phases' limit
             if event is not None and handle_spike(session, event):
                 batches = iter(session.data.train)  # from the position after the skipped window
                 meter.reset()
