@@ -14,6 +14,7 @@ EXIT_OK = 0
 EXIT_FAILURE = 1
 EXIT_INVALID_INPUT = 2
 EXIT_REQUEUE = 75  # stopped on a signal after saving a checkpoint: requeue me
+EXIT_HANG = 76  # the hang watchdog stopped a rank that made no progress: requeue me (resume from the last checkpoint)
 
 
 class KforgeError(Exception):

@@ -239,3 +239,32 @@ def test_a_script_sbatch_refuses_is_a_clear_error_with_sbatchs_message_and_the_s
     assert "invalid partition specified: nosuch" in r.stderr  # sbatch's own words
     assert "#SBATCH --partition=nosuch" in (run_dir / "job.sbatch").read_text()
     assert slurm_cluster.run("squeue", "-h").stdout.strip() == ""
+
+
+def test_a_hung_rank_exits_76_the_script_requeues_and_the_job_ends_on_the_same_losses(
+    slurm_cluster: LocalSlurm, reference: dict[int, float], tmp_path: Path
+) -> None:
+    """Rank 1 stalls inside step 30 (once): the watchdog stops both ranks with 76, the script requeues
+    the job, which resumes from step 20 and ends on the uninterrupted job's losses."""
+    run_dir = tmp_path / "run"
+    text = write_config(tmp_path / "tiny.toml").read_text()
+    text = text.replace("num_threads = 1\n", 'num_threads = 1\nhooks = ["tests.helpers.hang_hooks:HangOnce"]\n')
+    text = text.replace("[checkpoint]\ninterval = 0\n", "[checkpoint]\ninterval = 10\n")
+    marker = tmp_path / "stalled"
+    text += (
+        '\n[resilience]\nhang_timeout_s = 5\n\n[slurm.env]\nKFORGE_TEST_HANG_STEP = "30"\n'
+        f'KFORGE_TEST_HANG_RANK = "1"\nKFORGE_TEST_HANG_MARKER = "{marker}"\n'
+    )
+    config = tmp_path / "hang.toml"
+    config.write_text(text)
+    job_id = submit(slurm_cluster, config, run_dir)
+    info = slurm_cluster.wait_job(job_id, ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT"), 300)
+    assert info["JobState"] == "COMPLETED" and info["ExitCode"] == "0:0", (info, job_logs(run_dir))
+    assert info["Restarts"] == "1" and marker.exists()
+    out = batch_log(run_dir, job_id)
+    assert f"kforge: a rank hung (see {run_dir}/logs/hang/summary.txt); requeueing job {job_id}" in out, out
+    assert re.search(r"srun: error: .*: Exited with exit code 76", out), out
+    summary = (run_dir / "logs" / "hang.1" / "summary.txt").read_text()  # moved aside by the second start
+    assert "\nStopped: rank 1 " in summary, summary
+    assert "(step 20)" in (run_dir / "logs" / "rank_0.log").read_text()  # resumed from the last checkpoint
+    assert losses(run_dir) == reference

@@ -47,3 +47,12 @@ def test_every_benchmark_script_is_on_the_benchmarks_page() -> None:
     assert scripts, "no bench scripts found"
     missing = sorted(name for name in scripts if f"`{name}`" not in page)
     assert not missing, f"add to docs/benchmarks.md: {missing}"
+
+
+def test_the_exit_code_table_lists_every_code_kforge_exits_with() -> None:
+    from kforge_cli import errors
+
+    constants = {v for k, v in vars(errors).items() if k.startswith("EXIT_")}
+    for page in (ROOT / "README.md", ROOT / "docs" / "resilience.md"):
+        table = {int(code) for code in re.findall(r"^\| (\d+) \|", page.read_text(), flags=re.M)}
+        assert constants | {130} == table, page.name

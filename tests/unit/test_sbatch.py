@@ -220,6 +220,8 @@ def test_the_shipped_template_uses_every_value_and_a_site_template_with_a_typo_i
         "setup",
         "cpus_per_task",
         "command",
+        "ckpt_root_q",
+        "max_hang_requeues",
     }
     assert fill("a {{ x }} b {{y}}", {"x": "1", "y": "$2", "z": "unused"}) == "a 1 b $2"
     site = tmp_path / "site"
@@ -401,3 +403,35 @@ def test_sbatch_claims_default_run_dirs_like_train_and_refuses_a_foreign_dir(
     empty.mkdir()
     assert run_cli(["train", "--sbatch", "--run-dir", str(empty)], capsys)[0] == 0  # empty or a kforge run: fine
     assert run_cli(["train", "--sbatch", "--run-dir", str(empty)], capsys)[0] == 0
+
+
+def _stub(bin_dir: Path, name: str, body: str) -> None:
+    path = bin_dir / name
+    path.write_text("#!/bin/bash\n" + body + "\n")
+    path.chmod(0o755)
+
+
+def test_the_script_requeues_a_hung_job_until_hangs_repeat_without_a_new_checkpoint(tmp_path: Path) -> None:
+    """srun exits 76 (the hang watchdog): requeue, at most resilience.hang_max_requeues times in a row at
+    the same checkpoint; a new checkpoint in between starts the count again."""
+    settings = load_settings(
+        overrides=[f"--train.run_dir={tmp_path / 'run'}", "--resilience.hang_max_requeues=2"]
+    ).settings
+    script = write_job(settings, python=PY, workdir=tmp_path).script
+    bin_dir, requeues = tmp_path / "bin", tmp_path / "requeues"
+    bin_dir.mkdir()
+    _stub(bin_dir, "srun", "exit 76")
+    _stub(bin_dir, "scontrol", f'[ "$1" = requeue ] && echo "$2" >> {requeues}; [ "$1" = show ] && echo n1; exit 0')
+    env = {"PATH": f"{bin_dir}:/usr/bin:/bin", "SLURM_JOB_ID": "42", "SLURM_JOB_NODELIST": "n1", "SLURM_NTASKS": "2"}
+    ckpt = tmp_path / "run" / "checkpoints"
+    ckpt.mkdir(parents=True)
+
+    def attempt(latest: str) -> tuple[int, str]:
+        (ckpt / "latest").write_text(latest + "\n")
+        r = subprocess.run(["bash", str(script)], env=env, capture_output=True, text=True, timeout=60)
+        return r.returncode, r.stdout
+
+    outcomes = [attempt("step_4"), attempt("step_4"), attempt("step_8"), attempt("step_8"), attempt("step_8")]
+    assert [code for code, _ in outcomes] == [0, 0, 0, 0, 76], outcomes
+    assert requeues.read_text().split() == ["42"] * 4
+    assert "hung 3 times in a row without a new checkpoint; not requeueing" in outcomes[-1][1]

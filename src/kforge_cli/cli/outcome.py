@@ -2,7 +2,8 @@
 
 The engine returns a `TrainOutcome` and never decides how a process exits; this module
 (shared by `kforge train` and `kforge resume`) owns the user-facing messages and the exit
-codes documented in the README (0 done, 75 stopped after a checkpoint, 1 stopped without).
+codes documented in the README (0 done, 75 stopped after a checkpoint, 1 stopped without; 76, a hang,
+is the watchdog's own exit, see `engine.resilience.hang`).
 """
 
 from __future__ import annotations

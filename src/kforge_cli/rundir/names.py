@@ -4,8 +4,9 @@
       config.toml              the resolved settings, written once when the run starts
       config_changes.jsonl     accepted changes of later commands (resume), one JSON line each
       metrics.jsonl            one JSON object per logged step (and per checkpoint, per eval)
-      logs/                    rank_R.log, slurm-JOBID.out
-      checkpoints/             step_N/ (see below) and `latest` (unless checkpoint.dir)
+      logs/                    rank_R.log, slurm-JOBID.out; hang/ (the hang watchdog's reports)
+      checkpoints/             step_N/ (see below), `latest` (unless checkpoint.dir) and
+                               data_skips.json (data a loss-spike rewind skipped)
       tokenizer.json           a copy of the training data's Hugging Face tokenizer
       job.sbatch               the SLURM job script (--sbatch)
       slurm_jobs.jsonl         the job ids --submit submitted, one JSON line each
@@ -29,6 +30,8 @@ CONFIG_FILE = "config.toml"
 CONFIG_CHANGES_FILE = "config_changes.jsonl"
 METRICS_FILE = "metrics.jsonl"
 LOGS_DIR = "logs"
+HANG_DIR = "hang"  # inside logs/
+HANG_SUMMARY_FILE = "summary.txt"  # inside logs/hang/
 CHECKPOINTS_DIR = "checkpoints"
 TOKENIZER_FILE = "tokenizer.json"  # the same name as in a prepared data directory and a Hugging Face one
 JOB_SCRIPT = "job.sbatch"
@@ -40,6 +43,7 @@ LOCK_FILE = ".kforge-lock"
 
 COMMIT_FILE = "kforge_commit.json"
 LATEST_FILE = "latest"
+DATA_SKIPS_FILE = "data_skips.json"  # beside step_N/: data a loss-spike rewind skipped
 TRAIN_STATE_FILE = "train_state.json"
 SUMMARY_FILE = "metadata.json"
 RANK_STATE_DIR = "train_state"

@@ -37,7 +37,9 @@ class DistributedSettings(Section):
         None, "FSDP2: free gathered params after forward (None = yes, except where unsafe)."
     )
     backend: str = field("cpu:gloo,cuda:nccl", "torch.distributed backend string.")
-    timeout_s: int = field(1800, "Timeout of collectives, in seconds.", gt=0)
+    timeout_s: int = field(
+        1800, "Timeout of collectives, in seconds (raised above an explicit resilience.hang_timeout_s).", gt=0
+    )
 
 
 class CheckpointSettings(Section):
@@ -105,7 +107,7 @@ class ProfilingSettings(Section):
 
 
 class ResilienceSettings(Section):
-    """What to do with NaN/Inf losses and shutdown signals."""
+    """What to do with NaN/Inf losses, shutdown signals, hangs, slow ranks and loss spikes."""
 
     nan_policy: Literal["warn", "skip", "abort"] = field(
         "skip",
@@ -124,6 +126,37 @@ class ResilienceSettings(Section):
         lambda: ["SIGTERM", "SIGUSR1", "SIGINT"],
         "Signals that stop training at the next step boundary after saving a checkpoint "
         "(a second SIGINT stops at once).",
+    )
+    hang_timeout_s: float | None = field(
+        None,
+        "Hang watchdog: seconds without progress in a training step before every rank writes its stacks to "
+        "RUN_DIR/logs/hang/ and exits 76 (requeue). None = max(10 x the median step time, 300 s), capped below "
+        "the process-group timeout; 0 = off. Evaluation, saves and the first steps get the cap "
+        "(0.8 x the process-group timeout).",
+        ge=0,
+    )
+    hang_max_requeues: int = field(
+        3, "Generated sbatch: requeue after a hang at most this many times in a row without a new checkpoint.", ge=0
+    )
+    straggler_ratio: float = field(
+        1.5,
+        "Straggler report: warn when one rank's local step work (data loading + optimizer update) takes this many "
+        "times the median rank's for resilience.straggler_windows logging intervals in a row; 0 = no report "
+        "(no all-gather).",
+        ge=0,
+    )
+    straggler_windows: int = field(3, "Logging intervals in a row above straggler_ratio before the warning.", gt=0)
+    spike_policy: Literal["off", "warn", "rewind"] = field(
+        "off",
+        "On a loss spike (loss > mean + spike_sigma x std and > spike_ratio x mean of the last spike_window steps): "
+        "off, warn (a record and a warning), or rewind (restore the last complete checkpoint in-process, skip the "
+        "data between it and the spike, continue).",
+    )
+    spike_window: int = field(100, "Loss spike guard: steps of history the threshold is computed from.", ge=4)
+    spike_sigma: float = field(6.0, "Loss spike guard: standard deviations above the window's mean.", gt=0)
+    spike_ratio: float = field(1.2, "Loss spike guard: the loss must also exceed this multiple of the mean.", ge=1)
+    spike_max_rewinds: int = field(
+        3, "rewind policy: at most this many rewinds per run; later spikes are only reported.", ge=0
     )
 
 

@@ -88,6 +88,21 @@ def config_issues(s: JobSettings) -> list[ConfigIssue]:
             )
         )
     out += _vlm_issues(s)
+    out += _resilience_issues(s)
+    return out
+
+
+def _resilience_issues(s: JobSettings) -> list[ConfigIssue]:
+    r = s.resilience
+    out: list[ConfigIssue] = []
+    if 0 < r.straggler_ratio <= 1:
+        out.append(
+            ConfigIssue(
+                "resilience.straggler_ratio",
+                f"{r.straggler_ratio} would name a straggler in every window: use a ratio above 1 (e.g. 1.5), "
+                "or 0 for no report",
+            )
+        )
     return out
 
 

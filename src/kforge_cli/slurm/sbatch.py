@@ -4,7 +4,7 @@ The script asks for one task per GPU on every node (`--ntasks-per-node = gpus_pe
 `--requeue`, and a signal `slurm.signal_before_s` seconds before the time limit sent to every
 job step (plain `--signal=USR1@N`, not `B:`: verified on a real SLURM to reach every training
 rank through srun, while the batch shell is left alone). Each task runs `kforge train` on the
-run's saved config; the template turns exit code 75 into a requeue.
+run's saved config; the template turns exit code 75 (signal) and 76 (hang) into a requeue.
 """
 
 from __future__ import annotations
@@ -242,5 +242,7 @@ def render_sbatch(settings: JobSettings, run_dir: Path, *, python: str, workdir:
         "setup": _setup_block(settings.slurm),
         "cpus_per_task": str(settings.slurm.cpus_per_task),
         "command": shlex.join(train_command(run_dir, python, settings.train.hooks)),
+        "ckpt_root_q": shlex.quote(str(RunDir(run_dir).checkpoint_root(settings))),
+        "max_hang_requeues": str(settings.resilience.hang_max_requeues),
     }
     return fill(template.read_text(), values, template)

@@ -144,6 +144,15 @@ class CheckpointManager:
             self.last_step = self.restored.step
         return self.restored
 
+    def rewind(self) -> Restored | None:
+        """Restore this run's newest complete checkpoint into its pieces, in this process (collective):
+        a loss-spike rewind. An in-flight save is finished first. None when there is none."""
+        self.wait()
+        restored = restore_run(self.checkpointed, own_only=True)
+        if restored is not None:
+            self.last_step = restored.step
+        return restored
+
     # ---- save ----------------------------------------------------------------------------
 
     def due(self, step: int) -> bool:
@@ -245,6 +254,7 @@ class CheckpointManager:
             "scheduler": self.parts.scheduler.state_dict(),
             "nan_guard": self.parts.nan_guard.state_dict() if self.parts.nan_guard is not None else None,
             "grad_scaler": self.parts.grad_scaler.state_dict() if self.parts.grad_scaler is not None else None,
+            "spike_guard": self.parts.spike_guard.state_dict() if self.parts.spike_guard is not None else None,
             "data": self.parts.loader.state_dict() if self.parts.loader is not None else None,
             "data_phase": data_phase(self.settings, step),
             "freeze": freeze_config(self.settings),

@@ -53,6 +53,7 @@ class RunParts:
     nan_guard: Stateful | None = None
     loader: Stateful | None = None
     grad_scaler: Stateful | None = None  # fp16 loss scale (plain numbers, in train_state.json)
+    spike_guard: Stateful | None = None  # the loss-spike guard's history and counters (in train_state.json)
 
 
 @dataclass
@@ -82,11 +83,14 @@ class Restored:
     metrics_run_ids: dict[str, str]
 
 
-def _decide(manager: CheckpointedState) -> RestoreDecision:
+def _decide(manager: CheckpointedState, *, own_only: bool = False) -> RestoreDecision:
     decision = RestoreDecision()
+    cfg = manager.settings.checkpoint
+    if own_only:  # a rewind: this run's own newest checkpoint (or where it started from), never a warm start
+        cfg = cfg.model_copy(update={"resume": "auto", "init_from": None})
     if manager.is_main:
         try:
-            decision = decide_restore(manager.settings.checkpoint, manager.root)
+            decision = decide_restore(cfg, manager.root)
         except KforgeError as exc:
             decision = RestoreDecision(error=str(exc), unsafe=isinstance(exc, UnsafeCheckpointError))
     decision = manager.groups.broadcast(decision)
@@ -94,9 +98,10 @@ def _decide(manager: CheckpointedState) -> RestoreDecision:
     return decision
 
 
-def restore_run(manager: CheckpointedState) -> Restored | None:
-    """Load what rank 0 decided into the manager's pieces (collective)."""
-    decision = _decide(manager)
+def restore_run(manager: CheckpointedState, *, own_only: bool = False) -> Restored | None:
+    """Load what rank 0 decided into the manager's pieces (collective); ``own_only``: the run's own
+    newest complete checkpoint (or its ``load_path``), for an in-process rewind."""
+    decision = _decide(manager, own_only=own_only)
     if decision.kind is None or decision.path is None:
         return None
     path, cfg = decision.path, manager.settings.checkpoint
@@ -130,6 +135,8 @@ def _resume(manager: CheckpointedState, decision: RestoreDecision, path: Path) -
     manager.parts.train_state.load_state_dict(state["progress"])
     if manager.parts.nan_guard is not None and state.get("nan_guard") is not None:
         manager.parts.nan_guard.load_state_dict(state["nan_guard"])
+    if manager.parts.spike_guard is not None and state.get("spike_guard") is not None:
+        manager.parts.spike_guard.load_state_dict(state["spike_guard"])
     if manager.parts.grad_scaler is not None:  # fp16: the loss scale continues (a checkpoint without one: fresh scale)
         if state.get("grad_scaler") is not None:
             manager.parts.grad_scaler.load_state_dict(state["grad_scaler"])

@@ -186,6 +186,17 @@ def rank_generator(seed: int, rank: int, device: torch.device) -> torch.Generato
     return gen
 
 
+def process_group_timeout_s(settings: JobSettings) -> float:
+    """The collectives' timeout: ``distributed.timeout_s``, raised above an explicit
+    ``resilience.hang_timeout_s`` so that the hang watchdog fires (stacks, exit 76) before
+    a collective times out (an automatic watchdog limit is capped below this instead)."""
+    base = float(settings.distributed.timeout_s)
+    hang = settings.resilience.hang_timeout_s
+    if hang:
+        return max(base, hang + max(60.0, 0.25 * hang))
+    return base
+
+
 def init_runtime(settings: JobSettings) -> RuntimeContext:
     """Detect the launcher, pick the device, start the process group and mesh, seed RNGs.
 
@@ -207,7 +218,7 @@ def init_runtime(settings: JobSettings) -> RuntimeContext:
                 backend=resolve_backend(settings.distributed.backend, device),
                 rank=launch.rank,
                 world_size=launch.world_size,
-                timeout=timedelta(seconds=settings.distributed.timeout_s),
+                timeout=timedelta(seconds=process_group_timeout_s(settings)),
                 device_id=device if device.type == "cuda" else None,
             )
             owns = True

@@ -8,7 +8,8 @@ deliberately not torch's elastic agent: on SIGINT/SIGTERM the agent raises
 30 s to save, and throws their exit codes away. Here a signal is forwarded once to every
 child (they run in their own session, so a terminal's Ctrl-C reaches them only through
 this forward), the launcher waits for them, and exits with their code: 75 when they
-stopped after saving a checkpoint. When one child fails the others are stopped.
+stopped after saving a checkpoint, 76 when the hang watchdog stopped them (hung ranks exit by
+themselves). When one child fails the others are stopped.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ import time
 from types import FrameType
 
 from kforge_cli.engine.runtime.threads import allowed_cpus, choose_threads
-from kforge_cli.errors import EXIT_FAILURE
+from kforge_cli.errors import EXIT_FAILURE, EXIT_HANG
 
 FORWARDED = (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1)
 STOP_GRACE_S = 60.0  # after a failed rank, how long the others get to exit before SIGKILL
@@ -126,7 +127,7 @@ def _wait(children: list[subprocess.Popen[bytes]], received: list[int]) -> int:
             failed_at = time.monotonic()
             first_failure = next(code for code in codes if code != 0)
             for child in children:
-                if child.poll() is None:
+                if child.poll() is None and first_failure != EXIT_HANG:  # hung peers exit by themselves
                     child.send_signal(signal.SIGTERM)
         if failed_at is not None and time.monotonic() - failed_at > STOP_GRACE_S:
             for child in children:
@@ -135,7 +136,13 @@ def _wait(children: list[subprocess.Popen[bytes]], received: list[int]) -> int:
         time.sleep(0.1)
     codes = [child.returncode for child in children]
     code = exit_code_of(codes if first_failure is None else [first_failure])
-    if code not in (0, 75) and not received:
+    if code == EXIT_HANG:
+        print(
+            f"kforge: a rank hung (exit code {EXIT_HANG}): RUN_DIR/logs/hang/summary.txt names it; "
+            "the same command resumes from the last complete checkpoint",
+            file=sys.stderr,
+        )
+    elif code not in (0, 75) and not received:
         failed = sum(1 for c in codes if c != 0)
         print(f"kforge: {failed} of {len(children)} processes failed (exit code {code})", file=sys.stderr)
     return code if code >= 0 else EXIT_FAILURE

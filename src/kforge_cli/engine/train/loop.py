@@ -17,10 +17,18 @@ from typing import Any, Literal
 import torch
 
 from kforge_cli.engine.observe import mfu, peak_memory_stats
-from kforge_cli.engine.resilience import StopVote
-from kforge_cli.engine.runtime import device_wait
+from kforge_cli.engine.resilience import (
+    HangWatchdog,
+    NullWatchdog,
+    StopVote,
+    StragglerMonitor,
+    hang_dir,
+    local_parameter_count,
+)
+from kforge_cli.engine.runtime import device_wait, process_group_timeout_s
 from kforge_cli.engine.train.downstream import downstream_eval
 from kforge_cli.engine.train.evaluation import evaluate
+from kforge_cli.engine.train.rewind import handle_spike, settle_spikes
 from kforge_cli.engine.train.session import StepInfo, TrainingSession
 from kforge_cli.engine.train.step import Batch, StepResult
 from kforge_cli.engine.train.update import apply_update
@@ -76,7 +84,7 @@ def _to_device(batch: dict[str, Any], device: torch.device) -> Batch:
     return {k: v.to(device, non_blocking=True) for k, v in batch.items() if isinstance(v, torch.Tensor)}
 
 
-def _log_step(session: TrainingSession, info: StepInfo, meter: _Meter) -> None:
+def _log_step(session: TrainingSession, info: StepInfo, meter: _Meter, straggler: StragglerMonitor | None) -> None:
     """One metrics record: the step's numbers are read from the device here (one transfer)."""
     session.nan_guard.settle()  # every rank, the same steps: the abort decision stays agreed
     tps, step_time = meter.take()
@@ -98,6 +106,8 @@ def _log_step(session: TrainingSession, info: StepInfo, meter: _Meter) -> None:
     record.update(info.extra)  # e.g. per-dataset losses from the step function
     if session.grad_scaler is not None:
         record.update(session.grad_scaler.metrics())
+    if straggler is not None:
+        record.update(straggler.report(info.step))  # one all-gather, every rank
     names = session.data.dataset_names
     if len(names) > 1:  # tokens drawn per dataset so far (global; the loader's counters survive resumes)
         counts = session.data.train.state_dict()["counts"]
@@ -136,8 +146,58 @@ def _save_checkpoint(session: TrainingSession, reason: str, *, blocking: bool | 
     return True
 
 
+def _watchdog(session: TrainingSession) -> HangWatchdog | NullWatchdog:
+    """The hang watchdog of this rank (started), or a no-op when ``resilience.hang_timeout_s = 0``."""
+    r = session.settings.resilience
+    if r.hang_timeout_s == 0:
+        return NullWatchdog()
+    ckpt = session.checkpointer
+
+    def note() -> str:
+        return f" (last saved: step {ckpt.last_step})" if ckpt.last_step is not None else " (none saved yet)"
+
+    return HangWatchdog(
+        rank=session.runtime.rank,
+        world_size=session.runtime.world_size,
+        directory=hang_dir(session.run_dir),
+        timeout_s=r.hang_timeout_s,
+        pg_timeout_s=process_group_timeout_s(session.settings),
+        resume_note=note,
+    ).start()
+
+
+def _straggler(session: TrainingSession) -> StragglerMonitor | None:
+    """The straggler report of this rank, or None (one process, or ``resilience.straggler_ratio = 0``)."""
+    r, runtime = session.settings.resilience, session.runtime
+    if r.straggler_ratio == 0 or runtime.world_size < 2:
+        return None
+    return StragglerMonitor(
+        rank=runtime.rank,
+        world_size=runtime.world_size,
+        device=runtime.device,
+        ratio=r.straggler_ratio,
+        windows=r.straggler_windows,
+        local_params=local_parameter_count(session.model),
+    )
+
+
 def run_training_loop(session: TrainingSession) -> TrainOutcome:
-    """Train until train.max_steps or a shutdown signal (agreed by all ranks at a step boundary)."""
+    """Train until train.max_steps or a shutdown signal (agreed by all ranks at a step boundary).
+
+    A hang watchdog thread watches the loop's progress (`engine.resilience.hang`); when it
+    fires it ends the process itself (exit 76), also when the main thread fails meanwhile.
+    """
+    watchdog = _watchdog(session)
+    try:
+        return _train(session, watchdog)
+    except BaseException:
+        watchdog.wait_if_fired()  # a peer that exited on a hang breaks our collective: exit as a hang too
+        raise
+    finally:
+        watchdog.stop()
+
+
+def _train(session: TrainingSession, watchdog: HangWatchdog | NullWatchdog) -> TrainOutcome:
     s = session.settings
     state, device = session.state, session.runtime.device
     batches = iter(session.data.train)
@@ -146,10 +206,19 @@ def run_training_loop(session: TrainingSession) -> TrainOutcome:
     last_eval: float | None = None
     stop = StopVote(session.shutdown, s.resilience.stop_check_interval, distributed=session.runtime.world_size > 1)
     session.hooks.on_train_begin(session)
+    mark = watchdog.mark
+    straggler = _straggler(session)
+    spikes = session.spike_guard
     while state.step < s.train.max_steps:
+        mark("stop vote")
         if stop.should_stop(state.step):
             log.warning("stopping at step %d (%s)", state.step, session.shutdown.signal_name)
             session.nan_guard.settle()
+            event = settle_spikes(session)
+            if event is not None:
+                mark("rewind")
+                handle_spike(session, event)  # a rewind leaves the last checkpoint as the one to resume
+            mark("checkpoint")
             saved = _save_checkpoint(session, "signal", blocking=True)
             return TrainOutcome(
                 status="stopped",
@@ -161,20 +230,30 @@ def run_training_loop(session: TrainingSession) -> TrainOutcome:
                 checkpoint_saved=saved,
             )
         t0 = time.perf_counter()
+        mark("data")
         micro = [_to_device(next(batches), device) for _ in range(s.train.grad_accum_steps)]
+        data_s = time.perf_counter() - t0
+        mark("forward/backward")
         result = session.step_fn(session, micro)
         step = state.step + 1
         lr = session.current_lr()
+        mark("update")
+        timing = straggler.begin_update() if straggler is not None else None
         skipped = apply_update(session, step, result)  # the NaN policy and fp16 loss scaling decide
         session.optimizer.zero_grad(set_to_none=True)
         session.scheduler.step()  # also on skipped steps: the schedule never drifts from the step
         session.step_fn.after_update(session)
+        if straggler is not None:
+            straggler.end_update(timing, data_s)
         state.step = step
         state.tokens_seen += session.tokens_per_step
         log_now = step % s.metrics.log_interval == 0 or step == s.train.max_steps or step == 1
+        if spikes.enabled:
+            spikes.observe(step, result.loss)  # on the device; decided at logging steps and before saves
         if log_now:
             device_wait(device)  # the clock stops when the device has done the window's work (see _Meter)
         elapsed = time.perf_counter() - t0
+        watchdog.beat(step)
         meter.add(session.tokens_per_step, elapsed)
         session.profiler.step(step)
         last = result
@@ -182,13 +261,30 @@ def run_training_loop(session: TrainingSession) -> TrainOutcome:
             step=step, lr=lr, tokens_seen=state.tokens_seen, step_time_s=elapsed, result=result, skipped_flag=skipped
         )
         if log_now:
-            _log_step(session, info, meter)
+            mark("log")
+            _log_step(session, info, meter, straggler)
+        mark("hooks")
         session.hooks.on_step_end(session, info)
+        if spikes.enabled and (log_now or session.checkpointer.due(step)):
+            mark("spike check")
+            event = settle_spikes(session)  # every rank, the same steps: one broadcast
+            if event is not None:
+                mark("rewind")  # restoring a checkpoint may take long: the slow phases' limit
+            if event is not None and handle_spike(session, event):
+                batches = iter(session.data.train)  # from the position after the skipped window
+                meter.reset()
+                if straggler is not None:
+                    straggler.reset()
+                watchdog.restart_timing()
+                continue
         if s.eval.interval and step % s.eval.interval == 0:
+            mark("eval")
             last_eval = _run_eval(session)
+        mark("checkpoint")
         session.checkpointer.poll()  # commit a finished async save
         if session.checkpointer.due(step):
             _save_checkpoint(session, "interval")
+    mark("final")
     session.nan_guard.settle()
     if s.eval.interval and state.step % s.eval.interval != 0:
         last_eval = _run_eval(session)

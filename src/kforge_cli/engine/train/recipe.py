@@ -70,7 +70,7 @@ from kforge_cli.engine.parallel import (
     fsdp_float8_all_gather,
     precompute_scales_after_each_step,
 )
-from kforge_cli.engine.resilience import NanGuard, ShutdownHandler
+from kforge_cli.engine.resilience import NanGuard, ShutdownHandler, SpikeGuard, archive_previous, hang_dir
 from kforge_cli.engine.runtime import RuntimeContext, dtype_name, init_runtime, teardown_runtime
 from kforge_cli.engine.train.banner import announce_start, building_line
 from kforge_cli.engine.train.evaluation import eval_batches
@@ -79,6 +79,7 @@ from kforge_cli.engine.train.hooks import StepInfo, build_hooks
 from kforge_cli.engine.train.loop import TrainOutcome, run_training_loop
 from kforge_cli.engine.train.loss import LossFn, build_loss_fn
 from kforge_cli.engine.train.optim import build_optimizer, build_scheduler
+from kforge_cli.engine.train.rewind import apply_recorded_skips
 from kforge_cli.engine.train.run_dir import release_run_dir, resolve_run_dir, write_config
 from kforge_cli.engine.train.session import TrainHook, TrainingSession
 from kforge_cli.engine.train.step import StepFeature, StepFn
@@ -195,6 +196,7 @@ def assemble(
         shutdown.install()
     stack.callback(shutdown.close)
     nan_guard = NanGuard.from_settings(settings.resilience)
+    spike_guard = SpikeGuard.from_settings(settings.resilience)
     loss_fn = recipe.loss(settings)
     model, pipeline = recipe.model(settings, runtime)
     optimizer = recipe.optimizer(model, settings, runtime)
@@ -203,13 +205,14 @@ def assemble(
     state = TrainState()
     dtype = compute_dtype(settings, runtime.device)
     grad_scaler = build_loss_scaler(dtype, runtime)  # fp16 only
-    parts = RunParts(model, optimizer, scheduler, state, nan_guard, data.train, grad_scaler)
+    parts = RunParts(model, optimizer, scheduler, state, nan_guard, data.train, grad_scaler, spike_guard)
     checkpointer = recipe.checkpointer(settings, runtime, run_dir, parts)
     stack.callback(checkpointer.close)
     if restore:
         restored = checkpointer.restore()  # resume (the data order too) or warm start, if any
         if runtime.is_main:  # accepted: config.toml on a new run, the changes beside it on a continued one
             write_config(settings, run_dir)
+        apply_recorded_skips(checkpointer, data.train, state)  # data a loss-spike rewind skipped from here
         maybe_mot_warm_start(settings, model, restored, checkpointer.groups.save)  # fresh runs only
     metrics = recipe.tracker(settings, runtime, run_dir, checkpointer.restored_metrics_run_ids)
     stack.enter_context(metrics)  # on an exception: the tracked run is marked failed (Ctrl-C: stopped)
@@ -246,6 +249,7 @@ def assemble(
         peak_flops=device_peak_flops(runtime.device, dtype_name(dtype), settings.metrics.peak_tflops),
         state=state,
         grad_scaler=grad_scaler,
+        spike_guard=spike_guard,
     )
     checkpointer.report = metrics.write  # one metrics.jsonl record per save (bytes, seconds, MB/s, blocked)
     bind_pipeline_loss(session)
@@ -253,6 +257,16 @@ def assemble(
     if settings.eval.interval and n_eval != settings.eval.steps and runtime.is_main:
         log.warning("eval.steps %d -> %d: the pipeline evaluates whole schedules", settings.eval.steps, n_eval)
     return session
+
+
+def _archive_hang_report(run_dir: Path) -> None:
+    """Move the hang report of an earlier attempt of this run aside (logs/hang.N), and say so."""
+    moved = archive_previous(hang_dir(run_dir))
+    if moved is None:
+        return
+    summary = moved / "summary.txt"
+    first = summary.read_text().splitlines()[0] if summary.is_file() else "no summary was written"
+    log.warning("an earlier attempt of this run hung (%s); its report is now in %s", first, moved)
 
 
 def run_training(
@@ -276,6 +290,7 @@ def run_training(
         setup_logging(runtime.rank, runtime.world_size, RunDir(run_dir).logs)
         if runtime.is_main:
             log.info(building_line(settings, runtime))  # the banner follows once everything is built
+            _archive_hang_report(run_dir)
         session = assemble(settings, runtime, run_dir, recipe, stack)
         if runtime.is_main:
             announce_start(session)  # the banner; a resumed job's marker in metrics.jsonl

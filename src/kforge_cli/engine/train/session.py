@@ -19,7 +19,7 @@ from kforge_cli.engine.checkpoint import CheckpointManager
 from kforge_cli.engine.data import TrainData
 from kforge_cli.engine.observe import ProgressReporter, Tracker, TrainProfiler
 from kforge_cli.engine.parallel import PipelineBundle
-from kforge_cli.engine.resilience import NanGuard, ShutdownHandler
+from kforge_cli.engine.resilience import NanGuard, ShutdownHandler, SpikeGuard
 from kforge_cli.engine.runtime import RuntimeContext
 from kforge_cli.engine.train.loss import LossFn
 from kforge_cli.engine.train.train_state import TrainState
@@ -150,6 +150,7 @@ class TrainingSession:
     peak_flops: float | None
     state: TrainState = field(default_factory=TrainState)
     grad_scaler: LossScaler | None = None  # fp16 only (engine.train.update)
+    spike_guard: SpikeGuard = field(default_factory=lambda: SpikeGuard("off", 100, 6.0, 1.2, 0))  # engine.train.rewind
 
     @property
     def step(self) -> int:

@@ -1,0 +1,162 @@
+"""Straggler report: which rank is slow, from one small all-gather per logging interval.
+
+A rank's wall-clock step time says nothing here: every rank waits for the slowest one
+inside the step's collectives, so all step times come out equal. What differs is the
+work a rank does alone, and the report measures that part of each step: loading its
+batch (host time in the data loader) and the optimizer update (host time on the CPU;
+CUDA events on a GPU, read only once they have completed, so no step waits for them).
+A throttled or failing GPU, a slow host or a slow data worker shows up there; waiting
+for other ranks does not.
+
+Every step adds two timestamps (or two event records) and nothing else. On a logging
+step each rank reduces its window to the median over its steps (one descheduled step
+does not make a straggler), and one all-gather shares [median, local parameter count].
+Ranks are compared only with ranks holding as many parameters (under pipeline
+parallelism the stages differ by design): ``straggler/max_over_median`` is the slowest
+rank's time over the (lower) median rank's, ``straggler/slowest_rank`` names it, and
+when the same rank stays above ``resilience.straggler_ratio`` for
+``resilience.straggler_windows`` intervals in a row, a warning names it and its host.
+"""
+
+from __future__ import annotations
+
+import logging
+import socket
+import statistics
+import time
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.tensor import DTensor
+
+log = logging.getLogger("kforge")
+
+
+class StragglerMonitor:
+    """One rank's side of the report; `report` is a collective (call it on every rank, same steps)."""
+
+    def __init__(
+        self, *, rank: int, world_size: int, device: torch.device, ratio: float, windows: int, local_params: int
+    ) -> None:
+        self.rank, self.world_size, self.device = rank, world_size, device
+        self.ratio, self.windows, self.local_params = ratio, windows, local_params
+        self.cuda = device.type == "cuda"
+        self._samples: list[float] = []  # seconds of local work per step, this window
+        self._pending: list[tuple[float, Any, Any]] = []  # CUDA: (data seconds, start event, end event)
+        self._spare: list[Any] = []
+        self.streak = 0
+        self.streak_rank: int | None = None
+        self.hosts: list[str] | None = None
+
+    # ---- every step -------------------------------------------------------------------------
+
+    def begin_update(self) -> Any:
+        if not self.cuda:
+            return time.perf_counter()
+        start = self._event()
+        start.record()
+        return start
+
+    def end_update(self, token: Any, data_s: float) -> None:
+        if not self.cuda:
+            self._samples.append(data_s + time.perf_counter() - token)
+            return
+        end = self._event()
+        end.record()
+        self._pending.append((data_s, token, end))
+
+    def _event(self) -> Any:
+        return self._spare.pop() if self._spare else torch.cuda.Event(enable_timing=True)
+
+    def reset(self) -> None:
+        """Drop the current window (after a rewind)."""
+        self._samples.clear()
+        self._spare += [e for _, start, end in self._pending for e in (start, end)]
+        self._pending.clear()
+
+    # ---- logging steps ----------------------------------------------------------------------
+
+    def _take(self) -> float:
+        """This window's median local work per step (seconds); CUDA events not yet done wait for the next window."""
+        still: list[tuple[float, Any, Any]] = []
+        for data_s, start, end in self._pending:
+            if end.query():
+                self._samples.append(data_s + start.elapsed_time(end) / 1000.0)
+                self._spare += [start, end]
+            else:
+                still.append((data_s, start, end))
+        self._pending = still
+        value = statistics.median(self._samples) if self._samples else 0.0
+        self._samples.clear()
+        return value
+
+    def report(self, step: int) -> dict[str, Any]:
+        """Share this window's numbers (one all-gather) and return the metrics record's straggler fields."""
+        if self.hosts is None:
+            hosts: list[Any] = [None] * self.world_size
+            dist.all_gather_object(hosts, socket.gethostname())
+            self.hosts = [str(h) for h in hosts]
+        mine = torch.tensor([self._take(), float(self.local_params)], dtype=torch.float64, device=self.device)
+        everyone = torch.empty(self.world_size * 2, dtype=torch.float64, device=self.device)
+        dist.all_gather_into_tensor(everyone, mine)
+        rows = everyone.view(self.world_size, 2).tolist()
+        found = worst_group(rows)
+        if found is None:
+            return {}
+        ratio, slowest, median = found
+        self._track(step, ratio, slowest, rows[slowest][0], median)
+        return {
+            "straggler/max_over_median": ratio,
+            "straggler/slowest_rank": slowest,
+            "straggler/slowest_host": self.hosts[slowest],
+            "straggler/slowest_ms": rows[slowest][0] * 1000.0,
+            "straggler/median_ms": median * 1000.0,
+        }
+
+    def _track(self, step: int, ratio: float, slowest: int, slow_s: float, median_s: float) -> None:
+        if ratio > self.ratio:
+            self.streak = self.streak + 1 if slowest == self.streak_rank else 1
+            self.streak_rank = slowest
+        else:
+            self.streak, self.streak_rank = 0, None
+        if self.streak >= self.windows and (self.streak - self.windows) % self.windows == 0 and self.rank == 0:
+            host = self.hosts[slowest] if self.hosts else "?"
+            log.warning(
+                "straggler: rank %d (host %s) has done its local step work (data loading + optimizer update) "
+                "%.2fx slower than the median rank (%.1f ms vs %.1f ms per step) for %d logging intervals in a row, "
+                "up to step %d (resilience.straggler_ratio = %g); the whole job runs at its pace",
+                slowest,
+                host,
+                ratio,
+                slow_s * 1000.0,
+                median_s * 1000.0,
+                self.streak,
+                step,
+                self.ratio,
+            )
+
+
+def worst_group(rows: list[list[float]]) -> tuple[float, int, float] | None:
+    """(max over lower median, the slowest rank, the median) over ranks holding equal parameter counts;
+    the group where the ratio is largest. None when no two ranks are comparable."""
+    groups: dict[float, list[int]] = {}
+    for rank, (_, params) in enumerate(rows):
+        groups.setdefault(params, []).append(rank)
+    best: tuple[float, int, float] | None = None
+    for ranks in groups.values():
+        if len(ranks) < 2:
+            continue
+        times = [rows[r][0] for r in ranks]
+        median = statistics.median_low(times)
+        slowest = max(ranks, key=lambda r: rows[r][0])
+        ratio = rows[slowest][0] / median if median > 0 else 1.0
+        if best is None or ratio > best[0]:
+            best = (ratio, slowest, median)
+    return best
+
+
+def local_parameter_count(model: nn.Module) -> int:
+    """Parameters this rank holds (its shards of DTensors)."""
+    return sum((p.to_local() if isinstance(p, DTensor) else p).numel() for p in model.parameters())
