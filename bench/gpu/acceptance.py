@@ -352,6 +352,7 @@ def json_table(rows: list[dict[str, Any]]) -> str:
 # ---------------------------------------------------------------- versions
 
 
+NOT_USED_HERE = {"wandb", "mlflow"}  # metrics backends the cases do not turn on (bench/gpu/closure.py)
 VERSIONS = ("torch", "triton", "torchao", "numpy", "pydantic", "pydantic-settings", "typer", "rich", "pytest")
 
 
@@ -385,6 +386,8 @@ def versions() -> tuple[list[str], list[str]]:
             have = md.version(req.name)
         except md.PackageNotFoundError:
             have = None
+        if have is None and req.name in NOT_USED_HERE:
+            continue
         if have is None or (req.specifier and not req.specifier.contains(have, prereleases=True)):
             unmet.append(f"{spec} (found {have or 'none'})")
     return lines, unmet

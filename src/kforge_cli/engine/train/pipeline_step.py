@@ -34,22 +34,15 @@ from kforge_cli.engine.train.step import (
     loss_sum_from_output,
     model_computes_loss,
 )
-from kforge_cli.errors import InvalidInputError
 
 if TYPE_CHECKING:
     from kforge_cli.engine.train.session import TrainingSession
 
 
 def bind_pipeline_loss(session: TrainingSession) -> None:
-    """Give the schedule's loss its rule once, when the session is assembled (and check that the
-    schedule can evaluate, before any step runs)."""
+    """Give the schedule's loss its rule once, when the session is assembled."""
     if session.pipeline is None:
         return
-    if session.settings.eval.interval and not hasattr(session.pipeline.schedule, "eval"):
-        raise InvalidInputError(
-            f"eval.interval: evaluation under pipeline parallelism runs the schedule forward only "
-            f"(schedule.eval), which torch {torch.__version__} lacks; use torch >= 2.9 or set --eval.interval=0"
-        )
     session.pipeline.loss.bind(lambda output, target: loss_sum_from_output(session, output, target))
 
 
