@@ -15,8 +15,9 @@ training forwards outside the autograd engine (the recompute of activation check
 runs inside it and is neither counted nor wrapped again; the original forward's wrapper
 is the one in the graph). At the first step, and after each evaluation, the schedule
 first runs one forward per stage on stand-in activations to infer shapes
-(`training_step_infers_metadata`); the hook leaves that forward unwrapped and clears
-the token counts it made, so it is neither a micro-batch nor load.
+(`training_step_infers_metadata`; under no_grad in torch 2.11, with grad in 2.13); the
+hook leaves that forward unwrapped and clears the token counts it made, so it is neither
+a micro-batch nor load.
 
 After the schedule, `finish_moe_step` all-reduces the counts over the stage's
 data-parallel ranks (EP included) and updates the biases, as in the plain MoE step.
@@ -91,7 +92,8 @@ class AuxLossFeed:
         # a traced graph would specialise on, recompiling for every micro-batch index.
         @torch.compiler.disable
         def after_forward(layer: nn.Module, inputs: Any, output: torch.Tensor) -> torch.Tensor | None:
-            if self.weights is None or not (layer.training and torch.is_grad_enabled()) or in_backward():
+            # Not gated on grad mode: torch 2.11 infers shapes under no_grad, 2.13 with grad enabled.
+            if self.weights is None or not layer.training or in_backward():
                 return None
             n = self.forwards[key]
             self.forwards[key] = n + 1
