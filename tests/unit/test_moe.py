@@ -300,3 +300,31 @@ def test_under_cpu_bf16_autocast_experts_run_bf16_grouped_gemms_and_the_router_f
     assert set(gemms.seen) == {(torch.bfloat16, torch.bfloat16)}, gemms.seen
     grads = [p.grad for p in model.parameters()]
     assert all(g is not None and g.dtype == torch.float32 and torch.isfinite(g).all() for g in grads)
+
+
+@pytest.mark.parametrize("inference_grad", [False, True], ids=["torch-2.11-no-grad", "torch-2.13-grad"])
+def test_pipeline_aux_feed_skips_the_schedules_shape_inference_forward_in_either_grad_mode(
+    inference_grad: bool,
+) -> None:
+    """A pipeline schedule's first step runs one forward per stage on stand-in (zero) activations to
+    infer shapes: torch 2.11 under no_grad, 2.13 with grad. Either way it is not a micro-batch (no aux
+    gradient, no load) and the step still counts one training forward per micro-batch."""
+    from kforge_cli.engine.train.moe_pipeline_step import AuxLossFeed
+
+    torch.manual_seed(0)
+    model = Transformer(tiny(bias_update_rate=1e-3, aux_loss_weight=1e-2))
+    model.init_weights()
+    model.train()
+    layers = [m for m in model.modules() if isinstance(m, MoEFeedForward)]
+    feed = AuxLossFeed([model])
+    feed.start(torch.tensor([0.5, 0.5]), infers_metadata=True)
+    with torch.set_grad_enabled(inference_grad):
+        model(torch.zeros(2, 16, dtype=torch.long))  # the stand-in forward
+    for layer in layers:
+        assert int(layer.step_tokens.sum()) == 0  # its token counts were cleared
+    for seed in (1, 2):  # the two micro-batches
+        tokens = torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(seed))
+        model(tokens).float().logsumexp(-1).mean().backward()
+    feed.finish()  # one forward per micro-batch after the stand-in: no error
+    for layer in layers:
+        assert int(layer.step_tokens.sum()) == 2 * 2 * 16 * 2  # 2 micro-batches x 32 tokens x top-2

@@ -75,9 +75,20 @@ def test_first_host_of_a_nodelist(nodelist: str, host: str) -> None:
 
 
 def test_backend_drops_nccl_on_a_cpu_build_and_keeps_gloo() -> None:
-    want = "cpu:gloo,cuda:nccl" if torch.distributed.is_nccl_available() else "cpu:gloo"
+    usable = torch.distributed.is_nccl_available() and torch.cuda.is_available()
+    want = "cpu:gloo,cuda:nccl" if usable else "cpu:gloo"
     assert resolve_backend("cpu:gloo,cuda:nccl", torch.device("cpu")) == want
     assert resolve_backend("gloo", torch.device("cpu")) == "gloo"
+
+
+def test_backend_drops_nccl_with_a_cuda_build_on_a_machine_without_gpus(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The CUDA wheel (pip's default on Linux) on a CPU machine: NCCL is in the build but refuses to
+    start without a GPU ("ProcessGroupNCCL is only supported with GPUs"), so a CPU run keeps gloo only."""
+    monkeypatch.setattr(torch.distributed, "is_nccl_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert resolve_backend("cpu:gloo,cuda:nccl", torch.device("cpu")) == "cpu:gloo"
+    with pytest.raises(InvalidInputError, match="nccl"):
+        resolve_backend("cpu:gloo,cuda:nccl", torch.device("cuda"))
 
 
 @pytest.mark.skipif(torch.distributed.is_nccl_available(), reason="this torch build has NCCL")

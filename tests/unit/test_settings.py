@@ -175,6 +175,40 @@ def test_world_size_rules_collect_every_problem() -> None:
     assert resolve_dims(load_settings(overrides=["--distributed.tp=2"]).settings, 8).dp_shard == 4
 
 
+@pytest.mark.parametrize("schedule", ["interleaved_zero_bubble", "zbv_zero_bubble", "dualpipev"])
+def test_zero_bubble_schedules_are_refused_on_torch_older_than_2_13(
+    monkeypatch: pytest.MonkeyPatch, schedule: str
+) -> None:
+    from kforge_cli.settings import rules
+
+    pp = ["--distributed.pp=2", "--distributed.pp_stages_per_rank=2", "--train.grad_accum_steps=4"]
+    s = load_settings(overrides=[*pp, f"--distributed.pp_schedule={schedule}"]).settings
+    monkeypatch.setattr(rules, "torch_version", lambda: (2, 11))
+    with pytest.raises(ConfigError) as exc:
+        resolve_dims(s, 2)
+    assert "distributed.pp_schedule" in str(exc.value) and "needs torch >= 2.13 (this is torch 2.11" in str(exc.value)
+    ok = load_settings(overrides=[*pp, "--distributed.pp_schedule=interleaved_1f1b"]).settings
+    assert resolve_dims(ok, 2).pp == 2  # the other schedules run on 2.11
+    monkeypatch.setattr(rules, "torch_version", lambda: (2, 13))
+    assert resolve_dims(s, 2).pp == 2
+
+
+def test_torch_version_is_read_without_importing_torch() -> None:
+    import subprocess
+    import sys
+
+    from kforge_cli.settings.torch_version import parse_version
+
+    assert parse_version("2.11.0+cu130") == (2, 11) and parse_version("2.13.0a0+git1") == (2, 13)
+    assert parse_version("nightly") is None
+    code = (
+        "import sys; from kforge_cli.settings.torch_version import torch_version; v = torch_version(); "
+        "print(v, 'torch' in sys.modules)"
+    )
+    got = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.split()
+    assert got[-1] == "False" and got[0].startswith("(2,")
+
+
 def test_vlm_rules() -> None:
     with pytest.raises(ConfigError, match="needs a vision encoder"):
         load_settings(overrides=["--vlm.arch=mot"])

@@ -14,6 +14,7 @@ from kforge_cli.settings.context_parallel import context_parallel_issues
 from kforge_cli.settings.job import JobSettings
 from kforge_cli.settings.moe import ep_dp_shard_issues, expert_parallel_issues, moe_issues
 from kforge_cli.settings.pipeline_schedules import schedule_facts
+from kforge_cli.settings.torch_version import torch_version
 
 FLOAT8_TP_CPU = (
     "tensorwise float8 with distributed.tp > 1 needs NCCL: its TP styles all-gather float8 tensors, "
@@ -317,7 +318,7 @@ def world_size_issues(s: JobSettings, world_size: int) -> list[ConfigIssue]:
 
 
 def _pipeline_schedule_issues(s: JobSettings) -> list[ConfigIssue]:
-    """What torch's pipeline schedules require of the micro-batch count, and FSDP's zero-bubble hazard."""
+    """What torch's pipeline schedules require of the micro-batch count and of torch, and FSDP's zero-bubble hazard."""
     out: list[ConfigIssue] = []
     d, m = s.distributed, s.train.grad_accum_steps
     stages = d.pp * d.pp_stages_per_rank
@@ -332,6 +333,16 @@ def _pipeline_schedule_issues(s: JobSettings) -> list[ConfigIssue]:
                     f"{rounds} (its rounds of pp = {d.pp}); use a multiple of {d.pp}",
                 )
             )
+    have = torch_version()
+    if have is not None and have < facts.min_torch:
+        need = ".".join(map(str, facts.min_torch))
+        out.append(
+            ConfigIssue(
+                "distributed.pp_schedule",
+                f"schedule {d.pp_schedule} needs torch >= {need} (this is torch {have[0]}.{have[1]}, whose "
+                f"version of it fails at the first step); use 1f1b or interleaved_1f1b, or torch >= {need}",
+            )
+        )
     if d.pp_schedule == "dualpipev" and m < stages:
         out.append(
             ConfigIssue("train.grad_accum_steps", f"schedule dualpipev needs at least {stages} micro-batches, got {m}")

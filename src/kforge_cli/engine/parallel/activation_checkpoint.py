@@ -38,12 +38,10 @@ SAVE_OPS = {
     _aten._scaled_dot_product_efficient_attention,
     _aten._scaled_dot_product_cudnn_attention,
     _aten._scaled_mm,
+    _aten._scaled_dot_product_attention_math,
+    _aten._grouped_mm,  # the MoE experts' grouped GEMMs, plain and float8-scaled
+    _aten._scaled_grouped_mm,
 }
-# Where this torch has them: the math SDPA, and the MoE experts' grouped GEMMs (plain, float8-scaled).
-for _name in ("_scaled_dot_product_attention_math", "_grouped_mm", "_scaled_grouped_mm"):
-    _packet = getattr(_aten, _name, None)
-    if _packet is not None:
-        SAVE_OPS.add(_packet)
 
 
 def save_decision(op: Any) -> CheckpointPolicy:

@@ -83,13 +83,9 @@ def allow_moe_tracing() -> None:
       what eager kforge does (``moe.layer.in_backward``), so AC cannot double-count.
     """
     cfg = torch._dynamo.config
-    for flag in (
-        "capture_scalar_outputs",
-        "capture_dynamic_output_shape_ops",
-        "skip_fwd_side_effects_in_bwd_under_checkpoint",
-    ):
-        if hasattr(cfg, flag):  # an older torch without one fails at the trace, naming the construct
-            setattr(cfg, flag, True)
+    cfg.capture_scalar_outputs = True
+    cfg.capture_dynamic_output_shape_ops = True
+    cfg.skip_fwd_side_effects_in_bwd_under_checkpoint = True
 
 
 ROPE_BUFFERS = ("rope_cos", "rope_sin")

@@ -132,10 +132,12 @@ def resolve_backend(spec: str, device: torch.device) -> str:
     """The backend string for `init_process_group`, keeping only backends this torch build has.
 
     ``cpu:gloo,cuda:nccl`` (the default) gives NCCL for GPU tensors and gloo for CPU-side
-    coordination (object broadcasts, CPU tensors). On a CPU-only build NCCL is dropped,
-    so the same settings run the CPU test jobs; training on CUDA without NCCL is an error.
+    coordination (object broadcasts, CPU tensors). On a CPU-only build, and with a CUDA build
+    on a machine without a GPU (NCCL refuses to start there), NCCL is dropped, so the same
+    settings run the CPU jobs; training on CUDA without NCCL is an error.
     """
-    available = {"gloo": dist.is_gloo_available(), "nccl": dist.is_nccl_available(), "mpi": dist.is_mpi_available()}
+    nccl = dist.is_nccl_available() and torch.cuda.is_available()
+    available = {"gloo": dist.is_gloo_available(), "nccl": nccl, "mpi": dist.is_mpi_available()}
     parts = [p.strip() for p in spec.split(",") if p.strip()]
     if len(parts) == 1 and ":" not in parts[0]:
         return parts[0]
@@ -145,8 +147,8 @@ def resolve_backend(spec: str, device: torch.device) -> str:
         if not available.get(backend, True):
             if dev == device.type:
                 raise InvalidInputError(
-                    f"distributed.backend {spec!r}: backend {backend!r} for {dev} tensors is not available in "
-                    f"this torch build; choose another, e.g. --distributed.backend=cpu:gloo"
+                    f"distributed.backend {spec!r}: backend {backend!r} for {dev} tensors is not available here "
+                    f"(this torch build or this machine lacks it); choose another, e.g. --distributed.backend=cpu:gloo"
                 )
             continue
         kept.append(part)

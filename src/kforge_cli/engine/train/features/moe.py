@@ -23,7 +23,8 @@ How the term reaches the gradient depends on the executor:
   counts only training forwards outside the autograd engine (the recompute of activation
   checkpointing runs inside it and is neither counted nor wrapped again). At the first step,
   and after each evaluation, the schedule first runs one forward per stage on stand-in
-  activations to infer shapes (`training_step_infers_metadata`); the hook leaves that
+  activations to infer shapes (`training_step_infers_metadata`; under no_grad in torch 2.11,
+  with grad in 2.13); the hook leaves that
   forward unwrapped and clears the token counts it made.
 
 Balancing: after the last backward, `finish_moe_step` all-reduces the step's expert counts
@@ -97,7 +98,8 @@ class AuxLossFeed:
         # a traced graph would specialise on, recompiling for every micro-batch index.
         @torch.compiler.disable
         def after_forward(layer: nn.Module, inputs: Any, output: torch.Tensor) -> torch.Tensor | None:
-            if self.weights is None or not (layer.training and torch.is_grad_enabled()) or in_backward():
+            # Not gated on grad mode: torch 2.11 infers shapes under no_grad, 2.13 with grad enabled.
+            if self.weights is None or not layer.training or in_backward():
                 return None
             n = self.forwards[key]
             self.forwards[key] = n + 1
