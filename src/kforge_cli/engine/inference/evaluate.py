@@ -11,6 +11,7 @@ Results go to the terminal, to ``RUN_DIR/eval/step_N.json`` and to the run's tra
 from __future__ import annotations
 
 import json
+import logging
 import math
 import tomllib
 from pathlib import Path
@@ -28,6 +29,7 @@ from kforge_cli.files import atomic_write, real_dir
 from kforge_cli.settings import JobSettings
 
 Results = dict[str, dict[str, float]]
+log = logging.getLogger("kforge")
 
 
 def run_settings(loaded: LoadedCheckpoint) -> JobSettings:
@@ -119,7 +121,11 @@ def write_results(loaded: LoadedCheckpoint, results: Results) -> Path | None:
     """RUN_DIR/eval/step_N.json (merged with earlier tasks of that step); None outside a run dir."""
     if loaded.run_dir is None:
         return None
-    out_dir = real_dir(loaded.run_dir / "eval")  # a link is refused
+    try:
+        out_dir = real_dir(loaded.run_dir / "eval")  # a link is refused
+    except PermissionError:  # someone else's read-only run: the table is the result
+        log.warning("cannot write %s (no permission); results are printed only", loaded.run_dir / "eval")
+        return None
     path = out_dir / f"step_{loaded.step if loaded.step is not None else 'unknown'}.json"
     merged: dict[str, Any] = {}
     if path.is_file() and not path.is_symlink():
@@ -134,21 +140,34 @@ def write_results(loaded: LoadedCheckpoint, results: Results) -> Path | None:
 
 
 def log_to_trackers(loaded: LoadedCheckpoint, results: Results) -> list[str]:
-    """Append ``eval/<task>/<metric>`` at the checkpoint's step to metrics.jsonl and the run's backends."""
+    """Append ``eval/<task>/<metric>`` at the checkpoint's step to metrics.jsonl and the run's backends.
+
+    Only on request (``kforge eval --track``): the trackers are the ones the run's config.toml
+    names, which may be someone else's. Points are added to the training's own runs, which
+    are never created, ended or re-marked here (W&B cannot take points from a second process
+    without ending the run, so it is skipped).
+    """
     if loaded.run_dir is None or loaded.step is None:
         return []
     from kforge_cli.engine.checkpoint.reader import open_checkpoint
     from kforge_cli.engine.observe.metrics_file import MetricsFile
+    from kforge_cli.engine.observe.mlflow_backend import MlflowBackend
     from kforge_cli.engine.observe.tensorboard_backend import TensorboardBackend
     from kforge_cli.engine.observe.tracker import Tracker, run_info, tracker_backends
 
     settings = run_settings(loaded)
     run_ids = open_checkpoint(loaded.path).train_state.get("metrics_run_ids") or {}
     wanted = set(settings.metrics.backends) - {"jsonl"}
+    if "wandb" in wanted:
+        log.warning("wandb: kforge eval does not log to W&B (a second process would end the training's run)")
+        settings.metrics.backends = [b for b in settings.metrics.backends if b != "wandb"]
+        wanted.discard("wandb")
     backends = tracker_backends(settings, run_info(settings, loaded.run_dir, 1), run_ids) if wanted else []
     for backend in backends:
         if isinstance(backend, TensorboardBackend):
             backend.purge = False  # an old step: add points, never drop the training curve after it
+        if isinstance(backend, MlflowBackend):
+            backend.attach_only = True
     tracker = Tracker(MetricsFile(loaded.run_dir / "metrics.jsonl"), backends)
     tracker.start()
     record: dict[str, Any] = {"step": loaded.step}
@@ -157,5 +176,5 @@ def log_to_trackers(loaded: LoadedCheckpoint, results: Results) -> list[str]:
     try:
         tracker.write(record)
     finally:
-        tracker.close("completed")
+        tracker.close("completed", end_runs=False)  # the run's status belongs to its training process
     return tracker.backend_names
