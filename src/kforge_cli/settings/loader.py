@@ -42,7 +42,15 @@ class ResolvedSettings:
     profile_files: list[ProfileFile] = field(default_factory=list)  # the profile, then what it extends
 
     def profile_origin(self) -> list[str]:
-        """Where each profile file came from, one line each (empty without a profile layer)."""
+        """Where each profile file came from, one line each.
+
+        Empty without a profile layer, and when every file is one kforge ships (the
+        default everyone expects); any local, $KFORGE_PROFILE_PATH or given file is named.
+        """
+        from kforge_cli.settings.profiles import SHIPPED
+
+        if all(e.source == SHIPPED for e in self.profile_files):
+            return []
         lines = []
         for i, entry in enumerate(self.profile_files):
             what = f"profile {entry.name}" if i == 0 else f"  extends {entry.name}"

@@ -8,6 +8,7 @@ existing run directory's checkpoint against new settings (shared with the engine
 
 from __future__ import annotations
 
+import contextlib
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -74,11 +75,26 @@ def write_job(settings: JobSettings, *, python: str | None = None, workdir: Path
         run_dir = claim_default_run_dir(settings, base=workdir).resolve()
         settings.train.run_dir = str(run_dir)
         script = render_sbatch(settings, run_dir, python=interpreter, workdir=workdir)
-    real_dir(run_dir / "logs")
     files = JobFiles(run_dir, run_dir / CONFIG_FILE, run_dir / SCRIPT_FILE)
-    _atomic_write(files.config, to_toml(settings))
-    _atomic_write(files.script, script, 0o755)
+    lock = _run_lock(run_dir) if given else contextlib.nullcontext()  # a default dir was just claimed: new
+    with lock:  # a live run's config.toml is never rewritten under it; refused before any write
+        real_dir(run_dir / "logs")
+        _atomic_write(files.config, to_toml(settings))
+        _atomic_write(files.script, script, 0o755)
     return files
+
+
+def _run_lock(run_dir: Path) -> contextlib.AbstractContextManager[object]:
+    """The run directory's lock, held while its files are written (RunDirInUseError while a run holds it).
+
+    `kforge resume RUN --sbatch` on a run that is training would otherwise replace its config.toml
+    mid-run (imports the engine's lock module, which brings torch: only for an existing directory).
+    """
+    if not run_dir.is_dir():
+        return contextlib.nullcontext()
+    from kforge_cli.engine.train.run_lock import acquire_run_lock
+
+    return acquire_run_lock(run_dir, wait_s=0)
 
 
 def sbatch_from_cli(settings: JobSettings, *, submit: bool) -> int:
