@@ -77,7 +77,7 @@ def test_sigterm_at_n_then_resume_matches_uninterrupted_run_bit_for_bit(kforge, 
     assert r.returncode == 75, r.stderr[-3000:]
     assert "stopped by SIGTERM at step 6 after saving a checkpoint" in r.stderr
     assert read_latest(run / "checkpoints") == run / "checkpoints" / "step_6" and max(losses(run)) == 6
-    r = kforge("resume", str(run), env=ENV)
+    r = kforge("resume", str(run), "--allow-hooks=tests.e2e.test_resume", env=ENV)  # the run's config names it
     assert r.returncode == 0, r.stderr[-3000:]
     assert f"resumed from {run / 'checkpoints' / 'step_6'} (step 6)" in r.stderr
     assert losses(run) == losses(ref) and len(losses(ref)) == 12  # same data, same RNG, same loss curve
