@@ -15,6 +15,7 @@ import errno
 import os
 import secrets
 import shutil
+import stat
 import tempfile
 from collections.abc import Callable
 from pathlib import Path
@@ -195,6 +196,36 @@ def swap_in(tmp: Path, out: Path) -> None:
     out.rename(old)
     tmp.rename(out)
     shutil.rmtree(old, ignore_errors=True)
+
+
+def open_regular(path: Path | str) -> IO[bytes]:
+    """`path` opened for reading in binary, only if it is a regular file.
+
+    A FIFO (which would block forever), a device (``/dev/zero``: endless) or a directory
+    is refused (exit 2) before anything is read; the open itself never blocks.
+    """
+    path = Path(path)
+    fd = os.open(path, os.O_RDONLY | _CLOEXEC | getattr(os, "O_NONBLOCK", 0))
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise InvalidInputError(f"{path} is not a regular file (a FIFO, device or directory); refusing to read it")
+        os.set_blocking(fd, True)
+        return os.fdopen(fd, "rb")
+    except BaseException:
+        os.close(fd)
+        raise
+
+
+def read_text_capped(path: Path | str, max_bytes: int, what: str = "file") -> str:
+    """The UTF-8 text of the regular file `path`, refused (exit 2) beyond `max_bytes` or when not UTF-8."""
+    with open_regular(path) as f:
+        data = f.read(max_bytes + 1)
+    if len(data) > max_bytes:
+        raise InvalidInputError(f"{what} {path} is larger than {max_bytes} bytes: not a file kforge wrote")
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise InvalidInputError(f"{what} {path} is not UTF-8 text (byte {exc.start}: {exc.reason})") from None
 
 
 def fsync_dir(path: Path) -> None:

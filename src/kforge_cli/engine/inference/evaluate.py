@@ -29,6 +29,7 @@ from kforge_cli.files import atomic_write, real_dir
 from kforge_cli.settings import JobSettings
 
 Results = dict[str, dict[str, float]]
+CONTEXT_CHARS_PER_TOKEN = 64  # characters of a multiple-choice context kept per position the model can see
 log = logging.getLogger("kforge")
 
 
@@ -77,10 +78,21 @@ def multiple_choice(loaded: LoadedCheckpoint, path: str | Path, limit: int | Non
     check_tokenizer_fits(loaded)
     tok = loaded.tokenizer
     examples = read_mc_task(path)[:limit]
+    max_len = int(loaded.model.cfg.max_seq_len)
     correct = correct_norm = 0
     for ex in examples:
-        context = tok.encode(ex.context) or [tok.eos_id]
-        logliks = continuation_logliks(loaded.model, context, [tok.encode(c) for c in ex.choices])
+        # only the last max_seq_len tokens of context can be seen: encode a bounded tail of the text
+        # (a token covers far fewer than CONTEXT_CHARS_PER_TOKEN characters), never the whole of a huge one
+        context = tok.encode(ex.context[-max_len * CONTEXT_CHARS_PER_TOKEN :]) or [tok.eos_id]
+        choices = [tok.encode(c[: max_len * CONTEXT_CHARS_PER_TOKEN]) for c in ex.choices]
+        for i, ids in enumerate(choices):
+            if len(ids) >= max_len:
+                raise InvalidInputError(
+                    f"{ex.where}: choices[{i}] has at least {len(ids)} tokens, which does not fit the model's "
+                    f"max_seq_len={max_len} with any context: shorten it"
+                )
+        context = context[-max_len:]
+        logliks = continuation_logliks(loaded.model, context, choices)
         norm = [ll / len(c) for ll, c in zip(logliks, ex.choices, strict=True)]
         correct += int(max(range(len(logliks)), key=logliks.__getitem__) == ex.answer)
         correct_norm += int(max(range(len(norm)), key=norm.__getitem__) == ex.answer)

@@ -16,8 +16,9 @@ from pathlib import Path
 from typing import Any
 
 from kforge_cli.engine.checkpoint.layout import SUMMARY_FILE, newest_complete
-from kforge_cli.engine.observe.metrics_file import read_metrics
-from kforge_cli.errors import InvalidInputError
+from kforge_cli.engine.observe.metrics_file import tail_records
+from kforge_cli.errors import InvalidInputError, KforgeError
+from kforge_cli.files import read_text_capped
 
 
 @dataclass
@@ -37,18 +38,35 @@ class RunRow:
         return asdict(self)
 
 
+MAX_CONFIG_BYTES = 1 << 20  # a kforge config.toml is a few KB
+
+
 def _config(run_dir: Path) -> dict[str, Any]:
+    """The run's config.toml, or {} when it is missing or not one (a FIFO, huge, not TOML, nested too deep)."""
     try:
-        return tomllib.loads((run_dir / "config.toml").read_text())
-    except (OSError, tomllib.TOMLDecodeError):
+        return tomllib.loads(read_text_capped(run_dir / "config.toml", MAX_CONFIG_BYTES, "config"))
+    except (OSError, KforgeError, tomllib.TOMLDecodeError, RecursionError, ValueError):
         return {}
 
 
-def _last(records: list[dict[str, Any]], key: str) -> tuple[int | None, float | None]:
-    for record in reversed(records):
-        if isinstance(record.get(key), int | float) and isinstance(record.get("step"), int):
-            return record["step"], float(record[key])
-    return None, None
+def _last_values(path: Path, keys: tuple[str, ...]) -> dict[str, tuple[int, float]]:
+    """For each key, (step, value) of the last record holding it as a number, from the file's tail only
+    (``metrics_file.tail_records``: the same cost for any file size)."""
+    last: dict[str, tuple[int, float]] = {}
+    try:
+        for record in tail_records(path):
+            step = record.get("step")
+            if not isinstance(step, int):
+                continue
+            for key in keys:
+                value = record.get(key)
+                if key not in last and isinstance(value, int | float) and not isinstance(value, bool):
+                    last[key] = (step, float(value))
+            if len(last) == len(keys):
+                break
+    except (OSError, KforgeError):  # unreadable, a FIFO: the row shows no metrics
+        return {}
+    return last
 
 
 def _mtime(run_dir: Path) -> float | None:
@@ -61,15 +79,16 @@ def describe_run(run_dir: Path, *, now: float | None = None, active_s: float = 3
     now = time.time() if now is None else now
     config = _config(run_dir)
     planned = config.get("train", {}).get("max_steps")
-    records = read_metrics(run_dir / "metrics.jsonl") if (run_dir / "metrics.jsonl").is_file() else []
-    step, loss = _last(records, "loss")
-    _, eval_loss = _last(records, "eval_loss")
+    metrics = run_dir / "metrics.jsonl"
+    last = _last_values(metrics, ("loss", "eval_loss")) if metrics.is_file() else {}
+    step, loss = last.get("loss", (None, None))
+    eval_loss = last.get("eval_loss", (None, None))[1]
     latest, _ = newest_complete(run_dir / "checkpoints") if (run_dir / "checkpoints").is_dir() else (None, [])
     reason = None
     if latest is not None:
         try:
-            reason = json.loads((latest / SUMMARY_FILE).read_text()).get("reason")
-        except (OSError, json.JSONDecodeError, AttributeError):
+            reason = json.loads(read_text_capped(latest / SUMMARY_FILE, MAX_CONFIG_BYTES, "summary")).get("reason")
+        except (OSError, ValueError, RecursionError, AttributeError, KforgeError):
             reason = None
     mtime = _mtime(run_dir)
     if reason == "final" or (isinstance(planned, int) and step is not None and step >= planned):

@@ -8,12 +8,12 @@ one continuous run the checkpoint saw. One panel per metric, one line per run.
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from kforge_cli.engine.observe.metrics_file import read_metrics
+from kforge_cli.engine.observe.metrics_file import count_lines, iter_metrics, sample_records
 from kforge_cli.errors import InvalidInputError
 from kforge_cli.files import atomic_write_via
 
@@ -45,6 +45,41 @@ def last_per_step(records: Sequence[dict[str, Any]], metric: str) -> dict[int, f
     return dict(sorted(out.items()))
 
 
+MAX_POINTS = 20_000  # per curve: more than a PNG panel can show; longer runs are drawn from every k-th step
+FULL_READ_BYTES = 16 << 20  # a larger metrics.jsonl is sampled by byte offset instead of read whole
+
+
+def _sampled_records(path: Path, wanted: Sequence[str]) -> list[dict[str, Any]]:
+    """The records of `path` reduced to step + `wanted` keys, at most about ``MAX_POINTS`` of them.
+
+    Up to ``FULL_READ_BYTES`` the file is streamed and every k-th step kept (requeued steps:
+    the last record wins); a larger file is sampled at ``MAX_POINTS`` byte offsets, so time and
+    memory follow the plot, not the file. The last record always stays (the curve ends where
+    the run is).
+    """
+    size = path.stat().st_size
+    if size > FULL_READ_BYTES:
+        records: Iterable[dict[str, Any]] = sample_records(path, MAX_POINTS)
+        stride = 1
+    else:
+        records = iter_metrics(path)
+        stride = max(1, math.ceil(count_lines(path) / MAX_POINTS))
+    keep: list[dict[str, Any]] = []
+    last: dict[str, Any] | None = None
+    for record in records:
+        step = record.get("step")
+        if not isinstance(step, int):
+            continue
+        slim = {k: record[k] for k in wanted if k in record}
+        slim["step"] = step
+        last = slim
+        if step % stride == 0:
+            keep.append(slim)
+    if last is not None and (not keep or keep[-1] is not last):
+        keep.append(last)
+    return keep
+
+
 def run_series(run_dir: Path, metrics: Sequence[str], x: str = "step") -> list[Series]:
     """One series per metric present in `run_dir`'s metrics.jsonl, against step or tokens seen."""
     if x not in X_AXES:
@@ -52,7 +87,7 @@ def run_series(run_dir: Path, metrics: Sequence[str], x: str = "step") -> list[S
     path = run_dir / "metrics.jsonl"
     if not path.is_file():
         raise InvalidInputError(f"{run_dir} has no metrics.jsonl: is it a kforge run directory?")
-    records = read_metrics(path)
+    records = _sampled_records(path, [*metrics, "tokens_seen"])
     tokens = last_per_step(records, "tokens_seen")
     out = []
     for metric in metrics:
