@@ -9,6 +9,7 @@ directory it names, else the byte tokenizer.
 
 from __future__ import annotations
 
+import logging
 import tomllib
 from pathlib import Path
 from typing import Any
@@ -20,6 +21,7 @@ from kforge_cli.files import copy_file_atomic
 from kforge_cli.settings.data import DataSettings
 
 RUN_TOKENIZER = "tokenizer.json"
+log = logging.getLogger("kforge")
 
 
 def _prepared_dir(data: DataSettings | dict[str, Any]) -> str | None:
@@ -48,18 +50,31 @@ def record_run_tokenizer(data: DataSettings, run_dir: Path) -> Path | None:
     return target
 
 
-def run_tokenizer(run_dir: Path | None, override: str | None = None) -> ByteTokenizer | HFTokenizer:
-    """The tokenizer of the run in `run_dir` (`override`: 'byte' or a tokenizer.json path wins)."""
+def _assume_byte(why: str) -> ByteTokenizer:
+    log.warning(
+        "%s, so nothing records its tokenizer: assuming the byte tokenizer. If it was trained with another, "
+        "pass --tokenizer PATH/tokenizer.json",
+        why,
+    )
+    return ByteTokenizer()
+
+
+def run_tokenizer(run_dir: Path | None, override: str | None = None, what: str = "") -> ByteTokenizer | HFTokenizer:
+    """The tokenizer of the run in `run_dir` (`override`: 'byte' or a tokenizer.json path wins).
+
+    When nothing records which tokenizer the run used (no run directory, no tokenizer.json,
+    no config.toml) the byte tokenizer is assumed, never silently: a warning names `what`.
+    """
     if override:
         return load_tokenizer(override)
     if run_dir is None:
-        return ByteTokenizer()
+        return _assume_byte(f"{what or 'this checkpoint'} is not inside a run directory")
     recorded = run_dir / RUN_TOKENIZER
     if recorded.is_file() and not recorded.is_symlink():
         return HFTokenizer(recorded)
     config = run_dir / "config.toml"
     if not config.is_file():
-        return ByteTokenizer()
+        return _assume_byte(f"{run_dir} has neither {RUN_TOKENIZER} nor config.toml")
     try:
         data = tomllib.loads(config.read_text()).get("data", {})
     except (OSError, tomllib.TOMLDecodeError) as exc:

@@ -40,11 +40,16 @@ def open_for_inference(
         raise InvalidInputError(f"{path} does not exist; give a run directory or RUN_DIR/checkpoints/step_N")
     if is_hf_dir(path):
         hf_tok = path / "tokenizer.json"
-        tok = run_tokenizer(None, tokenizer or (str(hf_tok) if hf_tok.is_file() else None))
+        if tokenizer is None and not hf_tok.is_file():
+            raise InvalidInputError(
+                f"{path} has no tokenizer.json: pass the model's tokenizer with --tokenizer PATH "
+                "(or --tokenizer byte for a byte-level model)"
+            )
+        tok = run_tokenizer(None, tokenizer or str(hf_tok))
         return LoadedCheckpoint(load_model(path, dtype=DTYPES[dtype], device=device), tok, path, None, None)
     view = open_checkpoint(path)
     run_dir = view.path.parent.parent if view.kforge and view.path.parent.name == "checkpoints" else None
-    tok = run_tokenizer(run_dir, tokenizer)
+    tok = run_tokenizer(run_dir, tokenizer, str(view.path))
     model = load_model(view.path, dtype=DTYPES[dtype], device=device)
     return LoadedCheckpoint(model, tok, view.path, run_dir, view.step)
 
