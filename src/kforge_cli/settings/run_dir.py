@@ -7,11 +7,10 @@ name, claim and recognise a run directory the same way.
 from __future__ import annotations
 
 import time
-import tomllib
 from pathlib import Path
 
 from kforge_cli.errors import InvalidInputError
-from kforge_cli.files import SymlinkRefusedError
+from kforge_cli.files import SymlinkRefusedError, read_toml_file
 from kforge_cli.settings.job import JobSettings
 
 RUNS_DIR = Path("runs")
@@ -53,8 +52,8 @@ def is_kforge_run(run_dir: Path) -> bool:
     if any((run_dir / name).exists() or (run_dir / name).is_symlink() for name in _KFORGE_ENTRIES):
         return True
     try:
-        config = tomllib.loads((run_dir / "config.toml").read_text())
-    except (OSError, ValueError):
+        config = read_toml_file(run_dir / "config.toml")
+    except InvalidInputError:
         return False
     return isinstance(config.get("model"), dict) and isinstance(config.get("train"), dict)
 

@@ -184,7 +184,7 @@ def model_fields_from_hf(config: dict[str, Any]) -> dict[str, Any]:
             "qk_norm": False,
             "tie_embeddings": bool(config.get("tie_word_embeddings", False)),
         }
-    except (KeyError, TypeError, ValueError) as exc:
+    except (KeyError, TypeError, ValueError, AttributeError) as exc:
         raise CheckpointError(f"Hugging Face config lacks or mangles {exc} (a Llama config.json is expected)") from None
     head_dim = config.get("head_dim")
     if head_dim is not None and int(head_dim) != dim // n_heads:

@@ -12,13 +12,14 @@ without an EOS token gets kforge's extra EOS id as ``<|endoftext|>``, so the ids
 from __future__ import annotations
 
 import json
-import tomllib
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from kforge_cli.engine.checkpoint.errors import CheckpointError
 from kforge_cli.engine.data.tokenizer import ByteTokenizer, HFTokenizer
+from kforge_cli.errors import KforgeError
+from kforge_cli.files import read_toml_file
 
 EOS_TOKEN = "<|endoftext|>"
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
@@ -36,8 +37,10 @@ def run_tokenizer(checkpoint: Path) -> str | None:
     """'byte' or the tokenizer.json path a run trained with (None when its config.toml is missing)."""
     config = checkpoint.parent.parent / "config.toml"
     try:
-        data = tomllib.loads(config.read_text()).get("data", {})
-    except (OSError, tomllib.TOMLDecodeError):
+        data = read_toml_file(config).get("data", {})
+    except KforgeError:  # missing, a FIFO, not TOML: no tokenizer known
+        return None
+    if not isinstance(data, dict):
         return None
     if data.get("tokenizer", "byte") != "byte":
         return str(data["tokenizer"])

@@ -16,7 +16,6 @@ Mixture-of-Transformers, including a ``convert-mot`` output) becomes the
 from __future__ import annotations
 
 import math
-import tomllib
 from pathlib import Path
 from typing import Any
 
@@ -38,6 +37,8 @@ from kforge_cli.engine.model import Transformer
 from kforge_cli.engine.model.layers import rope_tables
 from kforge_cli.engine.model.moe import MoEFeedForward
 from kforge_cli.engine.model.vlm import VisionLanguageModel, build_vlm
+from kforge_cli.errors import KforgeError
+from kforge_cli.files import read_toml_file
 from kforge_cli.settings import JobSettings
 from kforge_cli.settings.training import ModelSettings
 
@@ -104,8 +105,8 @@ def _saved_run_config(view: CheckpointView) -> dict[str, Any]:
     if not view.kforge or not path.is_file():
         return {}
     try:
-        return tomllib.loads(path.read_text())
-    except (OSError, tomllib.TOMLDecodeError):
+        return read_toml_file(path)
+    except KforgeError:
         return {}
 
 

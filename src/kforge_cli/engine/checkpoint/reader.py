@@ -12,7 +12,6 @@ mesh or pipeline split that wrote them.
 from __future__ import annotations
 
 import json
-import tomllib
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -37,6 +36,7 @@ from kforge_cli.engine.checkpoint.layout import (
 )
 from kforge_cli.engine.checkpoint.safe_metadata import SafeFileSystemReader, SafeLoadPlanner, read_dcp_metadata
 from kforge_cli.errors import KforgeError
+from kforge_cli.files import read_toml_file
 from kforge_cli.settings.training import ModelSettings
 
 MODEL_PREFIX = "model."
@@ -242,8 +242,8 @@ def shaping_of(view: CheckpointView) -> dict[str, Any]:
     config = view.path.parent.parent / "config.toml"
     if view.kforge and config.is_file():
         try:
-            raw = tomllib.loads(config.read_text())
-        except (OSError, tomllib.TOMLDecodeError):
+            raw = read_toml_file(config)
+        except KforgeError:
             raw = {}
         model = raw.get("model")
         if isinstance(model, dict):

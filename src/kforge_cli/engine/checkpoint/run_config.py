@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
-import tomllib
 from pathlib import Path
 from typing import Any
 
 from kforge_cli.engine.checkpoint.errors import CheckpointError
 from kforge_cli.engine.checkpoint.fingerprint import changed_fields, shaping_config
 from kforge_cli.engine.checkpoint.layout import newest_complete
+from kforge_cli.errors import KforgeError
+from kforge_cli.files import read_toml_file
 from kforge_cli.settings import JobSettings
 from kforge_cli.settings.run_dir import checkpoint_root
 
@@ -23,9 +24,9 @@ def read_saved_config(run_dir: Path) -> dict[str, Any]:
             f"{path} not found: {run_dir} is not a kforge run directory (kforge train writes config.toml there)"
         )
     try:
-        return tomllib.loads(path.read_text())
-    except (OSError, tomllib.TOMLDecodeError) as exc:
-        raise CheckpointError(f"{path} is not valid TOML ({exc})") from None
+        return read_toml_file(path, "saved config")
+    except KforgeError as exc:
+        raise CheckpointError(str(exc)) from None
 
 
 def shaping_changes(old: JobSettings, new: JobSettings) -> list[str]:
@@ -46,7 +47,7 @@ def conflicts_with_saved_config(settings: JobSettings, run_dir: Path) -> list[st
     if newest_complete(root)[0] is None:
         return []
     try:
-        saved = JobSettings.model_validate(tomllib.loads(path.read_text()))
+        saved = JobSettings.model_validate(read_toml_file(path, "saved config"))
     except Exception:  # an unreadable or outdated file: keep it rather than lose it
         return [f"{path} could not be read as settings"]
     return shaping_changes(saved, settings)

@@ -10,14 +10,13 @@ directory it names, else the byte tokenizer.
 from __future__ import annotations
 
 import logging
-import tomllib
 from pathlib import Path
 from typing import Any
 
 from kforge_cli.engine.data.shards import load_prepared
 from kforge_cli.engine.data.tokenizer import ByteTokenizer, HFTokenizer, load_tokenizer
 from kforge_cli.errors import InvalidInputError
-from kforge_cli.files import copy_file_atomic
+from kforge_cli.files import copy_file_atomic, read_toml_file
 from kforge_cli.settings.data import DataSettings
 
 RUN_TOKENIZER = "tokenizer.json"
@@ -76,9 +75,9 @@ def run_tokenizer(run_dir: Path | None, override: str | None = None, what: str =
     if not config.is_file():
         return _assume_byte(f"{run_dir} has neither {RUN_TOKENIZER} nor config.toml")
     try:
-        data = tomllib.loads(config.read_text()).get("data", {})
-    except (OSError, tomllib.TOMLDecodeError) as exc:
-        raise InvalidInputError(f"{config} is unreadable ({exc}); pass --tokenizer byte or PATH") from exc
+        data = read_toml_file(config).get("data", {})
+    except InvalidInputError as exc:
+        raise InvalidInputError(f"{exc}; pass --tokenizer byte or PATH") from None
     prepared = _prepared_dir(data if isinstance(data, dict) else {})
     if prepared is None:
         return ByteTokenizer()

@@ -13,7 +13,6 @@ from __future__ import annotations
 import json
 import logging
 import math
-import tomllib
 from pathlib import Path
 from typing import Any
 
@@ -25,7 +24,7 @@ from kforge_cli.engine.inference.source import LoadedCheckpoint, check_tokenizer
 from kforge_cli.engine.model.scoring import continuation_logliks
 from kforge_cli.engine.train.loss import IGNORE_INDEX, build_loss_fn
 from kforge_cli.errors import InvalidInputError
-from kforge_cli.files import atomic_write, real_dir
+from kforge_cli.files import atomic_write, read_toml_file, real_dir
 from kforge_cli.settings import JobSettings
 
 Results = dict[str, dict[str, float]]
@@ -40,7 +39,7 @@ def run_settings(loaded: LoadedCheckpoint) -> JobSettings:
             f"{loaded.path} is not inside a run directory with config.toml: the heldout task needs the run's data"
         )
     try:
-        raw = tomllib.loads((loaded.run_dir / "config.toml").read_text())
+        raw = read_toml_file(loaded.run_dir / "config.toml")
         return JobSettings.model_validate(raw)
     except Exception as exc:  # tomllib / pydantic errors: the file is the user's to fix
         raise InvalidInputError(f"{loaded.run_dir / 'config.toml'} does not load as kforge settings ({exc})") from None
