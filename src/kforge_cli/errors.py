@@ -17,6 +17,21 @@ EXIT_REQUEUE = 75  # stopped on a signal after saving a checkpoint: requeue me
 EXIT_HANG = 76  # the hang watchdog stopped a rank that made no progress: requeue me (resume from the last checkpoint)
 
 
+def bug_report_hint() -> str:
+    """Where to report a kforge bug: the package's issue tracker URL when its metadata names one."""
+    try:
+        from importlib.metadata import PackageNotFoundError, metadata
+
+        urls = metadata("kforge").get_all("Project-URL") or []
+    except (ImportError, PackageNotFoundError):
+        urls = []
+    for entry in urls:
+        label, _, url = entry.partition(",")
+        if label.strip().lower() in ("issues", "bug tracker", "bugs", "source", "repository", "homepage"):
+            return f"Please report it at {url.strip()} with the command and the traceback above."
+    return "Please report it to the kforge maintainers (the project's issue tracker) with the command and the traceback above."
+
+
 class KforgeError(Exception):
     """Base class of errors caused by the user's input or environment."""
 

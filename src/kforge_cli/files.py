@@ -15,10 +15,12 @@ import errno
 import os
 import secrets
 import shutil
+import stat
 import tempfile
+import tomllib
 from collections.abc import Callable
 from pathlib import Path
-from typing import IO
+from typing import IO, Any
 
 from kforge_cli.errors import InvalidInputError
 
@@ -195,6 +197,65 @@ def swap_in(tmp: Path, out: Path) -> None:
     out.rename(old)
     tmp.rename(out)
     shutil.rmtree(old, ignore_errors=True)
+
+
+def open_regular(path: Path | str) -> IO[bytes]:
+    """`path` opened for reading in binary, only if it is a regular file.
+
+    A FIFO (which would block forever), a device (``/dev/zero``: endless) or a directory
+    is refused (exit 2) before anything is read; the open itself never blocks.
+    """
+    path = Path(path)
+    fd = os.open(path, os.O_RDONLY | _CLOEXEC | getattr(os, "O_NONBLOCK", 0))
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise InvalidInputError(f"{path} is not a regular file (a FIFO, device or directory); refusing to read it")
+        os.set_blocking(fd, True)
+        return os.fdopen(fd, "rb")
+    except BaseException:
+        os.close(fd)
+        raise
+
+
+def read_text_capped(path: Path | str, max_bytes: int, what: str = "file") -> str:
+    """The UTF-8 text of the regular file `path`, refused (exit 2) beyond `max_bytes` or when not UTF-8."""
+    with open_regular(path) as f:
+        data = f.read(max_bytes + 1)
+    if len(data) > max_bytes:
+        raise InvalidInputError(f"{what} {path} is larger than {max_bytes} bytes: not a file kforge wrote")
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise InvalidInputError(f"{what} {path} is not UTF-8 text (byte {exc.start}: {exc.reason})") from None
+
+
+MAX_TOML_BYTES = 4 << 20  # a settings file is KBs
+
+
+def read_toml_file(path: Path | str, what: str = "config") -> dict[str, Any]:
+    """A TOML file as a dict; every way the file can be wrong is an InvalidInputError naming it (exit 2).
+
+    Missing (the message says so), a FIFO or device (refused, never read), over
+    ``MAX_TOML_BYTES``, not UTF-8, not TOML, nested too deeply or holding a number too long
+    to convert: never a hang, never a traceback.
+    """
+    path = Path(path)
+    try:
+        text = read_text_capped(path, MAX_TOML_BYTES, what)
+    except FileNotFoundError:
+        raise InvalidInputError(f"{what} {path} does not exist") from None
+    except IsADirectoryError:
+        raise InvalidInputError(f"{what} {path} is a directory, not a TOML file") from None
+    except OSError as exc:
+        raise InvalidInputError(f"cannot read {what} {path}: {exc.strerror}") from None
+    try:
+        return tomllib.loads(text)
+    except tomllib.TOMLDecodeError as exc:
+        raise InvalidInputError(f"{what} {path} is not valid TOML: {exc}") from None
+    except RecursionError:
+        raise InvalidInputError(f"{what} {path} is not valid TOML: it is nested too deeply") from None
+    except ValueError as exc:  # e.g. an integer of more than 4300 digits
+        raise InvalidInputError(f"{what} {path} is not valid TOML: {exc}") from None
 
 
 def fsync_dir(path: Path) -> None:

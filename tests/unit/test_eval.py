@@ -103,7 +103,7 @@ def test_cli_eval_writes_json_and_logs_at_the_checkpoint_step(
 
     task = _task_file(tmp_path)
     with pytest.raises(SystemExit) as done:
-        main(["eval", str(run_dir), "--task", "heldout", "--task", str(task)])
+        main(["eval", str(run_dir), "--task", "heldout", "--task", str(task), "--track"])  # asked to log
     assert done.value.code == 0
     out = capsys.readouterr().out
     assert "heldout" in out and "acc_norm" in out

@@ -116,3 +116,24 @@ def test_convert_mot_keeps_a_partial_directory_it_did_not_create_and_refuses_a_l
     with pytest.raises(KforgeError, match="is a symbolic link") as err:
         convert_mot(s, dense, tmp_path / "linked")
     assert err.value.exit_code == 2 and empty.is_dir() and not any(empty.iterdir())
+
+
+def test_resume_sbatch_never_rewrites_a_live_runs_config(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """Class 6: a refused command has changed nothing; `resume --sbatch` takes the run's lock first."""
+    from kforge_cli.rundir.lock import acquire_run_lock
+    from kforge_cli.settings import load_settings
+    from kforge_cli.settings.explain import to_toml
+
+    run = tmp_path / "live"
+    run.mkdir()
+    settings = load_settings(overrides=[f"--train.run_dir={run}", "--model.dim=32"], use_env=False).settings
+    (run / "config.toml").write_text(to_toml(settings))
+    before = (run / "config.toml").read_bytes()
+    args = ["resume", str(run), "--sbatch", "--checkpoint.resume=auto", "--train.max_steps=999"]
+    with acquire_run_lock(run, wait_s=0):  # the training job holding it
+        code, err = cli(capsys, *args)
+        assert code == 2 and "in use by another kforge run" in err and "Traceback" not in err, err
+        assert (run / "config.toml").read_bytes() == before and not (run / "job.sbatch").exists()
+    code, err = cli(capsys, *args)  # once it has ended
+    assert code == 0, err
+    assert "max_steps = 999" in (run / "config.toml").read_text() and (run / "job.sbatch").is_file()

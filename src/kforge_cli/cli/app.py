@@ -60,8 +60,14 @@ apply_readable_help(app)  # docstrings -> whole paragraphs, brackets kept, no li
 
 
 def main(argv: list[str] | None = None) -> None:
-    """Console-script entry point: run the app, turning KforgeError into a message and exit code."""
-    from kforge_cli.errors import KforgeError
+    """Console-script entry point: run the app, turning errors into a message and an exit code.
+
+    One error path for everything: a :class:`KforgeError` (the user's input or environment)
+    and an ``OSError`` naming a file (permissions, a full disk, a path that is not there) print
+    one message and exit with the error's code (2 for input); anything else is a kforge bug:
+    its traceback is printed with where to report it (exit 1).
+    """
+    from kforge_cli.errors import EXIT_FAILURE, EXIT_INVALID_INPUT, KforgeError, bug_report_hint
 
     try:
         command = typer.main.get_command(app)
@@ -73,3 +79,22 @@ def main(argv: list[str] | None = None) -> None:
     except KeyboardInterrupt:
         typer.echo("interrupted", err=True)
         sys.exit(130)
+    except OSError as exc:
+        if exc.filename is None:
+            _bug(exc, bug_report_hint())
+            sys.exit(EXIT_FAILURE)
+        names = f"{exc.filename}" + (f" -> {exc.filename2}" if exc.filename2 else "")
+        typer.echo(f"error: {names}: {exc.strerror or exc}", err=True)
+        sys.exit(EXIT_INVALID_INPUT)
+    except Exception as exc:
+        _bug(exc, bug_report_hint())
+        sys.exit(EXIT_FAILURE)
+
+
+def _bug(exc: BaseException, hint: str) -> None:
+    import traceback
+
+    traceback.print_exception(exc)
+    typer.echo(
+        f"kforge {__version__}: this is a kforge bug ({type(exc).__name__}), not a mistake of yours. {hint}", err=True
+    )

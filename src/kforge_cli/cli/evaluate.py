@@ -23,17 +23,27 @@ def evaluate(
     limit: Annotated[int | None, typer.Option("--limit", min=1, help="At most this many task examples.")] = None,
     tokenizer: Annotated[str | None, typer.Option("--tokenizer", help="'byte' or a tokenizer.json.")] = None,
     device: Annotated[str, typer.Option("--device", help="cpu or cuda.")] = "cpu",
-    no_log: Annotated[bool, typer.Option("--no-log", help="Do not write to the run's metrics/trackers.")] = False,
+    track: Annotated[
+        bool,
+        typer.Option(
+            "--track",
+            help="Also append the results to the run's metrics.jsonl and the trackers its config.toml names "
+            "(MLflow, TensorBoard; never ending their runs). Default: log nowhere.",
+        ),
+    ] = False,
+    no_log: Annotated[bool, typer.Option("--no-log", hidden=True)] = False,  # the default now (see --track)
     as_json: Annotated[bool, typer.Option("--json", help="Print the results as JSON.")] = False,
 ) -> None:
-    """Score the checkpoint on each --task; results go to RUN_DIR/eval/step_N.json and the run's trackers."""
+    """Score the checkpoint on each --task; results go to RUN_DIR/eval/step_N.json (and with --track to the
+    run's metrics.jsonl and trackers)."""
     from kforge_cli.engine.inference.evaluate import log_to_trackers, run_task, task_name, write_results
     from kforge_cli.engine.inference.source import open_for_inference
 
     loaded = open_for_inference(ckpt, device=device, tokenizer=tokenizer)
     results = {task_name(spec): run_task(loaded, spec, steps=steps, limit=limit) for spec in task}
     path = write_results(loaded, results)
-    backends = [] if no_log else log_to_trackers(loaded, results)
+    logged = track and not no_log
+    backends = log_to_trackers(loaded, results) if logged else []
     if as_json:
         typer.echo(json.dumps({"checkpoint": str(loaded.path), "step": loaded.step, "tasks": results}))
         return
@@ -49,5 +59,5 @@ def evaluate(
                 f"{held:,} in the val split; --steps N for more)"
             )
     if path is not None:
-        logged = f"; logged at step {loaded.step} to metrics.jsonl" + "".join(f", {b}" for b in backends)
-        typer.echo(f"wrote {path}{logged if not no_log else ''}")
+        where = f"; logged at step {loaded.step} to metrics.jsonl" + "".join(f", {b}" for b in backends[1:])
+        typer.echo(f"wrote {path}{where if backends else ''}")

@@ -26,13 +26,15 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from kforge_cli.errors import InvalidInputError
+from kforge_cli.errors import InvalidInputError, KforgeError
+from kforge_cli.files import open_regular, read_text_capped
 from kforge_cli.rundir.checkpoints import newest_complete
 from kforge_cli.rundir.layout import RunDir
 from kforge_cli.rundir.names import SUMMARY_FILE
 from kforge_cli.rundir.saved_config import read_saved_config
 
 SLURM_TIMEOUT_S = 5.0
+MAX_SMALL_FILE = 1 << 20  # a job list or checkpoint summary kforge writes is a few KB
 _TAIL_BLOCK = 64 * 1024
 _TAIL_LIMIT = 8 * 1024 * 1024  # look back at most this far for the last eval loss
 _SQUEUE_LIVE = {"PENDING": "queued", "REQUEUED": "queued", "CONFIGURING": "running", "RUNNING": "running"}
@@ -103,14 +105,14 @@ def job_ids(run: RunDir) -> list[str]:
     """The run's SLURM job ids, oldest first: those --submit recorded, and those whose log file exists."""
     ids: list[str] = []
     try:
-        for line in run.slurm_jobs.read_text().splitlines():
+        for line in read_text_capped(run.slurm_jobs, MAX_SMALL_FILE, "job list").splitlines():
             try:
                 record = json.loads(line)
             except ValueError:
                 continue
             if isinstance(record, dict) and record.get("job_id"):
                 ids.append(str(record["job_id"]))
-    except OSError:
+    except (OSError, KforgeError):
         pass
     logs = sorted(run.logs.glob("slurm-*.out"), key=lambda p: p.stat().st_mtime) if run.logs.is_dir() else []
     ids += [p.name[len("slurm-") : -len(".out")] for p in logs]
@@ -121,8 +123,8 @@ def _tail_values(path: Path, keys: tuple[str, ...]) -> dict[str, tuple[int, floa
     """The last (step, value) of each of `keys` in a metrics.jsonl, read backwards from its end."""
     found: dict[str, tuple[int, float]] = {}
     try:
-        f = path.open("rb")
-    except OSError:
+        f = open_regular(path)  # a FIFO or device in a run directory is skipped, never read (it could block)
+    except (OSError, KforgeError):
         return found
     with f:
         end = f.seek(0, 2)
@@ -187,8 +189,8 @@ def _checkpoint(run: RunDir, config: dict[str, Any]) -> tuple[str | None, str | 
     if latest is None:
         return None, None
     try:
-        reason = json.loads((latest / SUMMARY_FILE).read_text()).get("reason")
-    except (OSError, ValueError, AttributeError):
+        reason = json.loads(read_text_capped(latest / SUMMARY_FILE, MAX_SMALL_FILE, "summary")).get("reason")
+    except (OSError, ValueError, RecursionError, AttributeError, KforgeError):
         reason = None
     return latest.name, reason if isinstance(reason, str) else None
 

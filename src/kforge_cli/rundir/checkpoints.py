@@ -20,8 +20,8 @@ import shutil
 from pathlib import Path
 from typing import Any
 
-from kforge_cli.errors import CheckpointError
-from kforge_cli.files import atomic_write
+from kforge_cli.errors import CheckpointError, KforgeError
+from kforge_cli.files import atomic_write, open_regular
 from kforge_cli.rundir.names import CHECKPOINTS_DIR, COMMIT_FILE, DCP_METADATA, LATEST_FILE
 
 log = logging.getLogger("kforge")
@@ -49,12 +49,24 @@ def atomic_write_json(path: Path, obj: Any) -> None:
     atomic_write_bytes(path, (json.dumps(obj, indent=1, sort_keys=True) + "\n").encode())
 
 
+MAX_JSON_BYTES = 64 << 20  # a checkpoint's JSON files are KBs; anything this large is not one of them
+
+
+def _read_small(path: Path) -> bytes:
+    """The bytes of a regular file of at most ``MAX_JSON_BYTES`` (a FIFO or device is refused, never read)."""
+    with open_regular(path) as f:
+        data = f.read(MAX_JSON_BYTES + 1)
+    if len(data) > MAX_JSON_BYTES:
+        raise ValueError(f"larger than {MAX_JSON_BYTES} bytes")
+    return data
+
+
 def read_json(path: Path) -> dict[str, Any]:
     try:
-        data = json.loads(path.read_text())
+        data = json.loads(_read_small(path))
     except FileNotFoundError:
         raise CheckpointError(f"{path} is missing: the checkpoint is incomplete or not a kforge checkpoint") from None
-    except (OSError, ValueError) as exc:
+    except (OSError, ValueError, RecursionError, KforgeError) as exc:
         raise CheckpointError(f"{path} is not valid JSON ({exc})") from None
     if not isinstance(data, dict):
         raise CheckpointError(f"{path} does not hold a JSON object")
@@ -86,10 +98,10 @@ def commit_problem(step_dir: Path) -> tuple[dict[str, Any] | None, str | None]:
     if step_dir.is_symlink():
         return None, f"{step_dir} is a symbolic link, not a checkpoint directory"
     try:
-        record = json.loads(marker.read_bytes())
+        record = json.loads(_read_small(marker))
     except FileNotFoundError:
         return None, f"{marker} is missing (the save never finished)"
-    except (OSError, ValueError) as exc:
+    except (OSError, ValueError, RecursionError, KforgeError) as exc:
         return None, f"{marker} is not valid JSON ({exc})"
     if not isinstance(record, dict):
         return None, f"{marker} does not hold a JSON object"
@@ -127,11 +139,10 @@ def dcp_dirs(step_dir: Path) -> list[Path]:
 def read_latest(root: Path) -> Path | None:
     """The step dir `latest` names, if the file exists and names a step dir (anything else is ignored)."""
     try:
-        name = (root / LATEST_FILE).read_bytes().decode("utf-8").strip()
-    except OSError:
-        return None
-    except UnicodeDecodeError:
-        log.warning("ignoring %s: it is not text (a damaged pointer)", root / LATEST_FILE)
+        name = _read_small(root / LATEST_FILE).decode("utf-8").strip()
+    except (OSError, ValueError, KforgeError) as exc:
+        if isinstance(exc, UnicodeDecodeError):
+            log.warning("ignoring %s: it is not text (a damaged pointer)", root / LATEST_FILE)
         return None
     if not name:
         return None

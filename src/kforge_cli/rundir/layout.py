@@ -9,13 +9,12 @@ from __future__ import annotations
 
 import re
 import time
-import tomllib
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 from kforge_cli.errors import InvalidInputError
-from kforge_cli.files import SymlinkRefusedError
+from kforge_cli.files import SymlinkRefusedError, read_toml_file
 from kforge_cli.rundir import names
 from kforge_cli.rundir.checkpoints import step_of
 
@@ -122,8 +121,8 @@ class RunDir:
             if entry.exists() or entry.is_symlink():
                 return name
         try:
-            config = tomllib.loads(self.config.read_text())
-        except (OSError, ValueError):
+            config = read_toml_file(self.config)  # capped; a FIFO or device is refused, never read
+        except InvalidInputError:
             return None
         if isinstance(config.get("model"), dict) and isinstance(config.get("train"), dict):
             return names.CONFIG_FILE

@@ -22,13 +22,12 @@ import json
 import os
 import shlex
 import sys
-import tomllib
 from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from kforge_cli.errors import CheckpointError, ConfigIssue, InvalidInputError
-from kforge_cli.files import atomic_write, open_append
+from kforge_cli.files import MAX_TOML_BYTES, atomic_write, open_append, read_text_capped, read_toml_file
 from kforge_cli.rundir.checkpoints import newest_complete
 from kforge_cli.rundir.fingerprint import shaping_config, shaping_diff
 from kforge_cli.rundir.layout import RunDir
@@ -92,10 +91,7 @@ def read_saved_config(run_dir: Path, *, missing_ok: bool = False) -> dict[str, A
                 f"{run.config} not found: {run.path} is not a kforge run directory "
                 f"(kforge train writes {run.config.name} there)"
             )
-        try:
-            raw = tomllib.loads(run.config.read_text())
-        except (OSError, UnicodeDecodeError, tomllib.TOMLDecodeError) as exc:
-            raise CheckpointError(f"{run.config} is not valid TOML ({exc})") from None
+        raw = read_toml_file(run.config, "the run's settings")  # capped; a FIFO or device is refused
         return apply_changes(raw, read_changes(run.path))
     except InvalidInputError:
         if missing_ok:
@@ -111,7 +107,7 @@ def read_changes(run_dir: Path) -> list[dict[str, Any]]:
     """
     path = RunDir(run_dir).config_changes
     try:
-        lines = path.read_text(encoding="utf-8").splitlines()
+        lines = read_text_capped(path, 4 * MAX_TOML_BYTES, "config changes file").splitlines()
     except FileNotFoundError:
         return []
     except (OSError, UnicodeDecodeError) as exc:

@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 import os
-import tomllib
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from kforge_cli.errors import InvalidInputError
+from kforge_cli.files import read_toml_file
 
 DEFAULT_PROFILE = "cpu-debug"
 PROFILE_ONLY_KEYS = ("extends", "description")
@@ -156,16 +156,8 @@ def profile_chain(name: str) -> list[ProfileFile]:
 
 
 def read_toml(path: Path, what: str) -> dict[str, Any]:
-    """Parse a TOML file; a syntax error names the file and line."""
-    try:
-        with path.open("rb") as f:
-            return tomllib.load(f)
-    except FileNotFoundError:
-        raise InvalidInputError(f"{what} {path} does not exist") from None
-    except tomllib.TOMLDecodeError as exc:
-        raise InvalidInputError(f"{what} {path} is not valid TOML: {exc}") from None
-    except OSError as exc:
-        raise InvalidInputError(f"cannot read {what} {path}: {exc.strerror}") from None
+    """Parse a TOML file; a syntax error names the file and line (see ``files.read_toml_file``)."""
+    return read_toml_file(path, what)
 
 
 def load_profile(name: str, _chain: tuple[str, ...] = ()) -> tuple[dict[str, Any], Path]:

@@ -9,6 +9,7 @@ existing run config.toml stays as it is and the accepted changes are recorded be
 
 from __future__ import annotations
 
+import contextlib
 import datetime as _dt
 import json
 import os
@@ -80,11 +81,26 @@ def write_job(settings: JobSettings, *, python: str | None = None, workdir: Path
         settings.train.run_dir = str(run_dir)
         script = render_sbatch(settings, run_dir, python=interpreter, workdir=workdir)
     run = RunDir(run_dir)
-    real_dir(run.logs)
     files = JobFiles(run_dir, run.config, run.job_script)
-    write_or_record(settings, run_dir)  # config.toml once; the changes of a later job beside it
-    _atomic_write(files.script, script, 0o755)
+    lock = _run_lock(run_dir) if given else contextlib.nullcontext()  # a default dir was just claimed: new
+    with lock:  # a live run's settings are never changed under it; refused before any write
+        real_dir(run.logs)
+        write_or_record(settings, run_dir)  # config.toml once; the changes of a later job beside it
+        _atomic_write(files.script, script, 0o755)
     return files
+
+
+def _run_lock(run_dir: Path) -> contextlib.AbstractContextManager[object]:
+    """The run directory's lock, held while its files are written (RunDirInUseError while a run holds it).
+
+    `kforge resume RUN --sbatch` on a run that is training would otherwise replace its config.toml
+    mid-run.
+    """
+    if not run_dir.is_dir():
+        return contextlib.nullcontext()
+    from kforge_cli.rundir.lock import acquire_run_lock
+
+    return acquire_run_lock(run_dir, wait_s=0)
 
 
 def sbatch_from_cli(settings: JobSettings, *, submit: bool) -> int:

@@ -229,9 +229,9 @@ class CheckpointManager:
 
     def _prepare(self, step_dir: Path) -> None:
         if self.is_main:
-            if step_dir.exists():
+            if step_dir.exists() or step_dir.is_symlink():  # a dangling step_N link too (exists() is False)
                 log.warning("replacing the existing %s", step_dir)
-                remove_checkpoint(step_dir)
+                remove_checkpoint(step_dir)  # a link: only the link goes
             step_dir.mkdir(parents=True)
             for s in range(self.groups.num_stages if self.groups.num_stages > 1 else 0):
                 (step_dir / f"pp_{s}").mkdir()

@@ -10,8 +10,10 @@ from __future__ import annotations
 
 import io
 import logging
+import os
 import pickle
 import random
+import re
 from pathlib import Path
 from typing import Any
 
@@ -138,17 +140,43 @@ def read_rank_state(step_dir: Path, rank: int) -> tuple[dict[str, Any], dict[str
     return record["rng"], tensors
 
 
+_LIST_MISSING = 16  # more missing ranks than this are one line, not one each
+_RANK_FILE = re.compile(r"rank_(0|[1-9][0-9]{0,8})\.(json|pt)\Z")
+
+
+def _ranks_present(step_dir: Path, world_size: int) -> set[int]:
+    """Ranks below `world_size` with both RNG files in the checkpoint, from one directory scan."""
+    seen: dict[int, set[str]] = {}
+    try:
+        entries = list(os.scandir(step_dir / RANK_STATE_DIR))
+    except OSError:
+        return set()
+    for entry in entries:
+        match = _RANK_FILE.match(entry.name)
+        if match and int(match.group(1)) < world_size and entry.is_file():
+            seen.setdefault(int(match.group(1)), set()).add(match.group(2))
+    return {rank for rank, kinds in seen.items() if kinds == {"json", "pt"}}
+
+
 def rank_state_problems(step_dir: Path, world_size: int, *, strict: bool = False) -> list[str]:
     """Missing or unreadable per-rank RNG files of a checkpoint saved by `world_size` ranks.
 
     `strict`: a file that could carry code raises instead of being listed (resume refuses it).
     """
     problems = []
-    for rank in range(world_size):
-        json_path, pt_path = rank_state_paths(step_dir, rank)
-        if not json_path.is_file() or not pt_path.is_file():
+    present = _ranks_present(step_dir, world_size)  # bounded by the files there, not by what the record claims
+    absent = world_size - len(present)
+    if absent > _LIST_MISSING:
+        problems.append(
+            f"RNG state of {absent} of the {world_size} ranks train_state.json names is missing "
+            f"({step_dir / RANK_STATE_DIR} holds files of {len(present)})"
+        )
+    elif absent:
+        for rank in sorted(set(range(world_size)) - present):
+            json_path, pt_path = rank_state_paths(step_dir, rank)
             problems.append(f"RNG state of rank {rank} is missing ({json_path.name} / {pt_path.name})")
-            continue
+    for rank in sorted(present):
+        json_path, pt_path = rank_state_paths(step_dir, rank)
         try:
             read_rank_state(step_dir, rank)
         except UnsafeCheckpointError as exc:

@@ -8,10 +8,12 @@ written, so put the separating space at the start of each choice, as lm-evaluati
 from __future__ import annotations
 
 import json
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
 from kforge_cli.errors import InvalidInputError
+from kforge_cli.files import open_regular
 
 
 @dataclass(frozen=True)
@@ -19,24 +21,37 @@ class MCExample:
     context: str
     choices: list[str]
     answer: int
+    where: str = ""  # FILE:LINE, for errors about this example
+
+
+def _lines(path: Path) -> Iterator[tuple[int, str]]:
+    """(number, text) of each line, streamed; a FIFO/device is refused, bytes that are not UTF-8 name the line."""
+    try:
+        f = open_regular(path)
+    except OSError as exc:
+        raise InvalidInputError(f"task file {path} is unreadable ({exc.strerror or exc})") from None
+    with f:
+        for number, raw in enumerate(f, 1):
+            try:
+                yield number, raw.decode("utf-8")
+            except UnicodeDecodeError as exc:
+                raise InvalidInputError(f"{path}:{number} is not UTF-8 text (byte {exc.start}: {exc.reason})") from None
 
 
 def read_mc_task(path: str | Path) -> list[MCExample]:
     """Every example of a JSONL task file, each checked (the error names the line and the field)."""
     path = Path(path)
-    try:
-        lines = path.read_text(encoding="utf-8").splitlines()
-    except (OSError, UnicodeDecodeError) as exc:
-        raise InvalidInputError(f"task file {path} is unreadable ({exc})") from exc
     examples = []
-    for number, line in enumerate(lines, 1):
+    for number, line in _lines(path):
         if not line.strip():
             continue
         where = f"{path}:{number}"
         try:
             record = json.loads(line)
-        except json.JSONDecodeError as exc:
-            raise InvalidInputError(f"{where} is not JSON ({exc})") from exc
+        except RecursionError:
+            raise InvalidInputError(f"{where} is nested too deeply to be a task record") from None
+        except ValueError as exc:  # not JSON, or a number too long to convert
+            raise InvalidInputError(f"{where} is not JSON ({exc})") from None
         if not isinstance(record, dict):
             raise InvalidInputError(f"{where}: expected an object with context, choices, answer")
         context, choices, answer = record.get("context"), record.get("choices"), record.get("answer")
@@ -46,7 +61,7 @@ def read_mc_task(path: str | Path) -> list[MCExample]:
             raise InvalidInputError(f"{where}: 'choices' must be a list of at least two non-empty strings")
         if not isinstance(answer, int) or isinstance(answer, bool) or not 0 <= answer < len(choices):
             raise InvalidInputError(f"{where}: 'answer' must be the index of a choice (0..{len(choices) - 1})")
-        examples.append(MCExample(context, list(choices), answer))
+        examples.append(MCExample(context, list(choices), answer, where))
     if not examples:
         raise InvalidInputError(f"task file {path} has no examples")
     return examples

@@ -9,6 +9,7 @@ directory it names, else the byte tokenizer.
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 from typing import Any
 
@@ -20,6 +21,8 @@ from kforge_cli.rundir.layout import RunDir
 from kforge_cli.rundir.names import TOKENIZER_FILE
 from kforge_cli.rundir.saved_config import read_saved_config
 from kforge_cli.settings.data import DataSettings
+
+log = logging.getLogger("kforge")
 
 
 def _prepared_dir(data: DataSettings | dict[str, Any]) -> str | None:
@@ -48,21 +51,34 @@ def record_run_tokenizer(data: DataSettings, run_dir: Path) -> Path | None:
     return target
 
 
-def run_tokenizer(run_dir: Path | None, override: str | None = None) -> ByteTokenizer | HFTokenizer:
-    """The tokenizer of the run in `run_dir` (`override`: 'byte' or a tokenizer.json path wins)."""
+def _assume_byte(why: str) -> ByteTokenizer:
+    log.warning(
+        "%s, so nothing records its tokenizer: assuming the byte tokenizer. If it was trained with another, "
+        "pass --tokenizer PATH/tokenizer.json",
+        why,
+    )
+    return ByteTokenizer()
+
+
+def run_tokenizer(run_dir: Path | None, override: str | None = None, what: str = "") -> ByteTokenizer | HFTokenizer:
+    """The tokenizer of the run in `run_dir` (`override`: 'byte' or a tokenizer.json path wins).
+
+    When nothing records which tokenizer the run used (no run directory, no tokenizer.json,
+    no config.toml) the byte tokenizer is assumed, never silently: a warning names `what`.
+    """
     if override:
         return load_tokenizer(override)
     if run_dir is None:
-        return ByteTokenizer()
+        return _assume_byte(f"{what or 'this checkpoint'} is not inside a run directory")
     run = RunDir(run_dir)
     if run.tokenizer.is_file() and not run.tokenizer.is_symlink():
         return HFTokenizer(run.tokenizer)
     if not run.has_config():
-        return ByteTokenizer()
+        return _assume_byte(f"{run_dir} has neither {TOKENIZER_FILE} nor {run.config.name}")
     try:
         data = read_saved_config(run.path).get("data", {})
     except InvalidInputError as exc:
-        raise InvalidInputError(f"{exc}; pass --tokenizer byte or PATH") from exc
+        raise InvalidInputError(f"{exc}; pass --tokenizer byte or PATH") from None
     prepared = _prepared_dir(data if isinstance(data, dict) else {})
     if prepared is None:
         return ByteTokenizer()

@@ -83,10 +83,12 @@ class HFTokenizer:
         try:
             raw = self.path.read_bytes()
             self._tok = _HF.from_str(raw.decode("utf-8"))
-        except Exception as exc:  # OSError, UnicodeDecodeError, and tokenizers' own plain Exception
+        except (KeyboardInterrupt, SystemExit):
+            raise
+        except BaseException as exc:  # OSError, UnicodeDecodeError, tokenizers' Exception and Rust panics
             raise InvalidInputError(
                 f"tokenizer file {self.path} does not parse as a Hugging Face tokenizer.json: {exc}"
-            ) from exc
+            ) from None
         self.sha256 = hashlib.sha256(raw).hexdigest()
         self.name = self.path.name
         base = self._tok.get_vocab_size(with_added_tokens=True)
@@ -96,7 +98,14 @@ class HFTokenizer:
         self.vocab_size = base + 1 if eos is None else max(base, self.eos_id + 1)
 
     def encode(self, text: str) -> list[int]:
-        return self._tok.encode(text, add_special_tokens=False).ids
+        try:
+            return self._tok.encode(text, add_special_tokens=False).ids
+        except (KeyboardInterrupt, SystemExit):
+            raise
+        except BaseException as exc:  # a Rust panic (pyo3's PanicException is a BaseException) in its regexes
+            raise InvalidInputError(
+                f"tokenizer file {self.path} failed on the text ({type(exc).__name__}: {exc})"
+            ) from None
 
     def decode(self, ids: list[int]) -> str:
         return self._tok.decode([i for i in ids if i != self.eos_id or self.eos_token is not None])

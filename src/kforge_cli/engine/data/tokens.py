@@ -14,6 +14,7 @@ import numpy as np
 import torch
 
 from kforge_cli.engine.data.shards import ShardInfo
+from kforge_cli.errors import InvalidInputError
 
 IGNORE_INDEX = -100  # label value cross-entropy skips
 
@@ -72,10 +73,24 @@ class ShardedTokens:
         while start < stop:
             lo = start - int(self.offsets[i])
             take = min(stop - start, self.shards[i].tokens - lo)
-            parts.append(maps[i][lo : lo + take])
+            part = maps[i][lo : lo + take]
+            self._check_ids(i, part)
+            parts.append(part)
             start += take
             i += 1
         return parts[0] if len(parts) == 1 else np.concatenate(parts)
+
+    def _check_ids(self, i: int, part: np.ndarray) -> None:
+        """The vocabulary check at load trusted the shard's cached ``max_id``: every read verifies it (a max over a
+        window is nothing next to the step), so a lying metadata.json is an error naming the shard, not an
+        ``IndexError`` (a device-side assert on GPU) in the embedding mid-training."""
+        claimed = self.shards[i].max_id
+        if claimed >= 0 and part.size and int(part.max()) > claimed:
+            raise InvalidInputError(
+                f"{self.shards[i].path} holds token id {int(part.max())}, above the max_id {claimed} its "
+                "metadata.json records (which the vocabulary check relied on): the prepared directory is damaged "
+                "or was edited; prepare it again"
+            )
 
 
 class Windows:

@@ -11,6 +11,7 @@ Results go to the terminal, to ``RUN_DIR/eval/step_N.json`` and to the run's tra
 from __future__ import annotations
 
 import json
+import logging
 import math
 from pathlib import Path
 from typing import Any
@@ -29,6 +30,8 @@ from kforge_cli.rundir.saved_config import saved_settings
 from kforge_cli.settings import JobSettings
 
 Results = dict[str, dict[str, float]]
+CONTEXT_CHARS_PER_TOKEN = 64  # characters of a multiple-choice context kept per position the model can see
+log = logging.getLogger("kforge")
 
 
 def run_settings(loaded: LoadedCheckpoint) -> JobSettings:
@@ -107,10 +110,21 @@ def multiple_choice(loaded: LoadedCheckpoint, path: str | Path, limit: int | Non
     check_tokenizer_fits(loaded)
     tok = loaded.tokenizer
     examples = read_mc_task(path)[:limit]
+    max_len = int(loaded.model.cfg.max_seq_len)
     correct = correct_norm = 0
     for ex in examples:
-        context = tok.encode(ex.context) or [tok.eos_id]
-        logliks = continuation_logliks(loaded.model, context, [tok.encode(c) for c in ex.choices])
+        # only the last max_seq_len tokens of context can be seen: encode a bounded tail of the text
+        # (a token covers far fewer than CONTEXT_CHARS_PER_TOKEN characters), never the whole of a huge one
+        context = tok.encode(ex.context[-max_len * CONTEXT_CHARS_PER_TOKEN :]) or [tok.eos_id]
+        choices = [tok.encode(c[: max_len * CONTEXT_CHARS_PER_TOKEN]) for c in ex.choices]
+        for i, ids in enumerate(choices):
+            if len(ids) >= max_len:
+                raise InvalidInputError(
+                    f"{ex.where}: choices[{i}] has at least {len(ids)} tokens, which does not fit the model's "
+                    f"max_seq_len={max_len} with any context: shorten it"
+                )
+        context = context[-max_len:]
+        logliks = continuation_logliks(loaded.model, context, choices)
         norm = [ll / len(c) for ll, c in zip(logliks, ex.choices, strict=True)]
         correct += int(max(range(len(logliks)), key=logliks.__getitem__) == ex.answer)
         correct_norm += int(max(range(len(norm)), key=norm.__getitem__) == ex.answer)
@@ -151,7 +165,11 @@ def write_results(loaded: LoadedCheckpoint, results: Results) -> Path | None:
     """RUN_DIR/eval/step_N.json (merged with earlier tasks of that step); None outside a run dir."""
     if loaded.run_dir is None:
         return None
-    out_dir = real_dir(RunDir(loaded.run_dir).eval_dir)  # a link is refused
+    try:
+        out_dir = real_dir(RunDir(loaded.run_dir).eval_dir)  # a link is refused
+    except PermissionError:  # someone else's read-only run: the table is the result
+        log.warning("cannot write %s (no permission); results are printed only", RunDir(loaded.run_dir).eval_dir)
+        return None
     path = out_dir / f"step_{loaded.step if loaded.step is not None else 'unknown'}.json"
     merged: dict[str, Any] = {}
     if path.is_file() and not path.is_symlink():
@@ -166,21 +184,34 @@ def write_results(loaded: LoadedCheckpoint, results: Results) -> Path | None:
 
 
 def log_to_trackers(loaded: LoadedCheckpoint, results: Results) -> list[str]:
-    """Append ``eval/<task>/<metric>`` at the checkpoint's step to metrics.jsonl and the run's backends."""
+    """Append ``eval/<task>/<metric>`` at the checkpoint's step to metrics.jsonl and the run's backends.
+
+    Only on request (``kforge eval --track``): the trackers are the ones the run's config.toml
+    names, which may be someone else's. Points are added to the training's own runs, which
+    are never created, ended or re-marked here (W&B cannot take points from a second process
+    without ending the run, so it is skipped).
+    """
     if loaded.run_dir is None or loaded.step is None:
         return []
     from kforge_cli.engine.checkpoint.reader import open_checkpoint
     from kforge_cli.engine.observe.metrics_file import MetricsFile
+    from kforge_cli.engine.observe.mlflow_backend import MlflowBackend
     from kforge_cli.engine.observe.tensorboard_backend import TensorboardBackend
     from kforge_cli.engine.observe.tracker import Tracker, run_info, tracker_backends
 
     settings = run_settings(loaded)
     run_ids = open_checkpoint(loaded.path).train_state.get("metrics_run_ids") or {}
     wanted = set(settings.metrics.backends) - {"jsonl"}
+    if "wandb" in wanted:
+        log.warning("wandb: kforge eval does not log to W&B (a second process would end the training's run)")
+        settings.metrics.backends = [b for b in settings.metrics.backends if b != "wandb"]
+        wanted.discard("wandb")
     backends = tracker_backends(settings, run_info(settings, loaded.run_dir, 1), run_ids) if wanted else []
     for backend in backends:
         if isinstance(backend, TensorboardBackend):
             backend.purge = False  # an old step: add points, never drop the training curve after it
+        if isinstance(backend, MlflowBackend):
+            backend.attach_only = True
     tracker = Tracker(MetricsFile(RunDir(loaded.run_dir).metrics), backends)
     tracker.start()
     record: dict[str, Any] = {"step": loaded.step}
@@ -189,5 +220,5 @@ def log_to_trackers(loaded: LoadedCheckpoint, results: Results) -> list[str]:
     try:
         tracker.write(record)
     finally:
-        tracker.close("completed")
+        tracker.close("completed", end_runs=False)  # the run's status belongs to its training process
     return tracker.backend_names

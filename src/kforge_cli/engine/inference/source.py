@@ -37,19 +37,40 @@ def open_for_inference(
     """Load `checkpoint` (a step dir, a run dir or an HF Llama dir) with the tokenizer it was trained with."""
     if dtype not in DTYPES:
         raise InvalidInputError(f"--dtype {dtype!r} is not one of {', '.join(DTYPES)}")
+    check_device(device)
     path = Path(checkpoint)
     if not path.exists():
         raise InvalidInputError(f"{path} does not exist; give a run directory or RUN_DIR/checkpoints/step_N")
     if is_hf_dir(path):
         hf_tok = path / TOKENIZER_FILE
-        tok = run_tokenizer(None, tokenizer or (str(hf_tok) if hf_tok.is_file() else None))
+        if tokenizer is None and not hf_tok.is_file():
+            raise InvalidInputError(
+                f"{path} has no {TOKENIZER_FILE}: pass the model's tokenizer with --tokenizer PATH "
+                "(or --tokenizer byte for a byte-level model)"
+            )
+        tok = run_tokenizer(None, tokenizer or str(hf_tok))
         return LoadedCheckpoint(load_model(path, dtype=DTYPES[dtype], device=device), tok, path, None, None)
     view = open_checkpoint(path)
     run = RunDir.of_checkpoint(view.path) if view.kforge else None
     run_dir = run.path if run is not None else None
-    tok = run_tokenizer(run_dir, tokenizer)
+    tok = run_tokenizer(run_dir, tokenizer, str(view.path))
     model = load_model(view.path, dtype=DTYPES[dtype], device=device)
     return LoadedCheckpoint(model, tok, view.path, run_dir, view.step)
+
+
+def check_device(device: str) -> None:
+    """``--device``: cpu, cuda or cuda:N that this machine has (else exit 2 before anything is loaded)."""
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, TypeError):
+        raise InvalidInputError(f"--device {device!r} is not a device: give cpu, cuda or cuda:N") from None
+    if dev.type not in ("cpu", "cuda"):
+        raise InvalidInputError(f"--device {device!r}: kforge runs inference on cpu or cuda")
+    if dev.type == "cuda":
+        if not torch.cuda.is_available():
+            raise InvalidInputError(f"--device {device}: this machine has no usable CUDA GPU; use --device cpu")
+        if dev.index is not None and dev.index >= torch.cuda.device_count():
+            raise InvalidInputError(f"--device {device}: only {torch.cuda.device_count()} CUDA device(s) here")
 
 
 def check_tokenizer_fits(loaded: LoadedCheckpoint) -> None:

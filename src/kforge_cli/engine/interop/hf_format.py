@@ -17,6 +17,8 @@ from pathlib import Path
 from typing import Any
 
 from kforge_cli.engine.checkpoint.errors import CheckpointError
+from kforge_cli.errors import KforgeError
+from kforge_cli.files import read_text_capped
 from kforge_cli.rundir.checkpoints import HF_CONFIG_FILE
 
 CONFIG_FILE = HF_CONFIG_FILE
@@ -117,11 +119,18 @@ def hf_config(model: dict[str, Any], *, ffn_hidden_dim: int, torch_dtype: str) -
     }
 
 
+MAX_JSON_BYTES = 64 << 20  # config.json, the index: KBs to a few MB in any real model
+
+
+def _read_text(path: Path) -> str:
+    return read_text_capped(path, MAX_JSON_BYTES, "file")  # a FIFO or device is refused, never read
+
+
 def read_hf_config(hf_dir: Path) -> dict[str, Any]:
     path = hf_dir / CONFIG_FILE
     try:
-        data = json.loads(path.read_text())
-    except (OSError, ValueError) as exc:
+        data = json.loads(_read_text(path))
+    except (OSError, ValueError, RecursionError, KforgeError) as exc:
         raise CheckpointError(f"{path} is not a readable Hugging Face config ({exc})") from None
     if not isinstance(data, dict):
         raise CheckpointError(f"{path} does not hold a JSON object")
@@ -170,7 +179,7 @@ def model_fields_from_hf(config: dict[str, Any]) -> dict[str, Any]:
             "qk_norm": False,
             "tie_embeddings": bool(config.get("tie_word_embeddings", False)),
         }
-    except (KeyError, TypeError, ValueError) as exc:
+    except (KeyError, TypeError, ValueError, AttributeError) as exc:
         raise CheckpointError(f"Hugging Face config lacks or mangles {exc} (a Llama config.json is expected)") from None
     head_dim = config.get("head_dim")
     if head_dim is not None and int(head_dim) != dim // n_heads:
@@ -180,16 +189,47 @@ def model_fields_from_hf(config: dict[str, Any]) -> dict[str, Any]:
     return fields
 
 
+def _inside(target: Path, hf_dir: Path) -> bool:
+    """`target` (resolved) lies in the model directory, or in the blob store of the Hugging Face hub cache
+    snapshot it is (``models--org--name/snapshots/REV`` links every file to ``../../blobs/``)."""
+    root = hf_dir.resolve()
+    if target.is_relative_to(root):
+        return True
+    return root.parent.name == "snapshots" and target.is_relative_to(root.parent.parent / "blobs")
+
+
+def checked_weight_file(hf_dir: Path, name: object, source: Path) -> Path:
+    """The weight file `name` (as `source` names it) of the model in `hf_dir`, if it is one.
+
+    Like a DCP checkpoint's storage paths: a plain file name (no directory part, no ``..``),
+    a regular file (a FIFO would hang the read, a device never end), and, when a symbolic
+    link, one that stays inside the model directory (or its hub cache blob store).
+    """
+    if not isinstance(name, str) or not name or "/" in name or "\\" in name or name in (".", ".."):
+        raise CheckpointError(f"{source} names {name!r} as a weight file: only a plain file name in {hf_dir} is read")
+    path = hf_dir / name
+    try:
+        target = path.resolve(strict=True)
+    except (OSError, RuntimeError):
+        raise CheckpointError(f"{source} names {name}, which does not exist in {hf_dir}") from None
+    if not target.is_file():
+        raise CheckpointError(f"{path} is not a regular file (a FIFO, device or directory): refusing to read it")
+    if not _inside(target, hf_dir):
+        raise CheckpointError(f"{path} is a link to {target}, outside the model directory: refusing to read it")
+    return path
+
+
 def hf_weight_files(hf_dir: Path) -> list[Path]:
     """The safetensors files of a Hugging Face model (those its index names, else every ``*.safetensors``)."""
     index = hf_dir / INDEX_FILE
     if index.is_file():
         try:
-            weight_map = json.loads(index.read_text())["weight_map"]
-        except (OSError, ValueError, KeyError, TypeError) as exc:
+            weight_map = json.loads(_read_text(index))["weight_map"]
+            names = set(weight_map.values())
+        except (OSError, ValueError, KeyError, TypeError, AttributeError, RecursionError, KforgeError) as exc:
             raise CheckpointError(f"{index} is not a valid safetensors index ({exc})") from None
-        return [hf_dir / name for name in sorted(set(weight_map.values()))]
-    files = sorted(hf_dir.glob("*.safetensors"))
+        return [checked_weight_file(hf_dir, name, index) for name in sorted(names, key=str)]
+    files = [checked_weight_file(hf_dir, p.name, hf_dir) for p in sorted(hf_dir.glob("*.safetensors"))]
     if not files:
         bins = sorted(p.name for p in hf_dir.glob("*.bin"))
         extra = (

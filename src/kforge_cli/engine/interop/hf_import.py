@@ -42,8 +42,18 @@ _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)  # buffers some old exports carry; 
 
 
 def hf_model_settings(hf_dir: str | Path) -> ModelSettings:
-    """The kforge :class:`ModelSettings` of a Hugging Face Llama directory."""
-    return ModelSettings.model_validate(model_fields_from_hf(read_hf_config(Path(hf_dir).expanduser())))
+    """The kforge :class:`ModelSettings` of a Hugging Face Llama directory; a config.json lacking or
+    mangling a field is a CheckpointError naming the file and the field (exit 2), never a traceback."""
+    path = Path(hf_dir).expanduser()
+    config = read_hf_config(path)
+    where = path / "config.json"
+    try:
+        return ModelSettings.model_validate(model_fields_from_hf(config))
+    except CheckpointError as exc:
+        raise CheckpointError(f"{where}: {exc}") from None
+    except (KeyError, TypeError, ValueError, AttributeError) as exc:  # pydantic's ValidationError is a ValueError
+        what = f"lacks the field {exc}" if isinstance(exc, KeyError) else f"has a field kforge cannot use ({exc})"
+        raise CheckpointError(f"{where} {what}: a Llama or Qwen3-MoE config.json is expected") from None
 
 
 def check_matches(cfg: ModelSettings, hf_dir: Path) -> None:

@@ -15,6 +15,7 @@ Mixture-of-Transformers, including a ``convert-mot`` output) becomes the
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 from typing import Any
 
@@ -147,6 +148,51 @@ def vlm_settings_of(view: CheckpointView) -> JobSettings:
         raise CheckpointError(f"{view.path}: its VLM config does not fit this kforge version ({exc})") from None
 
 
+ROPE_FLOOR_BYTES = 64 * 2**20  # RoPE tables may always take this much, whatever the weights
+
+
+def check_claims(model: nn.Module, cfg: ModelSettings, stored: dict[str, tuple[int, ...]], where: str | Path) -> None:
+    """Before any storage is allocated: the meta-device `model` (built from a config a file claims) must
+    have exactly the parameters `stored` holds, shape for shape, and its RoPE tables must be bounded by
+    the stored weights.
+
+    A checkpoint's shaping record or an HF ``config.json`` could claim ``vocab_size = 1e9`` or
+    ``max_seq_len = 2**23``: allocating first and checking after would take GBs (or crash the
+    allocator) for a file of a few MB. RoPE tables are the one allocation no stored tensor
+    backs: ``8 * max_seq_len * head_dim`` bytes may not exceed the weights' fp32 size (a 64 MiB
+    floor keeps every honest small model).
+    """
+    ours = {name: tuple(t.shape) for name, t in model.state_dict().items()}
+    if ours.keys() != stored.keys():
+        lacking, extra = sorted(ours.keys() - stored.keys()), sorted(stored.keys() - ours.keys())
+        raise CheckpointError(
+            f"{where} does not match the model its config describes: missing {lacking[:5]}, unexpected {extra[:5]}"
+        )
+    for name in sorted(ours):
+        if ours[name] != tuple(stored[name]):
+            raise CheckpointError(
+                f"{where}: {name} is stored as {tuple(stored[name])}, but the config describes {ours[name]} "
+                "(model settings and weights disagree; nothing was loaded)"
+            )
+    weights = sum(4 * math.prod(shape) for shape in stored.values())
+    rope = 8 * int(cfg.max_seq_len) * int(cfg.head_dim)
+    if rope > max(weights, ROPE_FLOOR_BYTES):
+        raise CheckpointError(
+            f"{where}: max_seq_len={cfg.max_seq_len} would need {rope / 2**20:.0f} MiB of RoPE tables for "
+            f"{weights / 2**20:.1f} MiB of weights: not a config these weights were trained with. Pass the model "
+            "settings explicitly (load_model(path, model_settings=...)) if it really is"
+        )
+
+
+def refuse_layer_count(cfg: Any, stored_tensors: int, where: str | Path, what: str = "n_layers") -> None:
+    """A claimed ``n_layers`` beyond the number of stored tensors (each layer holds several) is refused
+    before even a meta-device model is built layer by layer."""
+    if cfg is not None and int(cfg.n_layers) > stored_tensors:
+        raise CheckpointError(
+            f"{where}: its config claims {what}={cfg.n_layers}, but only {stored_tensors} tensors are stored"
+        )
+
+
 def _fill_from_checkpoint(model: nn.Module, view: CheckpointView) -> None:
     params = model.state_dict()  # tensors sharing the parameters' storage
     ours = {MODEL_PREFIX + k for k in params}
@@ -171,15 +217,22 @@ def _load_hf(
 ) -> Transformer:
     from kforge_cli.engine.interop.hf_import import hf_model_settings, read_hf_tensors
 
-    model = empty_model(cfg or hf_model_settings(checkpoint), dtype, device)
-    params = model.state_dict()
-    tensors = read_hf_tensors(checkpoint, params)
-    missing = sorted(set(params) - set(tensors))
+    cfg = cfg or hf_model_settings(checkpoint)
+    tensors = read_hf_tensors(checkpoint)  # memory-mapped: bounded by the files, not by config.json
+    refuse_layer_count(cfg, len(tensors), checkpoint)
+    with torch.device("meta"):
+        model = Transformer(cfg)
+    wanted = set(model.state_dict())
+    missing = sorted(wanted - set(tensors))
     if missing:
         raise CheckpointError(f"{checkpoint} has no weights for {', '.join(missing[:8])}")
+    tensors = {name: t for name, t in tensors.items() if name in wanted}
+    check_claims(model, cfg, {name: tuple(t.shape) for name, t in tensors.items()}, checkpoint)  # exact shapes
+    _materialise(model, cfg, dtype, device)
+    params = model.state_dict()
     with torch.no_grad():
         for name, tensor in tensors.items():
-            params[name].copy_(tensor)
+            params[name].copy_(tensor)  # shapes equal (checked): never a broadcast
     return model.eval()
 
 
@@ -211,11 +264,17 @@ def load_model(
         raise CheckpointError(
             f"{view.path} is an incomplete checkpoint (its save never finished); use an earlier step_N or the run dir"
         )
-    if job is not None and job.vlm is not None:
-        model: LoadedModel = empty_vlm(job, dtype, device)
-    elif cfg is None and is_vlm(view):
-        model = empty_vlm(vlm_settings_of(view), dtype, device)
-    else:
-        model = empty_model(cfg or model_settings_of(view), dtype, device)
+    stored = {e.key.removeprefix(MODEL_PREFIX): tuple(e.shape) for e in view.model_entries()}
+    vlm_job = job if job is not None and job.vlm is not None else None
+    if vlm_job is None and cfg is None and is_vlm(view):
+        vlm_job = vlm_settings_of(view)
+    text_cfg = vlm_job.model if vlm_job is not None else cfg or model_settings_of(view)
+    refuse_layer_count(text_cfg, len(stored), view.path)
+    if vlm_job is not None:
+        refuse_layer_count(vlm_job.vision_encoder, len(stored), view.path, "vision_encoder.n_layers")
+    with torch.device("meta"):
+        model: LoadedModel = build_vlm(vlm_job) if vlm_job is not None else Transformer(text_cfg)
+    check_claims(model, text_cfg, stored, view.path)  # before a byte is allocated
+    _materialise(model, text_cfg, dtype, device)
     _fill_from_checkpoint(model, view)
     return model.eval()

@@ -82,7 +82,9 @@ def generate_tokens(
         raise ValueError(f"the prompt has {len(prompt)} tokens, more than the model's max_seq_len={limit}")
     device = next(model.parameters()).device
     budget = min(max_new_tokens, limit - len(prompt) + 1)
-    cache = KVCache(limit) if use_cache and supports_kv_cache(model) else None
+    # sized to what this call can feed (prompt + fed-back tokens), not max_seq_len: a 131k-position
+    # model must not take its full-length cache for a short prompt
+    cache = KVCache(min(limit, len(prompt) + budget)) if use_cache and supports_kv_cache(model) else None
     ids = list(prompt)
     feed = torch.tensor([ids], device=device)
     for produced in range(budget):

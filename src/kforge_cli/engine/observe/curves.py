@@ -17,12 +17,12 @@ bits per UTF-8 byte of text, so runs with different tokenizers compare.
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from kforge_cli.engine.observe.metrics_file import read_metrics
+from kforge_cli.engine.observe.metrics_file import count_lines, iter_metrics, sample_records
 from kforge_cli.errors import InvalidInputError
 from kforge_cli.files import atomic_write_via
 from kforge_cli.rundir.layout import RunDir
@@ -88,6 +88,41 @@ def ema(values: Sequence[float], weight: float) -> list[float]:
     return out
 
 
+MAX_POINTS = 20_000  # per curve: more than a PNG panel can show; longer runs are drawn from every k-th step
+FULL_READ_BYTES = 16 << 20  # a larger metrics.jsonl is sampled by byte offset instead of read whole
+
+
+def _sampled_records(path: Path, wanted: Sequence[str]) -> list[dict[str, Any]]:
+    """The records of `path` reduced to step + `wanted` keys, at most about ``MAX_POINTS`` of them.
+
+    Up to ``FULL_READ_BYTES`` the file is streamed and every k-th step kept (requeued steps:
+    the last record wins; a job's resume marker always stays); a larger file is sampled at ``MAX_POINTS`` byte offsets, so time and
+    memory follow the plot, not the file. The last record always stays (the curve ends where
+    the run is).
+    """
+    size = path.stat().st_size
+    if size > FULL_READ_BYTES:
+        records: Iterable[dict[str, Any]] = sample_records(path, MAX_POINTS)
+        stride = 1
+    else:
+        records = iter_metrics(path)
+        stride = max(1, math.ceil(count_lines(path) / MAX_POINTS))
+    keep: list[dict[str, Any]] = []
+    last: dict[str, Any] | None = None
+    for record in records:
+        step = record.get("step")
+        if not isinstance(step, int):
+            continue
+        slim = {k: record[k] for k in wanted if k in record}
+        slim["step"] = step
+        last = slim
+        if step % stride == 0 or record.get(RESUMED):  # a job's start marks the curve and the clock
+            keep.append(slim)
+    if last is not None and (not keep or keep[-1] is not last):
+        keep.append(last)
+    return keep
+
+
 def _tokens_at(records: Sequence[dict[str, Any]]) -> Any:
     """``step -> tokens seen``: exact at logged steps, else the step times the tokens per step
     of the nearest logged step before it (eval records carry no token count)."""
@@ -150,7 +185,7 @@ def load_run(
     path = RunDir(run_dir).metrics
     if not path.is_file():
         raise InvalidInputError(f"{run_dir} has no metrics.jsonl: is it a kforge run directory?")
-    records = read_metrics(path)
+    records = _sampled_records(path, [*metrics, "tokens_seen", "time", "step_time_s", RESUMED])
     tokens_at = _tokens_at(records)
     elapsed = _elapsed(records) if x == "time" else []
 

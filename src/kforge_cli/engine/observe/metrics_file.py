@@ -12,12 +12,12 @@ from __future__ import annotations
 import json
 import math
 import time
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 from types import TracebackType
 from typing import IO, Any
 
-from kforge_cli.files import open_append, real_dir
+from kforge_cli.files import open_append, open_regular, real_dir
 
 
 def _to_json_value(value: Any) -> Any:
@@ -84,24 +84,90 @@ def _ends_with_newline(path: Path) -> bool:
         return f.read(1) == b"\n"
 
 
-def read_metrics(path: Path) -> list[dict[str, Any]]:
-    """All records of a metrics file, in order.
+MAX_LINE_BYTES = 1 << 16  # a kforge record is well under 4 KB; a longer line is not one (skipped unread)
 
-    Blank lines and a line that does not parse (a write torn by a killed process) are
-    skipped, so a crashed run's file can still be read. A resumed run may log a step
-    twice (the steps after the last checkpoint are redone); the later record wins
-    for a reader that keys by step.
+
+def iter_metrics(path: Path) -> Iterator[dict[str, Any]]:
+    """The records of a metrics file, in order, one line in memory at a time.
+
+    Blank lines and a line that does not parse (a write torn by a killed process, bytes
+    that are not UTF-8, nesting too deep, a number too long) are skipped, so a crashed
+    or damaged run's file can still be read; so is a line longer than ``MAX_LINE_BYTES``,
+    without reading it whole. A FIFO or device is refused (``files.open_regular``). A
+    resumed run may log a step twice (the steps after the last checkpoint are redone); the
+    later record wins for a reader that keys by step.
     """
-    records: list[dict[str, Any]] = []
-    with Path(path).open(encoding="utf-8") as f:
-        for line in f:
-            line = line.strip()
+    with open_regular(path) as f:
+        while True:
+            line = f.readline(MAX_LINE_BYTES + 1)
             if not line:
+                return
+            if len(line) > MAX_LINE_BYTES:
+                while line and not line.endswith(b"\n"):  # skip the rest of an over-long line
+                    line = f.readline(MAX_LINE_BYTES + 1)
                 continue
-            try:
-                value = json.loads(line)
-            except json.JSONDecodeError:
-                continue
-            if isinstance(value, dict):
-                records.append(value)
-    return records
+            record = _record(line)
+            if record is not None:
+                yield record
+
+
+def _record(line: bytes) -> dict[str, Any] | None:
+    """One line as a record; None for a blank, over-long or damaged line (not JSON, not UTF-8, nested too
+    deep, a number too long to convert: JSONDecodeError and UnicodeDecodeError are ValueErrors)."""
+    if len(line) > MAX_LINE_BYTES or not line.strip():
+        return None
+    try:
+        value = json.loads(line)
+    except (ValueError, RecursionError):
+        return None
+    return value if isinstance(value, dict) else None
+
+
+def tail_records(path: Path, max_bytes: int = 8 << 20) -> Iterator[dict[str, Any]]:
+    """The records in the last `max_bytes` of the file, newest first (a reader of the latest values
+    costs the same for a 100 KB and a 100 GB file)."""
+    with open_regular(path) as f:
+        size = f.seek(0, 2)
+        start = max(0, size - max_bytes)
+        f.seek(start)
+        lines = f.read(size - start).split(b"\n")
+    if start > 0:
+        lines = lines[1:]  # the first one is cut
+    for line in reversed(lines):
+        record = _record(line)
+        if record is not None:
+            yield record
+
+
+def sample_records(path: Path, points: int) -> Iterator[dict[str, Any]]:
+    """About `points` records spread evenly over the file by byte offset, in order, then its last record.
+
+    For files too large to read whole: each sample seeks and reads one line, so time and
+    memory follow `points`, not the file's size.
+    """
+    with open_regular(path) as f:
+        size = f.seek(0, 2)
+        for i in range(points):
+            f.seek(i * size // points)
+            if i:
+                f.readline(MAX_LINE_BYTES + 1)  # the rest of the line the offset fell into
+            record = _record(f.readline(MAX_LINE_BYTES + 1))
+            if record is not None:
+                yield record
+    last = next(tail_records(path, 2 * MAX_LINE_BYTES), None)
+    if last is not None:
+        yield last
+
+
+def count_lines(path: Path) -> int:
+    """Newlines in the file, counted in 1 MiB blocks (a cheap first pass for readers that sample)."""
+    n = 0
+    with open_regular(path) as f:
+        while block := f.read(1 << 20):
+            n += block.count(b"\n")
+    return n
+
+
+def read_metrics(path: Path) -> list[dict[str, Any]]:
+    """All records of a metrics file, in order (see :func:`iter_metrics`)."""
+    return list(iter_metrics(path))

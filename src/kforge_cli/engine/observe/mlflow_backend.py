@@ -140,6 +140,9 @@ class MlflowBackend:
         self._experiment = settings.mlflow_experiment
         self._info = info
         self._client: MlflowClient | None = None
+        # True for `kforge eval --track`: add points to the training run that exists, never create a run,
+        # touch its status, params or tags (only the run's own training process starts and ends it)
+        self.attach_only = False
 
     @property
     def client(self) -> MlflowClient:
@@ -156,6 +159,11 @@ class MlflowBackend:
             self._client = MlflowClient(tracking_uri=self._uri)
         client = self._client
         run = self._existing_run(client) if self.run_id else None
+        if self.attach_only:
+            if run is None:
+                raise RuntimeError("the run has no MLflow run to add to (kforge eval never creates one)")
+            log.info("mlflow: adding to run %s (its status is left to its training job)", run.info.run_id)
+            return
         if run is None:
             run = client.create_run(self._experiment_id(client), run_name=self._info.name)
             self.run_id = run.info.run_id

@@ -94,6 +94,10 @@ class TensorboardBackend:
             tensorboard_tag("checkpoint_step"), float(mark.step), global_step=mark.step, walltime=mark.time
         )
 
+    def detach(self) -> None:
+        """Close the event file without saying anything about the run (``kforge eval --track``)."""
+        self.finish("completed")
+
     def finish(self, status: TrackerStatus) -> None:
         if self._writer is not None:
             self._writer.flush()

@@ -193,10 +193,14 @@ class _Delivery:
         else:
             log.debug("%s: attempt %d failed (%s); next in %.0f s", self.name, self.failures, _short(exc), delay)
 
-    def close(self, status: TrackerStatus) -> int:
-        """Last delivery attempt, then mark the run; returns how many points were not delivered."""
+    def close(self, status: TrackerStatus, *, end_run: bool = True) -> int:
+        """Last delivery attempt, then mark the run (unless not `end_run`); returns how many points were not delivered."""
         self.attempt(force=True)
-        if self.started:
+        if self.started and not end_run:  # a reading command added points: the run's status is its trainer's
+            detach = getattr(self.backend, "detach", None)
+            if detach is not None:
+                detach()
+        elif self.started:
             try:
                 self.backend.finish(status)
             except Exception as exc:
@@ -269,8 +273,12 @@ class Tracker:
         """Backend name -> run id, for the checkpoint (a requeued job continues these runs)."""
         return {d.name: d.backend.run_id for d in self._deliveries if d.backend.run_id}
 
-    def close(self, status: TrackerStatus) -> None:
-        """Deliver what is left, mark each run completed/stopped/failed, close the file. Idempotent."""
+    def close(self, status: TrackerStatus, *, end_runs: bool = True) -> None:
+        """Deliver what is left, mark each run completed/stopped/failed, close the file. Idempotent.
+
+        ``end_runs=False`` (``kforge eval --track``) delivers without marking any run: only the
+        run's own training process ends its tracked runs.
+        """
         if status not in TRACKER_STATUSES:
             raise ValueError(f"tracker status {status!r} is not one of {TRACKER_STATUSES}")
         if self._closed:
@@ -278,7 +286,7 @@ class Tracker:
         self._closed = True
         try:
             for d in self._deliveries:
-                self.undelivered[d.name] = d.close(status)
+                self.undelivered[d.name] = d.close(status, end_run=end_runs)
         finally:
             if self._file is not None:
                 self._file.close()
