@@ -11,23 +11,19 @@ import pytest
 
 from tests.conftest import REPO, run_kforge
 from tests.helpers.metrics import step_losses
+from tests.helpers.tiny import QUIET, model
 
 pytestmark = pytest.mark.e2e
 
 PG_TIMEOUT_S = 600
 TINY = [
-    "--model.dim=32",
-    "--model.n_layers=2",
-    "--model.n_heads=2",
-    "--model.n_kv_heads=1",
+    *model(32, 2, 2, 1),
+    *QUIET,
     "--train.batch_size=2",
     "--train.seq_len=32",
     "--train.max_steps=12",
     "--scheduler.warmup_steps=1",
-    "--eval.interval=0",
     "--checkpoint.interval=4",
-    "--metrics.log_interval=1",
-    "--train.num_threads=1",
     "--resilience.hang_timeout_s=3",
     f"--distributed.timeout_s={PG_TIMEOUT_S}",
     '--train.hooks=["tests.helpers.hang_hooks:HangOnce"]',

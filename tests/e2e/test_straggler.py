@@ -9,21 +9,19 @@ import pytest
 
 from kforge_cli.engine.observe import read_metrics
 from tests.conftest import REPO, run_kforge
+from tests.helpers.tiny import ONE_THREAD, model
 
 pytestmark = pytest.mark.e2e
 
 TINY = [
-    "--model.dim=32",
-    "--model.n_layers=2",
-    "--model.n_heads=2",
-    "--model.n_kv_heads=1",
+    *model(32, 2, 2, 1),
+    *ONE_THREAD,
     "--train.batch_size=2",
     "--train.seq_len=32",
     "--scheduler.warmup_steps=1",
     "--eval.interval=0",
     "--checkpoint.interval=0",
     "--checkpoint.save_final=false",
-    "--train.num_threads=1",
 ]
 
 
