@@ -63,7 +63,7 @@ def test_first_ctrl_c_saves_and_says_how_to_resume(kforge, tmp_path: Path) -> No
     assert "Traceback" not in err
     saved = sorted((run / "checkpoints").glob("step_*"))
     assert saved, err[-2000:]
-    assert f"kforge resume {run}" in err, err[-2000:]
+    assert f"continue with: kforge resume {run} --allow-hooks=tests.helpers.slow_hooks" in err, err[-2000:]
     # Resuming with a max_steps the run is already past does nothing, and says so.
     metrics_before = (run / "metrics.jsonl").read_text()
     r = kforge("resume", str(run), "--allow-hooks=tests.helpers.slow_hooks", "--train.max_steps=1")

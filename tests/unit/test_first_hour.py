@@ -191,3 +191,12 @@ def test_tensorboard_tags_are_grouped() -> None:
         "checkpoint/bytes": "checkpoint/bytes",
         "eval/heldout/loss": "eval/heldout/loss",
     }
+
+
+def test_the_resume_hint_carries_the_allow_hooks_the_run_needs(monkeypatch: pytest.MonkeyPatch) -> None:
+    from kforge_cli.cli.outcome import resume_hint
+
+    monkeypatch.delenv("SLURM_JOB_ID", raising=False)
+    assert resume_hint(Path("/r/x")) == "continue with: kforge resume /r/x"
+    hooks = ["my_pkg.hooks:Clock", "other:Log"]
+    assert resume_hint(Path("/r/x"), hooks) == "continue with: kforge resume /r/x --allow-hooks=my_pkg.hooks,other"

@@ -9,6 +9,7 @@ is the watchdog's own exit, see `engine.resilience.hang`).
 from __future__ import annotations
 
 import logging
+from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 from kforge_cli.errors import EXIT_FAILURE, EXIT_OK, EXIT_REQUEUE
@@ -20,17 +21,21 @@ if TYPE_CHECKING:
 log = logging.getLogger("kforge")
 
 
-def resume_hint(run_dir: object) -> str:
-    """How to continue a stopped run: requeue inside a SLURM job, `kforge resume RUN_DIR` elsewhere."""
+def resume_hint(run_dir: object, hooks: Sequence[str] = ()) -> str:
+    """How to continue a stopped run: requeue inside a SLURM job, `kforge resume RUN_DIR` elsewhere
+    (with the ``--allow-hooks`` its saved settings need when they name hook modules)."""
     import os
+    import shlex
 
-    command = f"kforge resume {run_dir}"
+    from kforge_cli.settings.hook_policy import allow_flag
+
+    command = shlex.join(["kforge", "resume", str(run_dir), *allow_flag(hooks)])
     if os.environ.get("SLURM_JOB_ID"):
         return f"the job exits 75 so SLURM can requeue it (or continue with: {command})"
     return f"continue with: {command}"
 
 
-def exit_code(outcome: TrainOutcome) -> int:
+def exit_code(outcome: TrainOutcome, hooks: Sequence[str] = ()) -> int:
     """Log how the run ended and return its exit code."""
     if outcome.status == "completed":
         loss = f"{outcome.last_loss:.4f}" if outcome.last_loss is not None else "n/a"
@@ -42,7 +47,7 @@ def exit_code(outcome: TrainOutcome) -> int:
             "stopped by %s at step %d after saving a checkpoint: %s",
             outcome.signal,
             outcome.step,
-            resume_hint(outcome.run_dir),
+            resume_hint(outcome.run_dir, hooks),
         )
         return EXIT_REQUEUE
     log.error(
@@ -64,7 +69,7 @@ def train_and_exit(settings: JobSettings) -> int:
     from kforge_cli.engine.runtime import detect_launch
     from kforge_cli.engine.train import run_training
 
-    code = exit_code(run_training(settings))
+    code = exit_code(run_training(settings), settings.train.hooks)
     if detect_launch().world_size > 1:
         _exit_now(code)
     return code
