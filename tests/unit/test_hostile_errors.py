@@ -138,8 +138,8 @@ def test_a_choice_longer_than_max_seq_len(
     ("edit", "named"),
     [
         (lambda c: c.pop("hidden_size"), ": Hugging Face config lacks or mangles 'hidden_size'"),
-        (lambda c: c.update(rope_parameters="yes"), "has a field kforge cannot use"),
-        (lambda c: c.update(vocab_size=-5), "has a field kforge cannot use"),
+        (lambda c: c.update(rope_parameters="yes"), " has a field kforge cannot use"),
+        (lambda c: c.update(vocab_size=-5), " has a field kforge cannot use"),
     ],
     ids=["missing_key", "mangled_rope", "negative_vocab"],
 )
@@ -152,13 +152,13 @@ def test_a_hf_config_missing_or_mangling_a_key(
     edit(config)
     (hf / "config.json").write_text(json.dumps(config))
     code, err = cli(capsys, "generate", str(hf), "--prompt", "a", "--tokenizer", "byte")
-    assert code == 2 and f"{hf / 'config.json'} {named}" in err and "Traceback" not in err, err
+    assert code == 2 and f"{hf / 'config.json'}{named}" in err and "Traceback" not in err, err
 
 
 def test_an_os_error_on_a_named_file_is_the_users_and_anything_else_a_bug(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    from kforge_cli.engine.inference import runs_table
+    from kforge_cli.cli import runs_table
 
     (tmp_path / "runs").mkdir()
 
@@ -191,3 +191,28 @@ def test_a_dangling_step_link_where_a_checkpoint_is_saved(tmp_path: Path) -> Non
     path = run.manager.save(1)
     assert path == root / "step_1" and not path.is_symlink() and is_complete(path)
     assert not (tmp_path / "gone").exists()
+
+
+def test_device_memory_and_a_failed_collective_are_not_called_kforge_bugs(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    import torch
+
+    from kforge_cli.cli import runs_table
+
+    (tmp_path / "runs").mkdir()
+
+    def oom(*args: Any, **kwargs: Any) -> Any:
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+
+    monkeypatch.setattr(runs_table, "list_runs", oom)
+    code, err = cli(capsys, "runs", str(tmp_path / "runs"))
+    assert code == 1 and "out of device memory (CUDA out of memory. Tried to allocate 2.00 GiB)" in err, err
+    assert "--plan" in err and "Traceback" not in err and "kforge bug" not in err
+
+    def collective(*args: Any, **kwargs: Any) -> Any:
+        raise torch.distributed.DistBackendError("Connection closed by peer")
+
+    monkeypatch.setattr(runs_table, "list_runs", collective)
+    code, err = cli(capsys, "runs", str(tmp_path / "runs"))
+    assert code == 1 and "a collective failed (DistBackendError)" in err and "kforge bug" not in err, err

@@ -87,8 +87,36 @@ def main(argv: list[str] | None = None) -> None:
         typer.echo(f"error: {names}: {exc.strerror or exc}", err=True)
         sys.exit(EXIT_INVALID_INPUT)
     except Exception as exc:
-        _bug(exc, bug_report_hint())
+        if not _not_a_bug(exc):
+            _bug(exc, bug_report_hint())
         sys.exit(EXIT_FAILURE)
+
+
+def _not_a_bug(exc: Exception) -> bool:
+    """Say what failed, for the failures that are the machine's, not kforge's: device memory (no
+    traceback: the advice is what helps) and a collective that failed because another process of
+    the job stopped (traceback kept: it says which collective). True when handled."""
+    kind = type(exc).__name__
+    if kind == "OutOfMemoryError":
+        first = str(exc).splitlines()[0] if str(exc) else kind
+        typer.echo(
+            f"error: out of device memory ({first}). `kforge validate-config --plan` estimates the memory per GPU; "
+            "lower train.batch_size (raise train.grad_accum_steps to keep the batch), turn on "
+            'train.activation_checkpointing = "full", or shard more (distributed.dp_shard, tp, pp)',
+            err=True,
+        )
+        return True
+    if kind in ("DistBackendError", "DistNetworkError", "DistStoreError", "DistError"):
+        import traceback
+
+        traceback.print_exception(exc)
+        typer.echo(
+            f"error: a collective failed ({kind}): another process of this job may have stopped first; "
+            "its own log (RUN_DIR/logs/rank_N.log) says why",
+            err=True,
+        )
+        return True
+    return False
 
 
 def _bug(exc: BaseException, hint: str) -> None:
