@@ -110,7 +110,7 @@ def import_names(repo: Path = REPO) -> set[str]:
     full: list[Path] = [*sorted((repo / "src" / "kforge_cli").rglob("*.py"))]
     full += [repo / "bench" / "gpu" / "acceptance.py", repo / "bench" / "attention_speed.py"]
     full += [tests / "conftest.py", *sorted((tests / "helpers").glob("*.py")), *gpu_test_modules(tests)]
-    full += [tests / "distributed" / "parity.py", tests / "distributed" / "driver.py"]
+    full += [tests / "distributed" / "parity.py"]  # tests/helpers/ (ranks.py, launch.py) are in the list above
     collected = sorted(set(tests.rglob("*.py")) - set(full))
     names = {n for p in full for n in imports(p)} | {n for p in collected for n in imports(p, True)}
     return {n for n in names if n not in sys.stdlib_module_names and n not in OWN}

@@ -12,7 +12,7 @@ from typing import Any
 
 import pytest
 
-from tests.conftest import run_kforge
+from tests.conftest import REPO, run_kforge
 from tests.helpers.metrics import step_losses as losses
 from tests.slurm.cluster import LocalSlurm
 
@@ -62,7 +62,7 @@ def write_config(path: Path, steps: int = STEPS, time_limit: str = "00:10:00", s
     return path
 
 
-def submit(cluster: LocalSlurm, config: Path, run_dir: Path) -> str:
+def submit(cluster: LocalSlurm, config: Path, run_dir: Path, *extra: str) -> str:
     """`kforge train --sbatch --submit` on the test cluster; the job id it printed."""
     r = run_kforge(
         "train",
@@ -72,6 +72,7 @@ def submit(cluster: LocalSlurm, config: Path, run_dir: Path) -> str:
         str(run_dir),
         "--sbatch",
         "--submit",
+        *extra,
         env=cluster.env,
         timeout=120,
     )
@@ -254,10 +255,11 @@ def test_a_hung_rank_exits_76_the_script_requeues_and_the_job_ends_on_the_same_l
     text += (
         '\n[resilience]\nhang_timeout_s = 5\n\n[slurm.env]\nKFORGE_TEST_HANG_STEP = "30"\n'
         f'KFORGE_TEST_HANG_RANK = "1"\nKFORGE_TEST_HANG_MARKER = "{marker}"\n'
+        f'PYTHONPATH = "{REPO}"\n'  # the hook's package: kforge never imports from the working directory
     )
     config = tmp_path / "hang.toml"
     config.write_text(text)
-    job_id = submit(slurm_cluster, config, run_dir)
+    job_id = submit(slurm_cluster, config, run_dir, "--allow-hooks=tests.helpers.hang_hooks")  # --config names it
     info = slurm_cluster.wait_job(job_id, ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT"), 300)
     assert info["JobState"] == "COMPLETED" and info["ExitCode"] == "0:0", (info, job_logs(run_dir))
     assert info["Restarts"] == "1" and marker.exists()

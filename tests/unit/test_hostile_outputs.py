@@ -136,4 +136,9 @@ def test_resume_sbatch_never_rewrites_a_live_runs_config(tmp_path: Path, capsys:
         assert (run / "config.toml").read_bytes() == before and not (run / "job.sbatch").exists()
     code, err = cli(capsys, *args)  # once it has ended
     assert code == 0, err
-    assert "max_steps = 999" in (run / "config.toml").read_text() and (run / "job.sbatch").is_file()
+    changes = (run / "config_changes.jsonl").read_text()  # config.toml is written once; the change beside it
+    assert (
+        f'"train.max_steps": {{"from": {settings.train.max_steps}, "to": 999}}' in changes
+        and (run / "job.sbatch").is_file()
+    )
+    assert (run / "config.toml").read_bytes() == before

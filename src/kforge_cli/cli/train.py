@@ -44,9 +44,10 @@ def train(
     Overrides follow the options: `kforge train -p h100x8 --optimizer.lr=1e-4`.
     An existing run directory continues: alone (`kforge train --run-dir RUN`) like
     `kforge resume RUN` with the run's saved settings; with overrides, only what they type
-    may differ from the run's (anything else is refused before a file is touched). Exit
-    codes: 0 done, 1 failure, 2 invalid input, 75 stopped on a signal after a checkpoint (requeue),
-    76 stopped by the hang watchdog (requeue; RUN_DIR/logs/hang/summary.txt names the rank).
+    may differ from the run's (anything else is refused before a file is touched).
+
+    Exit codes: 0 done, 1 failure, 2 invalid input, 75 stopped on a signal after a checkpoint,
+    76 stopped by the hang watchdog (RUN_DIR/logs/hang/summary.txt names the rank); SLURM requeues 75 and 76.
     """
     overrides = list(ctx.args)
     refuse_underscored_options(overrides)  # before the overrides are parsed for a run directory
