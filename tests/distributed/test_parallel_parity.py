@@ -172,12 +172,15 @@ GRAD_NORM_CASES = (
 
 # Not fp32-exact, checked against each other: float8 (torchao's CPU path) against bf16, both FSDP.
 HAS_TORCHAO = importlib.util.find_spec("torchao") is not None
+# torch 2.11's CPU _scaled_mm takes per-tensor scales only: settings refuse rowwise on the CPU there
+ROWWISE_ON_CPU = (torch_version() or (2, 13)) >= (2, 13)
 LOW_PRECISION = {"fsdp_bf16": ["--train.mixed_precision=bf16"]}
 ROWWISE = ["--train.mixed_precision=bf16", "--train.float8=true", "--train.float8_recipe=rowwise"]
 if HAS_TORCHAO:
     LOW_PRECISION["fsdp_float8"] = ["--train.mixed_precision=bf16", "--train.float8=true"]
     # rowwise float8 + TP: plain TP styles (bf16 collectives), float8 casts after them
-    LOW_PRECISION["tp_float8_rowwise"] = [*ROWWISE, "--distributed.tp=2"]
+    if ROWWISE_ON_CPU:
+        LOW_PRECISION["tp_float8_rowwise"] = [*ROWWISE, "--distributed.tp=2"]
 FLOAT8_REL = 1e-2  # measured: max 3e-3 relative over these 10 steps
 
 
@@ -311,6 +314,7 @@ def test_float8_trains_close_to_bf16(two: dict[str, list[dict]]) -> None:
 
 
 @pytest.mark.skipif(not HAS_TORCHAO, reason="float8 needs torchao (pip install torchao)")
+@pytest.mark.skipif(not ROWWISE_ON_CPU, reason="rowwise float8 on the CPU needs torch >= 2.13")
 def test_float8_rowwise_with_tensor_parallel_trains_like_one_process(two: dict[str, list[dict]]) -> None:
     """Row-parallel layers scale each row over its K/tp shard, not all of K: close, not exact."""
     one = reference(tuple(ROWWISE))["losses"]

@@ -396,6 +396,15 @@ def _combination_issues(s: JobSettings) -> list[ConfigIssue]:
             out.append(ConfigIssue("train.mixed_precision", f"fp16 with {name} > 1: {FP16_SCALED_MODES}"))
     if d.tp > 1 and t.float8 and t.float8_recipe == "tensorwise" and t.device == "cpu":
         out.append(ConfigIssue("train.float8", FLOAT8_TP_CPU))
+    have = torch_version()
+    if t.float8 and t.float8_recipe == "rowwise" and t.device == "cpu" and have is not None and have < (2, 13):
+        out.append(
+            ConfigIssue(
+                "train.float8_recipe",
+                f"rowwise float8 on the CPU needs torch >= 2.13 (torch {have[0]}.{have[1]}'s CPU _scaled_mm takes "
+                "per-tensor scales only); use tensorwise, a GPU, or torch >= 2.13",
+            )
+        )
     return out
 
 
