@@ -34,8 +34,8 @@ STEPS = 20
 NPROC = 4
 
 
-def _dims(pp: int = 1, dp_replicate: int = 1, dp_shard: int = 1, tp: int = 1) -> dict[str, int]:
-    return {"pp": pp, "dp_replicate": dp_replicate, "dp_shard": dp_shard, "tp": tp}
+def _dims(pp: int = 1, dp_replicate: int = 1, dp_shard: int = 1, tp: int = 1, cp: int = 1) -> dict[str, int]:
+    return {"pp": pp, "dp_replicate": dp_replicate, "dp_shard": dp_shard, "tp": tp, "cp": cp}
 
 
 # name -> (spec, ranks per mesh); pp=2: the two halves of the world are independent 2-rank jobs
@@ -44,6 +44,8 @@ OPTIMIZER: dict[str, tuple[dict[str, Any], int]] = {
     "opt_tp2": ({"dims": _dims(pp=2, tp=2)}, 2),
     "opt_fsdp4": ({"dims": _dims(dp_shard=4)}, 4),
     "opt_fsdp2_tp2": ({"dims": _dims(dp_shard=2, tp=2)}, 4),
+    # FSDP over the flattened dp_shard x cp dim, then TP: the mesh flattened again for the exchange
+    "opt_cp2_tp2": ({"dims": _dims(cp=2, tp=2)}, 4),
     # one matrix per owner per exchange: 7 rounds of all-to-alls instead of one
     "opt_fsdp2_tp2_rounds": ({"dims": _dims(dp_shard=2, tp=2), "round_bytes": 1}, 4),
     # replicated blocks (each sent once to an owner, results to both replicas), plain momentum
@@ -54,7 +56,7 @@ OPTIMIZER: dict[str, tuple[dict[str, Any], int]] = {
     # 5, 3, 10 and 1 rows over 4 ranks: uneven and empty shards
     "opt_fsdp4_uneven": ({"dims": _dims(dp_shard=4), "model": "uneven"}, 4),
 }
-BALANCED = ("opt_fsdp2", "opt_tp2", "opt_fsdp4", "opt_fsdp2_tp2", "opt_fsdp2_tp2_rounds", "opt_hsdp2x2_no_nesterov")
+BALANCED = tuple(n for n, (spec, _) in OPTIMIZER.items() if spec.get("model") != "uneven")
 
 MUON = ["--optimizer.name=muon", f"--train.max_steps={STEPS}"]
 PP = ["--distributed.pp=2", "--train.grad_accum_steps=2"]
