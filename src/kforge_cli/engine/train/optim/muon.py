@@ -239,7 +239,8 @@ class Muon(Optimizer):
             self._split(split[key])
 
     def _gathered(self, job: _Job) -> None:
-        """Today's path: every rank orthogonalises the whole matrix (a DTensor is gathered first)."""
+        """Every rank orthogonalises the whole matrix, a DTensor gathered first (``distributed=False``,
+        plain tensors, a mesh of one rank)."""
         p = job.param
         steps: int = job.group["ns_steps"]
         rows, cols = p.shape

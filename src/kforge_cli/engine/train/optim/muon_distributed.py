@@ -32,9 +32,12 @@ Which block of a matrix a rank holds comes from DTensor's ``compute_local_shape_
 checked to tile the matrix exactly; a layout whose shards are not blocks (a strided shard
 that is not contiguous) keeps the gather-everywhere path for that matrix.
 
-Memory: a round holds at most ``round_bytes`` (at least one matrix) of full matrices per
-owner; a rank's temporaries are the round's received blocks, its full matrices and its
-results (~3 x round_bytes) plus Newton-Schulz's own (4 x its largest matrix).
+Memory: a round gives an owner at most ``round_bytes`` of full matrices (at least one matrix,
+so ``B = max(round_bytes, largest matrix)``). Blocks go straight into the send buffers and a
+full matrix is freed as soon as its result is in the scatter buffer, so a rank's temporaries
+peak at about 2 x B (received blocks and full matrices; then full matrices and results) plus
+Newton-Schulz's own on one matrix, about what gathering one matrix at a time costs
+(``full_tensor()``, Newton-Schulz, ``distribute_tensor``) when the largest matrix exceeds 64 MiB.
 """
 
 from __future__ import annotations
@@ -80,7 +83,7 @@ def mesh_group(mesh: DeviceMesh) -> dist.ProcessGroup:
     """
     if mesh.ndim == 1:
         return mesh.get_group()
-    name = "muon_" + "_".join(mesh.mesh_dim_names or ())
+    name = "_".join(["muon", *(mesh.mesh_dim_names or ()), "x".join(str(n) for n in mesh.shape)])
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", UserWarning)
         return mesh._flatten(name).get_group()
@@ -176,14 +179,18 @@ def build_plan(group: dist.ProcessGroup, matrices: Sequence[Matrix], round_bytes
     return SplitPlan(group, rank, size, boxes, owner, source, rounds, fallback, flops)
 
 
-def _exchange(
-    plan: SplitPlan, parts: list[list[torch.Tensor]], recv_sizes: list[int], like: torch.Tensor
-) -> torch.Tensor:
-    """One ``all_to_all_single``: ``parts[r]`` (flat tensors) go to rank r; returns what arrived, by source rank."""
-    send_sizes = [sum(t.numel() for t in ps) for ps in parts]
-    flat = [t for ps in parts for t in ps]
-    send = torch.cat(flat) if flat else like.new_empty(0)
-    recv = like.new_empty(sum(recv_sizes))
+def _starts(sizes: list[int]) -> list[int]:
+    """Where each rank's segment begins in a buffer laid out rank after rank."""
+    out, total = [], 0
+    for n in sizes:
+        out.append(total)
+        total += n
+    return out
+
+
+def _exchange(plan: SplitPlan, send: torch.Tensor, send_sizes: list[int], recv_sizes: list[int]) -> torch.Tensor:
+    """One ``all_to_all_single``: segment r of ``send`` goes to rank r; returns what arrived, by source rank."""
+    recv = send.new_empty(sum(recv_sizes))
     dist.all_to_all_single(recv, send, recv_sizes, send_sizes, group=plan.group)
     return recv
 
@@ -197,26 +204,33 @@ def orthogonalise_split(
     """Run every round of ``plan``: ``apply(i, block)`` gets this rank's block of matrix i's result.
 
     ``orthogonalise(full, steps)`` is the single-process function (Newton-Schulz and scale);
-    it runs only on the owner of each matrix.
+    it runs only on the owner of each matrix. Blocks are written straight into the send
+    buffers, and each full matrix is freed once its result is in the scatter buffer.
     """
-    me = plan.rank
+    me, size = plan.rank, plan.size
     for members in plan.rounds:
         like = matrices[members[0]].param.to_local()
         # 1. gather: my block of each matrix to its owner, if I am the one who sends that block
-        parts: list[list[torch.Tensor]] = [[] for _ in range(plan.size)]
+        outgoing: list[list[int]] = [[] for _ in range(size)]  # by owner, in matrix order
         for i in members:
             box = plan.boxes[i][me]
             if _volume(box) > 0 and plan.source[i].get(box) == me:
-                parts[plan.owner[i]].append(matrices[i].local_update().reshape(-1))
+                outgoing[plan.owner[i]].append(i)
+        send_sizes = [sum(_volume(plan.boxes[i][me]) for i in out) for out in outgoing]
+        send = like.new_empty(sum(send_sizes))
+        offset = 0
+        for out in outgoing:
+            for i in out:
+                _, _, nr, nc = plan.boxes[i][me]
+                send[offset : offset + nr * nc].view(nr, nc).copy_(matrices[i].local_update())
+                offset += nr * nc
         mine = [i for i in members if plan.owner[i] == me]
-        incoming: list[list[tuple[int, Box]]] = [[] for _ in range(plan.size)]  # by source: (matrix, block)
-        for i in mine:
+        incoming: list[list[tuple[int, Box]]] = [[] for _ in range(size)]  # by source: (matrix, block)
+        for i in mine:  # ascending: a source sends its blocks in matrix order
             for box, src in plan.source[i].items():
                 incoming[src].append((i, box))
-        for pieces in incoming:
-            pieces.sort(key=lambda ib: ib[0])  # a source sends its blocks in matrix order
-        recv = _exchange(plan, parts, [sum(_volume(b) for _, b in pieces) for pieces in incoming], like)
-        del parts
+        recv = _exchange(plan, send, send_sizes, [sum(_volume(b) for _, b in pieces) for pieces in incoming])
+        del send
         full = {i: like.new_empty(tuple(matrices[i].param.shape)) for i in mine}
         offset = 0
         for pieces in incoming:
@@ -225,22 +239,25 @@ def orthogonalise_split(
                 offset += nr * nc
         del recv
         # 2. orthogonalise my matrices; 3. scatter: every rank's block of each result
-        parts = [[] for _ in range(plan.size)]
+        send_sizes = [sum(_volume(plan.boxes[i][r]) for i in mine) for r in range(size)]
+        send = like.new_empty(sum(send_sizes))
+        cursor = _starts(send_sizes)
         for i in mine:
             result = orthogonalise(full.pop(i), matrices[i].steps)
-            for r in range(plan.size):
+            for r in range(size):
                 r0, c0, nr, nc = plan.boxes[i][r]
                 if nr * nc > 0:
-                    parts[r].append(result[r0 : r0 + nr, c0 : c0 + nc].reshape(-1))
+                    send[cursor[r] : cursor[r] + nr * nc].view(nr, nc).copy_(result[r0 : r0 + nr, c0 : c0 + nc])
+                    cursor[r] += nr * nc
             del result
         mine_blocks = [(i, plan.boxes[i][me]) for i in members if _volume(plan.boxes[i][me]) > 0]
-        recv_sizes = [0] * plan.size
+        recv_sizes = [0] * size
         for i, box in mine_blocks:
             recv_sizes[plan.owner[i]] += _volume(box)
-        recv = _exchange(plan, parts, recv_sizes, like)
-        del parts
-        starts = [sum(recv_sizes[:r]) for r in range(plan.size)]
+        recv = _exchange(plan, send, send_sizes, recv_sizes)
+        del send
+        cursor = _starts(recv_sizes)
         for i, (_, _, nr, nc) in mine_blocks:  # from each owner, in matrix order
             src = plan.owner[i]
-            apply(i, recv[starts[src] : starts[src] + nr * nc].view(nr, nc))
-            starts[src] += nr * nc
+            apply(i, recv[cursor[src] : cursor[src] + nr * nc].view(nr, nc))
+            cursor[src] += nr * nc
