@@ -147,6 +147,11 @@ class OptimizerSettings(Section):
     muon_momentum: float = field(0.95, "Muon momentum.", ge=0, lt=1)
     muon_nesterov: bool = field(True, "Nesterov momentum in Muon.")
     muon_ns_steps: int = field(5, "Newton-Schulz iterations in Muon.", gt=0)
+    muon_distributed: bool = field(
+        True,
+        "Split Muon's Newton-Schulz over the ranks holding each sharded matrix (each rank orthogonalises "
+        "~1/N of them; the same update); false: every rank gathers and orthogonalises every matrix.",
+    )
 
 
 class SchedulerSettings(Section):

@@ -139,6 +139,7 @@ def build_optimizer(model: nn.Module, settings: JobSettings) -> torch.optim.Opti
             nesterov=opt.muon_nesterov,
             ns_steps=opt.muon_ns_steps,
             betas=opt.betas,
+            distributed=opt.muon_distributed,
             eps=opt.eps,
         )
     raise ConfigError([ConfigIssue("optimizer.name", f"unknown optimizer {opt.name!r}; use adamw, lion or muon")])
