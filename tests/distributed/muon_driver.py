@@ -1,8 +1,5 @@
-"""Distributed-Muon cases inside ONE 4-process launch (gloo, one thread per process).
-
-Usage: ``python -m torch.distributed.run --nproc_per_node=4 tests/distributed/muon_driver.py CASES.json OUT_DIR``.
-
-Two kinds of case (see tests/distributed/test_muon_distributed.py):
+"""Distributed-Muon cases of ONE 4-process launch (tests.helpers.launch.run_ranks: gloo, one thread
+per process). Two kinds of case (see tests/distributed/test_muon_distributed.py):
 
 - ``optimizer``: a tiny Transformer parallelised by kforge's own TP and FSDP2 functions on a
   kforge mesh, and an unsharded copy on every rank. Both get the same seeded gradients for
@@ -11,24 +8,17 @@ Two kinds of case (see tests/distributed/test_muon_distributed.py):
   unsharded copy's, and with a third copy stepped with ``muon_distributed=false`` (every rank
   gathers and orthogonalises every matrix). A mesh with a ``pp`` dim of 2 runs two
   independent 2-rank jobs at once, one per half of the world, as pipeline stages do.
-- ``train``: ``run_training`` with ``optimizer.name=muon`` (tests/distributed/driver.py's
-  ``run_case``); the test compares its losses with a single-process run.
-
-Each rank writes ``OUT_DIR/<case>.rank<r>.json``.
+- ``train``: ``run_training`` with ``optimizer.name=muon`` (tests.helpers.ranks's ``train``);
+  the test compares its losses with a single-process run.
 """
 
 from __future__ import annotations
 
 import copy
-import json
-import os
-import sys
-import traceback
 from pathlib import Path
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch import nn
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor, distribute_tensor
@@ -145,39 +135,6 @@ def run_optimizer_case(spec: dict[str, Any]) -> dict[str, Any]:
     }
 
 
-def run_train_case(name: str, overrides: list[str], out_dir: Path) -> dict[str, Any]:
-    from tests.distributed.driver import run_case
-
-    return run_case(name, overrides, out_dir)
-
-
-def main() -> int:
-    cases = json.loads(Path(sys.argv[1]).read_text())
-    out_dir = Path(sys.argv[2])
-    dist.init_process_group("gloo")
-    rank = dist.get_rank()
-    failed = False
-    for case in cases:
-        try:
-            if case["kind"] == "optimizer":
-                result = run_optimizer_case(case)
-            else:
-                result = run_train_case(case["name"], case["overrides"], out_dir)
-        except Exception:  # record and go on: one broken case must not hide the others' results
-            result = {"status": "error", "error": traceback.format_exc()}
-            failed = True
-        (out_dir / f"{case['name']}.rank{rank}.json").write_text(json.dumps(result))
-        if failed:
-            break  # the other ranks may be stuck in a collective of the failed case
-        dist.barrier()
-    if not failed:
-        dist.barrier()
-        dist.destroy_process_group()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(1 if failed else 0)  # as driver.py: skip gloo's teardown
-
-
-if __name__ == "__main__":
-    torch.set_num_threads(1)
-    main()
+def optimizer_case(name: str, spec: dict[str, Any], out_dir: Path) -> dict[str, Any]:
+    """A case of the shared rank launcher (tests.helpers.ranks): the optimizer comparison of ``spec``."""
+    return run_optimizer_case({"name": name, "overrides": [], **spec})

@@ -15,17 +15,14 @@ ranks of a mesh, to one process's, with no rank above 1.05x an even share.
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from tests.conftest import REPO
 from tests.distributed.parity import TINY, completed, reference
+from tests.helpers.launch import run_ranks
+from tests.helpers.ranks import train_cases
 
 pytestmark = pytest.mark.distributed
 
@@ -71,31 +68,11 @@ TRAIN: dict[str, tuple[list[str], list[str]]] = {
 
 def _launch(out_dir: Path) -> dict[str, list[dict[str, Any]]]:
     cases: list[dict[str, Any]] = [
-        {"name": n, "kind": "optimizer", "overrides": [], **spec} for n, (spec, _) in OPTIMIZER.items()
+        {"name": n, "fn": "tests.distributed.muon_driver:optimizer_case", "args": spec}
+        for n, (spec, _) in OPTIMIZER.items()
     ]
-    cases += [{"name": n, "kind": "train", "overrides": [*TINY, *MUON, *o]} for n, (o, _) in TRAIN.items()]
-    spec = out_dir / "cases.json"
-    spec.write_text(json.dumps(cases))
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
-    cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--standalone",
-        f"--nproc_per_node={NPROC}",
-        str(REPO / "tests" / "distributed" / "muon_driver.py"),
-        str(spec),
-        str(out_dir),
-    ]
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900)
-    results: dict[str, list[dict[str, Any]]] = {}
-    for case in cases:
-        files = [out_dir / f"{case['name']}.rank{r}.json" for r in range(NPROC)]
-        if not all(f.is_file() for f in files):
-            tail = (proc.stdout + proc.stderr)[-4000:]
-            raise AssertionError(f"case {case['name']} left no result on every rank (exit {proc.returncode}):\n{tail}")
-        results[case["name"]] = [json.loads(f.read_text()) for f in files]
-    return results
+    cases += train_cases({n: o for n, (o, _) in TRAIN.items()}, base=[*TINY, *MUON])
+    return run_ranks(NPROC, cases, out_dir, timeout=900)
 
 
 @pytest.fixture(scope="module")
