@@ -200,3 +200,23 @@ def test_the_resume_hint_carries_the_allow_hooks_the_run_needs(monkeypatch: pyte
     assert resume_hint(Path("/r/x")) == "continue with: kforge resume /r/x"
     hooks = ["my_pkg.hooks:Clock", "other:Log"]
     assert resume_hint(Path("/r/x"), hooks) == "continue with: kforge resume /r/x --allow-hooks=my_pkg.hooks,other"
+
+
+def test_a_new_max_steps_on_a_continued_run_warns_when_it_reshapes_the_schedule() -> None:
+    from kforge_cli.cli.resume import schedule_change_warning
+    from kforge_cli.settings import JobSettings, load_settings
+
+    def s(*overrides: str) -> JobSettings:
+        return load_settings(overrides=list(overrides), use_env=False).settings
+
+    message = schedule_change_warning(s("--train.max_steps=40"), s("--train.max_steps=80"))
+    assert message is not None and "train.max_steps 40 -> 80 reshapes the cosine" in message
+    assert "scheduler.decay_steps" in message
+    assert schedule_change_warning(s("--train.max_steps=40"), s("--train.max_steps=40")) is None
+    fixed = ["--scheduler.decay_steps=30"]
+    assert schedule_change_warning(s("--train.max_steps=40", *fixed), s("--train.max_steps=80", *fixed)) is None
+    const = ["--scheduler.name=constant"]
+    assert schedule_change_warning(s("--train.max_steps=40", *const), s("--train.max_steps=80", *const)) is None
+    wsd = ["--scheduler.name=wsd", "--scheduler.decay_steps=10"]
+    message = schedule_change_warning(s("--train.max_steps=40", *wsd), s("--train.max_steps=80", *wsd))
+    assert message is not None and "wsd" in message and "decay_steps" not in message

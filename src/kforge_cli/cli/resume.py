@@ -160,7 +160,34 @@ def resolve_continuation(
             f"nothing to resume: {root} holds no complete checkpoint. Start the run with its saved settings "
             f"(kforge train --run-dir {run.path}), or pass --checkpoint.resume=auto"
         )
+    if checkpoint:
+        warn_schedule_change(saved, settings)
     from kforge_cli.settings.hook_policy import refuse_unallowed_hooks
 
     refuse_unallowed_hooks(resolved, allow_hooks, f"kforge {command}")  # code named by a file: only when allowed
     return resolved
+
+
+def schedule_change_warning(saved: JobSettings, settings: JobSettings) -> str | None:
+    """A warning when a continued run's new train.max_steps reshapes its learning-rate schedule.
+
+    Cosine, linear and rex decay over every step after warmup and WSD's stable phase ends
+    ``decay_steps`` before the last step, unless ``scheduler.decay_steps`` fixes the decay's length
+    (not for WSD): the learning rate from the checkpoint on then follows the new length, and may
+    jump up where the old schedule had decayed.
+    """
+    old, new, sch = saved.train.max_steps, settings.train.max_steps, settings.scheduler
+    if old == new or sch.name == "constant" or (sch.decay_steps is not None and sch.name != "wsd"):
+        return None
+    return (
+        f"warning: train.max_steps {old} -> {new} reshapes the {sch.name} learning-rate schedule, which spans "
+        "train.max_steps: from the checkpoint on the learning rate follows the new length (it rises again where "
+        "the old schedule had decayed)"
+        + ("; set scheduler.decay_steps to keep the decay's length fixed" if sch.name != "wsd" else "")
+    )
+
+
+def warn_schedule_change(saved: JobSettings, settings: JobSettings) -> None:
+    message = schedule_change_warning(saved, settings)
+    if message:
+        typer.echo(message, err=True)
