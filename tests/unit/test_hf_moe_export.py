@@ -210,8 +210,7 @@ def test_what_no_architecture_holds_is_refused_with_the_fields_named(tmp_path: P
 
 def test_dense_qk_norm_exports_as_qwen3(tmp_path: Path) -> None:
     s = load_settings(
-        overrides=[*CPU[:-1], "--model.dim=32", "--model.n_layers=2", "--model.n_heads=4", "--model.n_kv_heads=2"]
-        + ["--model.qk_norm=true"],
+        overrides=[*CPU[:-1], "--model.dim=32", "--model.n_layers=2", "--model.n_heads=4", "--model.qk_norm=true"],
         use_env=False,
     ).settings
     step = train_moe_and_save(tmp_path / "run", s, steps=2)

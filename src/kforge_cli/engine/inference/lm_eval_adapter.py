@@ -145,8 +145,9 @@ def run_lm_eval(loaded: LoadedCheckpoint, task: str, *, limit: int | None = None
     """Run one harness task on the checkpoint; its numeric metrics (``acc,none`` -> ``acc``) and example count."""
     adapter = make_adapter(loaded)
     spec, name = task_spec(task)
-    from lm_eval import simple_evaluate
+    import lm_eval
 
+    simple_evaluate: Any = lm_eval.simple_evaluate  # its decorator hides the signature from type checkers
     try:
         result = simple_evaluate(model=adapter, tasks=[spec], limit=limit, bootstrap_iters=0, log_samples=False)
     except Exception as exc:  # a missing task or task data the harness would have to download
