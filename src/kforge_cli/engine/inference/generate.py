@@ -39,11 +39,13 @@ def check_prompts(loaded: LoadedCheckpoint, prompts: list[str], reserved: int = 
         if not ids:
             raise InvalidInputError(f"prompt {i + 1} is empty: give some text to continue")
         if len(ids) > limit:
-            after = f" after the image's {reserved} tokens" if reserved else ""
-            raise InvalidInputError(
-                f"prompt {i + 1} is {len(ids)} tokens, longer than the {limit} positions the model's "
-                f"max_seq_len={max_positions(loaded.model)} leaves{after}: shorten it"
+            room = (
+                f"the {limit} positions the model's max_seq_len={limit + reserved} leaves after the image's "
+                f"{reserved} tokens"
+                if reserved
+                else f"the model's max_seq_len={limit}"
             )
+            raise InvalidInputError(f"prompt {i + 1} is {len(ids)} tokens, longer than {room}: shorten it")
         encoded.append(ids)
     return encoded
 
