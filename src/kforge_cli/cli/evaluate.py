@@ -14,7 +14,9 @@ def register(app: typer.Typer) -> None:
 
 
 def evaluate(
-    ckpt: Annotated[Path, typer.Argument(help="A run dir, RUN_DIR/checkpoints/step_N, or an HF Llama dir.")],
+    ckpt: Annotated[
+        Path, typer.Argument(help="A run dir, RUN_DIR/checkpoints/step_N, or a Hugging Face dir (an export-hf output).")
+    ],
     task: Annotated[
         list[str],
         typer.Option(
@@ -31,7 +33,7 @@ def evaluate(
             help="Held-out: only the first N of training's eval batches (default: the whole validation split).",
         ),
     ] = None,
-    steps: Annotated[int | None, typer.Option("--steps", min=1, hidden=True, help="Old name of --max-batches.")] = None,
+    steps: Annotated[int | None, typer.Option("--steps", min=1, hidden=True)] = None,
     limit: Annotated[int | None, typer.Option("--limit", min=1, help="At most this many task examples.")] = None,
     tokenizer: Annotated[str | None, typer.Option("--tokenizer", help="'byte' or a tokenizer.json.")] = None,
     device: Annotated[str, typer.Option("--device", help="cpu or cuda.")] = "cpu",

@@ -60,7 +60,9 @@ def _read_image(loaded: LoadedCheckpoint, path: Path) -> torch.Tensor:
 
 
 def generate(
-    ckpt: Annotated[Path, typer.Argument(help="A run dir, RUN_DIR/checkpoints/step_N, or an HF Llama dir.")],
+    ckpt: Annotated[
+        Path, typer.Argument(help="A run dir, RUN_DIR/checkpoints/step_N, or a Hugging Face dir (an export-hf output).")
+    ],
     prompt: Annotated[list[str] | None, typer.Option("--prompt", "-p", help="A prompt (repeatable).")] = None,
     prompt_file: Annotated[Path | None, typer.Option("--prompt-file", help="One prompt per line.")] = None,
     image: Annotated[

@@ -21,8 +21,8 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_
 
 from kforge_cli.engine.checkpoint.dcp_io import OPTIONS, _excluded
 from kforge_cli.engine.checkpoint.errors import CheckpointError
-from kforge_cli.engine.interop.hf_export import from_interleaved_rope
 from kforge_cli.engine.interop.hf_format import from_hf_name, hf_weight_files, model_fields_from_hf, read_hf_config
+from kforge_cli.engine.interop.hf_layout import from_interleaved_rope
 from kforge_cli.engine.interop.hf_moe import BY_MODEL_TYPE, EXPERT_BIAS, ROUTER_GATE, from_hf_moe_name
 from kforge_cli.settings.training import ModelSettings
 

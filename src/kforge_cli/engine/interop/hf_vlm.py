@@ -35,7 +35,7 @@ import torch
 
 from kforge_cli.engine.checkpoint.errors import CheckpointError
 from kforge_cli.engine.checkpoint.reader import CheckpointView
-from kforge_cli.engine.interop.hf_export import Layout, text_config
+from kforge_cli.engine.interop.hf_layout import Layout, text_config
 from kforge_cli.engine.interop.hf_tokenizer import ExportedTokenizer
 from kforge_cli.settings import JobSettings
 from kforge_cli.settings.training import ModelSettings
