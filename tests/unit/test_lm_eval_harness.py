@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from kforge_cli.engine.inference.lm_eval_adapter import make_adapter, task_config
+from kforge_cli.engine.inference.lm_eval_adapter import make_adapter, task_config, task_manager
 from kforge_cli.engine.inference.source import open_for_inference
 
 lm_eval = pytest.importorskip("lm_eval")
@@ -77,10 +77,14 @@ def test_kforge_eval_and_the_harness_hf_backend_on_the_export_agree(
     assert cli["examples"] == 24
 
     loaded = open_for_inference(run_dir)
-    ours = simple_evaluate(model=make_adapter(loaded), tasks=[task_config(TASK)], bootstrap_iters=0, log_samples=True)
+    config = task_config(TASK)
+    index = task_manager(config)
+    ours = simple_evaluate(
+        model=make_adapter(loaded), tasks=[config], task_manager=index, bootstrap_iters=0, log_samples=True
+    )
     hf_dir = export_hf(loaded.path, tmp_path / "hf").out_dir
     hf = HFLM(pretrained=str(hf_dir), dtype="float32", device="cpu", batch_size=1)
-    theirs = simple_evaluate(model=hf, tasks=[task_config(TASK)], bootstrap_iters=0, log_samples=True)
+    theirs = simple_evaluate(model=hf, tasks=[config], task_manager=index, bootstrap_iters=0, log_samples=True)
     assert ours is not None and theirs is not None
 
     a, b = logliks(ours), logliks(theirs)

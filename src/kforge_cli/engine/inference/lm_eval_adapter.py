@@ -141,6 +141,13 @@ def task_spec(task: str) -> tuple[str | dict[str, Any], str]:
     return task, task
 
 
+def task_manager(spec: str | dict[str, Any]) -> Any:
+    """The harness's task index: none of its built-in tasks for a task YAML (indexing them takes seconds)."""
+    from lm_eval.tasks import TaskManager
+
+    return TaskManager(include_defaults=False) if isinstance(spec, dict) else None
+
+
 def run_lm_eval(loaded: LoadedCheckpoint, task: str, *, limit: int | None = None) -> dict[str, float]:
     """Run one harness task on the checkpoint; its numeric metrics (``acc,none`` -> ``acc``) and example count."""
     adapter = make_adapter(loaded)
@@ -149,7 +156,14 @@ def run_lm_eval(loaded: LoadedCheckpoint, task: str, *, limit: int | None = None
 
     simple_evaluate: Any = lm_eval.simple_evaluate  # its decorator hides the signature from type checkers
     try:
-        result = simple_evaluate(model=adapter, tasks=[spec], limit=limit, bootstrap_iters=0, log_samples=False)
+        result = simple_evaluate(
+            model=adapter,
+            tasks=[spec],
+            task_manager=task_manager(spec),
+            limit=limit,
+            bootstrap_iters=0,
+            log_samples=False,
+        )
     except Exception as exc:  # a missing task or task data the harness would have to download
         raise InvalidInputError(
             f"lm-eval task {task!r} did not run ({exc}); its data must be available locally"
