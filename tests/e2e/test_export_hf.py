@@ -52,7 +52,7 @@ def test_trained_checkpoint_exports_to_transformers_with_the_same_logits(tmp_pat
     out = tmp_path / "hf"
     r = run_kforge("export-hf", str(run), str(out))
     assert r.returncode == 0, r.stderr[-3000:]
-    assert "exported 20 tensors" in r.stdout and "(step 3) as float32" in r.stdout
+    assert "exported 20 tensors" in r.stdout and "(step 3) as float32 LlamaForCausalLM to" in r.stdout
     config = json.loads((out / "config.json").read_text())
     assert config["tie_word_embeddings"] is True and config["num_key_value_heads"] == 2
     ours, theirs = logits_pair(run / "checkpoints" / "step_3", out)

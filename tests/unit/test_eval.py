@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
@@ -57,12 +58,40 @@ def _task_file(tmp_path: Path) -> Path:
     return path
 
 
-def test_heldout_loss_equals_the_runs_own_eval_loss(run_dir: Path) -> None:
+def test_heldout_loss_capped_equals_the_runs_own_eval_loss(run_dir: Path) -> None:
     (logged,) = [r["eval_loss"] for r in read_metrics(run_dir / "metrics.jsonl") if "eval_loss" in r]
-    got = run_task(open_for_inference(run_dir), "heldout")
+    got = run_task(open_for_inference(run_dir), "heldout", max_batches=3)  # eval.steps = 3
     assert got["loss"] == pytest.approx(logged, rel=1e-6)
     assert got["perplexity"] == pytest.approx(torch.tensor(logged).exp().item(), rel=1e-5)
-    assert got["tokens"] == 3 * 2 * 32
+    assert got["tokens"] == 3 * 2 * 32 and got["batches"] == 3
+
+
+def test_heldout_loss_covers_the_whole_validation_split_by_default(run_dir: Path) -> None:
+    from kforge_cli.engine.data.bundle import build_data
+    from kforge_cli.engine.data.tokens import make_batch
+    from kforge_cli.engine.inference.evaluate import run_settings
+    from kforge_cli.engine.train.loss import build_loss_fn
+
+    loaded = open_for_inference(run_dir)
+    settings = run_settings(loaded)
+    val = build_data(settings, dp_rank=0, dp_size=1).val
+    assert val is not None
+    windows = sum(w.num_windows for w in val.windows)
+    assert windows > 3 * 2  # more than training's 3 eval batches of 2
+    got = run_task(loaded, "heldout")
+    assert got["batches"] == -(-windows // 2)
+    # every window once: the token-weighted mean of each window's own loss
+    loss_fn = build_loss_fn(settings)
+    total, tokens = 0.0, 0
+    with torch.no_grad():
+        for w in val.windows:
+            for i in range(w.num_windows):
+                one = make_batch(w.rows(np.array([i])), np.zeros(1, dtype=np.int64), val.eos_id, val.document_masking)
+                kwargs = {k: one[k] for k in ("doc_ids", "positions") if k in one}
+                total += float(loss_fn.from_logits(loaded.model(one["input_ids"], **kwargs).float(), one["labels"]))
+                tokens += int((one["labels"] != -100).sum())
+    assert got["tokens"] == tokens
+    assert got["loss"] == pytest.approx(total / tokens, rel=1e-5)
 
 
 def test_multiple_choice_logliks_equal_transformers_on_the_export(run_dir: Path, tmp_path: Path) -> None:
@@ -107,6 +136,7 @@ def test_cli_eval_writes_json_and_logs_at_the_checkpoint_step(
     assert done.value.code == 0
     out = capsys.readouterr().out
     assert "heldout" in out and "acc_norm" in out
+    assert "heldout: " in out and " tokens in " in out and "the whole validation split" in out
     saved = json.loads((run_dir / "eval" / "step_3.json").read_text())
     assert saved["step"] == 3 and set(saved["tasks"]) == {"heldout", "tiny_mc"}
     last = read_metrics(run_dir / "metrics.jsonl")[-1]

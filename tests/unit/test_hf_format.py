@@ -119,10 +119,11 @@ def test_hf_models_kforge_cannot_represent_are_refused(change: dict[str, object]
 
 def test_export_problems_name_each_unrepresentable_feature() -> None:
     assert export_problems(_fields(), has_vlm=False) == []
+    assert export_problems(_fields(qk_norm=True), has_vlm=False) == []  # Qwen3ForCausalLM holds QK-norm
     problems = export_problems(_fields(norm="layernorm", activation="gelu", qk_norm=True), has_vlm=True)
-    assert len(problems) == 4
+    assert len(problems) == 3
     assert any("RMSNorm" in p for p in problems) and any("SwiGLU" in p for p in problems)
-    assert any("qk_norm" in p for p in problems) and any("vision-language" in p for p in problems)
+    assert any("vision-language" in p for p in problems)
 
 
 def test_hf_dir_detection_and_weight_files(tmp_path: Path) -> None:

@@ -14,12 +14,26 @@ def register(app: typer.Typer) -> None:
 
 
 def evaluate(
-    ckpt: Annotated[Path, typer.Argument(help="A run dir, RUN_DIR/checkpoints/step_N, or an HF Llama dir.")],
+    ckpt: Annotated[
+        Path, typer.Argument(help="A run dir, RUN_DIR/checkpoints/step_N, or a Hugging Face dir (an export-hf output).")
+    ],
     task: Annotated[
         list[str],
-        typer.Option("--task", "-t", help="heldout, heldout:PREPARED_DIR, FILE.jsonl (multiple choice), lm-eval:NAME."),
+        typer.Option(
+            "--task",
+            "-t",
+            help="heldout, heldout:PREPARED_DIR, FILE.jsonl (multiple choice), lm-eval:NAME or lm-eval:TASK.yaml.",
+        ),
     ],
-    steps: Annotated[int | None, typer.Option("--steps", min=1, help="Held-out batches (default eval.steps).")] = None,
+    max_batches: Annotated[
+        int | None,
+        typer.Option(
+            "--max-batches",
+            min=1,
+            help="Held-out: only the first N of training's eval batches (default: the whole validation split).",
+        ),
+    ] = None,
+    steps: Annotated[int | None, typer.Option("--steps", min=1, hidden=True)] = None,
     limit: Annotated[int | None, typer.Option("--limit", min=1, help="At most this many task examples.")] = None,
     tokenizer: Annotated[str | None, typer.Option("--tokenizer", help="'byte' or a tokenizer.json.")] = None,
     device: Annotated[str, typer.Option("--device", help="cpu or cuda.")] = "cpu",
@@ -40,7 +54,8 @@ def evaluate(
     from kforge_cli.engine.inference.source import open_for_inference
 
     loaded = open_for_inference(ckpt, device=device, tokenizer=tokenizer)
-    results = {task_name(spec): run_task(loaded, spec, steps=steps, limit=limit) for spec in task}
+    cap = max_batches if max_batches is not None else steps
+    results = {task_name(spec): run_task(loaded, spec, max_batches=cap, limit=limit) for spec in task}
     path = write_results(loaded, results)
     logged = track and not no_log
     backends = log_to_trackers(loaded, results) if logged else []
@@ -52,12 +67,9 @@ def evaluate(
         for metric, value in metrics.items():
             typer.echo(f"{name:<24} {metric:<12} {value:>12.6g}")
     for name, metrics in results.items():
-        if "batches" in metrics:  # say how much of the val split the held-out loss covers
-            n, tokens, held = int(metrics["batches"]), int(metrics["tokens"]), int(metrics.get("val_tokens", 0))
-            typer.echo(
-                f"{name}: loss over {n} held-out {'batch' if n == 1 else 'batches'} ({tokens:,} tokens of the "
-                f"{held:,} in the val split; --steps N for more)"
-            )
+        if "tokens" in metrics and "batches" in metrics:
+            scope = "the whole validation split" if cap is None else f"the first {cap} eval batches (--max-batches)"
+            typer.echo(f"{name}: {int(metrics['tokens']):,} tokens in {int(metrics['batches'])} batches, {scope}")
     if path is not None:
         where = f"; logged at step {loaded.step} to metrics.jsonl" + "".join(f", {b}" for b in backends[1:])
         typer.echo(f"wrote {path}{where if backends else ''}")

@@ -1,4 +1,4 @@
-"""`kforge export-hf`: a kforge checkpoint -> Hugging Face Llama safetensors + config.json."""
+"""`kforge export-hf`: a kforge checkpoint -> Hugging Face safetensors + config.json of the architecture that holds it."""
 
 from __future__ import annotations
 
@@ -28,11 +28,18 @@ def export_hf(
         ),
     ] = None,
 ) -> None:
-    """Write the checkpoint's model in the Hugging Face Llama layout (LlamaForCausalLM), on CPU.
+    """Write the checkpoint as the transformers model that holds it exactly (Llama, Qwen3, Qwen3-MoE, GLM-4-MoE, ERNIE-4.5-MoE, LLaVA), on CPU.
 
-    Load it with transformers.LlamaForCausalLM.from_pretrained(OUT). Text models with
-    RMSNorm, SwiGLU and no QK-norm only. Continue pre-training an HF Llama with
-    --checkpoint.init_from=HF_DIR.
+    Dense: LlamaForCausalLM (Qwen3ForCausalLM with QK-norm). Vision-language (joint
+    decoder): LlavaForConditionalGeneration.
+
+    MoE: Qwen3MoeForCausalLM (softmax router, QK-norm, no shared experts or selection bias),
+    Glm4MoeForCausalLM (sigmoid router: DeepSeek-V3 routing, shared experts, bias, groups) or
+    Ernie4_5_MoeForCausalLM (softmax router with bias and shared experts, no QK-norm).
+
+    Load it with transformers' AutoModelForCausalLM (a VLM: AutoModelForImageTextToText).
+    What none holds is refused, naming the fields. Continue pre-training a text model from
+    it with --checkpoint.init_from=HF_DIR.
     """
     from kforge_cli.engine.interop.hf_export import export_hf as run_export
     from kforge_cli.errors import InvalidInputError
@@ -49,7 +56,7 @@ def export_hf(
         extra += f" + generation_config.json + tokenizer ({tok.source}, EOS {tok.eos_token!r} = id {tok.eos_id})"
     typer.echo(
         f"exported {result.tensors} tensors, {result.params:,} parameters{step} as {result.dtype} "
-        f"to {result.out_dir}: {', '.join(result.files)}{extra}"
+        f"{result.hf_class} to {result.out_dir}: {', '.join(result.files)}{extra}"
     )
     if tok is None:
         typer.echo(

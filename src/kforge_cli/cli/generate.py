@@ -5,9 +5,14 @@ from __future__ import annotations
 import json
 import sys
 from pathlib import Path
-from typing import Annotated
+from typing import TYPE_CHECKING, Annotated
 
 import typer
+
+if TYPE_CHECKING:
+    import torch
+
+    from kforge_cli.engine.inference.source import LoadedCheckpoint
 
 
 def register(app: typer.Typer) -> None:
@@ -36,10 +41,34 @@ def _prompts(prompt: list[str] | None, prompt_file: Path | None) -> list[str]:
     return prompts
 
 
+def _read_image(loaded: LoadedCheckpoint, path: Path) -> torch.Tensor:
+    """The image as ``[C, H, W]`` in [0, 1] at the VLM's encoder size (exit 2 for a text model or a bad file)."""
+    import torch
+
+    from kforge_cli.engine.data.vlm.media import read_image_file
+    from kforge_cli.engine.model.vlm import VisionLanguageModel
+    from kforge_cli.errors import InvalidInputError
+
+    model = getattr(loaded, "model", None)
+    if not isinstance(model, VisionLanguageModel):
+        raise InvalidInputError(
+            f"--image needs a vision-language checkpoint; {getattr(loaded, 'path', '')} holds a text model"
+        )
+    vision = model.vision
+    size, channels = int(vision.image_size), int(vision.channels)  # type: ignore[arg-type]
+    return torch.from_numpy(read_image_file(path, size, channels))
+
+
 def generate(
-    ckpt: Annotated[Path, typer.Argument(help="A run dir, RUN_DIR/checkpoints/step_N, or an HF Llama dir.")],
+    ckpt: Annotated[
+        Path, typer.Argument(help="A run dir, RUN_DIR/checkpoints/step_N, or a Hugging Face dir (an export-hf output).")
+    ],
     prompt: Annotated[list[str] | None, typer.Option("--prompt", "-p", help="A prompt (repeatable).")] = None,
     prompt_file: Annotated[Path | None, typer.Option("--prompt-file", help="One prompt per line.")] = None,
+    image: Annotated[
+        Path | None,
+        typer.Option("--image", help="An image placed before every prompt (vision-language checkpoints)."),
+    ] = None,
     max_new_tokens: Annotated[int, typer.Option("--max-new-tokens", min=1, help="Tokens to add per prompt.")] = 64,
     temperature: Annotated[float, typer.Option("--temperature", min=0.0, help="0 = greedy.")] = 0.8,
     top_k: Annotated[int, typer.Option("--top-k", min=0, help="Sample from the k likeliest (0 = all).")] = 0,
@@ -68,6 +97,7 @@ def generate(
         raise InvalidInputError(str(exc)) from None
     loaded = open_for_inference(ckpt, dtype=dtype, device=device, tokenizer=tokenizer)
     check_prompts(loaded, prompts)  # all of them, before any output: an error names the prompt by its place (from 1)
+    pixels = _read_image(loaded, image) if image is not None else None
 
     def stream(index: int, piece: str) -> None:
         sys.stdout.write(piece)
@@ -88,6 +118,7 @@ def generate(
             stop=stop,
             use_cache=not no_cache,
             on_text=None if as_json else stream,
+            image=pixels,
         )
         results.append(done)
         if as_json:

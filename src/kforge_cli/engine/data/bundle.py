@@ -102,6 +102,22 @@ class ValData:
             ids = np.full(batch_size, self.dataset_ids[which], dtype=np.int64)
             yield make_batch(win.rows(idx), ids, self.eos_id, self.document_masking)
 
+    def iter_split(self, batch_size: int) -> Iterator[dict[str, Any]]:
+        """Every window of every val dataset exactly once, dataset by dataset, ``batch_size`` at a time.
+
+        The last batch of a dataset holds what is left (it may be shorter). One process's view:
+        the data-parallel partition does not apply (``kforge eval`` runs on one process).
+        """
+        for which, win in enumerate(self.windows):
+            for start in range(0, win.num_windows, batch_size):
+                idx = np.arange(start, min(start + batch_size, win.num_windows))
+                ids = np.full(len(idx), self.dataset_ids[which], dtype=np.int64)
+                yield make_batch(win.rows(idx), ids, self.eos_id, self.document_masking)
+
+    def split_batches(self, batch_size: int) -> int:
+        """How many batches :meth:`iter_split` yields."""
+        return sum(-(-w.num_windows // batch_size) for w in self.windows)
+
 
 @dataclass
 class DataBundle:

@@ -1,9 +1,11 @@
 """`kforge eval`: held-out loss and multiple-choice accuracy of one checkpoint, on one process.
 
-Task specs: ``heldout`` (the run's own validation data, the batches training evaluated
-on with one data-parallel rank), ``heldout:DIR`` (a prepared directory's val split),
-``PATH.jsonl`` (a multiple-choice task, named after the file), ``lm-eval:NAME`` (an
-lm-evaluation-harness task through :mod:`lm_eval_adapter`; the optional extra).
+Task specs: ``heldout`` (the run's own validation data: every window of the split, or
+with ``max_batches`` the first batches training evaluated on with one data-parallel
+rank), ``heldout:DIR`` (a prepared directory's val split),
+``PATH.jsonl`` (a multiple-choice task, named after the file), ``lm-eval:NAME`` or
+``lm-eval:TASK.yaml`` (an lm-evaluation-harness task, registered or a local YAML, through
+:mod:`lm_eval_adapter`; the optional extra).
 Results go to the terminal, to ``RUN_DIR/eval/step_N.json`` and to the run's trackers as
 ``eval/<task>/<metric>`` at the checkpoint's step.
 """
@@ -43,40 +45,39 @@ def run_settings(loaded: LoadedCheckpoint) -> JobSettings:
     return saved_settings(loaded.run_dir)
 
 
-def heldout_loss(loaded: LoadedCheckpoint, data_dir: str | None = None, steps: int | None = None) -> dict[str, float]:
-    """Mean loss per valid token over the eval batches training uses (``eval.steps`` of them), and perplexity.
+def heldout_loss(
+    loaded: LoadedCheckpoint, data_dir: str | None = None, max_batches: int | None = None
+) -> dict[str, float]:
+    """Mean loss per valid token over the validation split, and perplexity, tokens and batches scored.
 
-    The same windows, the same loss function (z-loss included) and a token-weighted mean
-    over all batches, as ``engine.train.evaluation`` computes it on one data-parallel rank.
+    By default every window of the split once (:meth:`ValData.iter_split`). With
+    `max_batches` the first that many batches training's evaluation uses (``eval.steps`` =
+    `max_batches` gives the ``eval_loss`` training logged, on one data-parallel rank). The
+    loss function is training's (z-loss included); the mean is token-weighted over all batches.
     """
     settings = run_settings(loaded)
     if data_dir is not None:
         _check_heldout_tokenizer(settings, data_dir)
         settings.eval.path = data_dir
     bundle = build_data(settings, dp_rank=0, dp_size=1)
-    if bundle.val is None:
+    val = bundle.val
+    if val is None:
         raise InvalidInputError("the run has no validation data; give one: --task heldout:PREPARED_DIR")
     loss_fn = build_loss_fn(settings)
     batch_size = settings.eval.batch_size or settings.train.batch_size
     device = next(loaded.model.parameters()).device
-    total, tokens = torch.zeros((), dtype=torch.float64), 0
-    n_batches = steps or settings.eval.steps
+    batches = val.iter_split(batch_size) if max_batches is None else val.iter_batches(max_batches, batch_size)
+    total, tokens, count = torch.zeros((), dtype=torch.float64), 0, 0
     with torch.no_grad():
-        for batch in bundle.val.iter_batches(n_batches, batch_size):
+        for batch in batches:
             kwargs = {k: batch[k].to(device) for k in ("doc_ids", "positions") if k in batch}
             logits = loaded.model(batch["input_ids"].to(device), **kwargs)
             labels = batch["labels"].to(device)
             total += loss_fn.from_logits(logits.float(), labels).double().cpu()
             tokens += int((labels != IGNORE_INDEX).sum())
+            count += 1
     loss = float(total / max(tokens, 1))
-    available = sum(w.num_windows for w in bundle.val.windows) * settings.train.seq_len
-    return {
-        "loss": loss,
-        "perplexity": math.exp(min(loss, 700.0)),
-        "tokens": float(tokens),
-        "batches": float(n_batches),
-        "val_tokens": float(available),  # what the val split holds: `--steps` covers more of it
-    }
+    return {"loss": loss, "perplexity": math.exp(min(loss, 700.0)), "tokens": float(tokens), "batches": float(count)}
 
 
 def _tokenizer_name(tokenizer: dict[str, Any]) -> str:
@@ -136,18 +137,18 @@ def task_name(spec: str) -> str:
     if spec == "heldout" or spec.startswith("heldout:"):
         return "heldout" if spec == "heldout" else f"heldout_{Path(spec[8:]).name}"
     if spec.startswith("lm-eval:"):
-        return spec[8:]
+        return Path(spec[8:]).stem if spec.endswith((".yaml", ".yml")) else spec[8:]
     return Path(spec).stem
 
 
 def run_task(
-    loaded: LoadedCheckpoint, spec: str, *, steps: int | None = None, limit: int | None = None
+    loaded: LoadedCheckpoint, spec: str, *, max_batches: int | None = None, limit: int | None = None
 ) -> dict[str, float]:
     """One task spec (see the module docstring) -> its metrics."""
     if spec == "heldout":
-        return heldout_loss(loaded, None, steps)
+        return heldout_loss(loaded, None, max_batches)
     if spec.startswith("heldout:"):
-        return heldout_loss(loaded, spec[len("heldout:") :], steps)
+        return heldout_loss(loaded, spec[len("heldout:") :], max_batches)
     if spec.startswith("lm-eval:"):
         from kforge_cli.engine.inference.lm_eval_adapter import run_lm_eval
 
@@ -157,7 +158,7 @@ def run_task(
             raise InvalidInputError(f"task file {spec} does not exist")
         return multiple_choice(loaded, spec, limit)
     raise InvalidInputError(
-        f"unknown task {spec!r}: give heldout, heldout:PREPARED_DIR, a multiple-choice FILE.jsonl, or lm-eval:NAME"
+        f"unknown task {spec!r}: give heldout, heldout:PREPARED_DIR, a multiple-choice FILE.jsonl, lm-eval:NAME or lm-eval:TASK.yaml"
     )
 
 

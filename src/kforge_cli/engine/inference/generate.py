@@ -9,7 +9,7 @@ from dataclasses import asdict, dataclass
 import torch
 
 from kforge_cli.engine.inference.source import LoadedCheckpoint, check_tokenizer_fits
-from kforge_cli.engine.model.generation import Sampling, generate_tokens, max_positions
+from kforge_cli.engine.model.generation import Sampling, generate_tokens, max_positions, visual_positions
 from kforge_cli.errors import InvalidInputError
 
 
@@ -28,19 +28,24 @@ class Completion:
         return asdict(self)
 
 
-def check_prompts(loaded: LoadedCheckpoint, prompts: list[str]) -> list[list[int]]:
-    """Token ids of every prompt, refusing empty ones and ones longer than the model's max_seq_len."""
+def check_prompts(loaded: LoadedCheckpoint, prompts: list[str], reserved: int = 0) -> list[list[int]]:
+    """Token ids of every prompt, refusing empty ones and ones longer than the model's max_seq_len
+    (less `reserved` positions: an image's tokens)."""
     check_tokenizer_fits(loaded)
-    limit = max_positions(loaded.model)
+    limit = max_positions(loaded.model) - reserved
     encoded = []
     for i, text in enumerate(prompts):
         ids = loaded.tokenizer.encode(text)
         if not ids:
             raise InvalidInputError(f"prompt {i + 1} is empty: give some text to continue")
         if len(ids) > limit:
-            raise InvalidInputError(
-                f"prompt {i + 1} is {len(ids)} tokens, longer than the model's max_seq_len={limit}: shorten it"
+            room = (
+                f"the {limit} positions the model's max_seq_len={limit + reserved} leaves after the image's "
+                f"{reserved} tokens"
+                if reserved
+                else f"the model's max_seq_len={limit}"
             )
+            raise InvalidInputError(f"prompt {i + 1} is {len(ids)} tokens, longer than {room}: shorten it")
         encoded.append(ids)
     return encoded
 
@@ -55,13 +60,20 @@ def generate_text(
     stop: list[str] | None = None,
     use_cache: bool = True,
     on_text: Callable[[int, str], None] | None = None,
+    image: torch.Tensor | None = None,
 ) -> list[Completion]:
     """Continue every prompt; `on_text(index, piece)` receives the completion as it grows (streaming).
 
     One ``torch.Generator`` seeded with `seed` serves all prompts in order, so a seeded
     call is reproducible. A stop string ends the completion before it (it is not returned).
+    `image` (``[C, H, W]`` in [0, 1], a vision-language checkpoint only) goes before every prompt.
     """
-    encoded = check_prompts(loaded, prompts)
+    pixels = None
+    if image is not None:
+        if not hasattr(loaded.model, "encode_visual"):
+            raise InvalidInputError(f"--image needs a vision-language checkpoint; {loaded.path} holds a text model")
+        pixels = image.unsqueeze(0)
+    encoded = check_prompts(loaded, prompts, visual_positions(loaded.model, pixels))
     generator = torch.Generator().manual_seed(seed) if seed is not None else None
     tok, stops = loaded.tokenizer, [s for s in (stop or []) if s]
     # text that may still turn out to be the start of a stop string is held back from the stream
@@ -86,6 +98,7 @@ def generate_text(
             eos_id=tok.eos_id,
             generator=generator,
             use_cache=use_cache,
+            pixel_values=pixels,
         ):
             if token == tok.eos_id:
                 reason = "eos"

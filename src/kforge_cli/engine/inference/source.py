@@ -34,7 +34,7 @@ DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 def open_for_inference(
     checkpoint: str | Path, *, dtype: str = "fp32", device: str = "cpu", tokenizer: str | None = None
 ) -> LoadedCheckpoint:
-    """Load `checkpoint` (a step dir, a run dir or an HF Llama dir) with the tokenizer it was trained with."""
+    """Load `checkpoint` (a step dir, a run dir or a Hugging Face text dir) with the tokenizer it was trained with."""
     if dtype not in DTYPES:
         raise InvalidInputError(f"--dtype {dtype!r} is not one of {', '.join(DTYPES)}")
     check_device(device)

@@ -1,5 +1,7 @@
-"""`kforge export-hf`: a kforge checkpoint -> Hugging Face Llama safetensors + ``config.json``,
-``generation_config.json`` and the run's tokenizer (``hf_tokenizer``).
+"""`kforge export-hf`: a kforge checkpoint -> Hugging Face safetensors + ``config.json``,
+``generation_config.json`` and the run's tokenizer (``hf_tokenizer``), as the ``transformers``
+architecture that holds the model exactly (Llama / Qwen3 dense, the MoE ones of ``hf_moe``,
+LLaVA for a vision-language model, ``hf_vlm``).
 
 Streams: each output shard's tensors are read from the DCP checkpoint (reassembling
 however it was sharded), renamed (``hf_format``), written, and freed, so memory stays
@@ -29,15 +31,8 @@ from kforge_cli.engine.checkpoint.reader import (
     read_tensors,
     shaping_of,
 )
-from kforge_cli.engine.interop.hf_format import (
-    CONFIG_FILE,
-    INDEX_FILE,
-    SINGLE_FILE,
-    export_problems,
-    hf_config,
-    to_hf_name,
-)
-from kforge_cli.engine.interop.hf_moe import FUSED_GATE, FUSED_UP, qwen3_moe_config, to_hf_moe_name
+from kforge_cli.engine.interop.hf_format import CONFIG_FILE, INDEX_FILE, SINGLE_FILE, export_problems
+from kforge_cli.engine.interop.hf_layout import ExportPlan, Layout, TextPlan
 from kforge_cli.engine.interop.hf_tokenizer import ExportedTokenizer, run_tokenizer, write_tokenizer
 from kforge_cli.engine.runtime.dtypes import DTYPES, torch_dtype_name
 from kforge_cli.files import output_dir, private_dir_beside, swap_in
@@ -56,6 +51,7 @@ class ExportResult:
     step: int | None
     config: dict[str, Any]
     tokenizer: ExportedTokenizer | None = None
+    hf_class: str = "LlamaForCausalLM"
 
 
 GENERATION_CONFIG_FILE = "generation_config.json"
@@ -80,44 +76,12 @@ def _plan(entries: list[TensorEntry], itemsize: int, max_bytes: int) -> list[lis
     size = 0
     for e in entries:
         nbytes = e.numel * itemsize
-        if shards[-1] and size + nbytes > max_bytes and not e.key.endswith(FUSED_UP):  # w3 stays with its w1
+        if shards[-1] and size + nbytes > max_bytes:
             shards.append([])
             size = 0
         shards[-1].append(e)
         size += nbytes
     return shards
-
-
-def _moe_order(entries: list[TensorEntry]) -> list[TensorEntry]:
-    """Entries with each layer's expert ``w3`` right after its ``w1``, so a shard never splits the fused pair."""
-    ups = {e.key: e for e in entries if e.key.endswith(FUSED_UP)}
-    out = []
-    for e in entries:
-        if e.key.endswith(FUSED_UP):
-            continue
-        out.append(e)
-        if e.key.endswith(FUSED_GATE):
-            out.append(ups[e.key.removesuffix(FUSED_GATE) + FUSED_UP])
-    return out
-
-
-def _fuse_experts(loaded: dict[str, torch.Tensor], mapped: dict[str, str | None]) -> dict[str, torch.Tensor]:
-    """HF tensors of one shard: renamed (None = not exported), each MoE ``w1``/``w3`` pair stacked into ``gate_up_proj``."""
-    out = {}
-    for key, t in loaded.items():
-        name = mapped[key]
-        if key.endswith(FUSED_GATE) and name is not None:
-            up = loaded[key.removesuffix(FUSED_GATE) + FUSED_UP]
-            out[name] = torch.cat([t, up], dim=1).contiguous()
-        elif name is not None:
-            out[name] = t.contiguous()
-    return out
-
-
-def _check_zero_bias(view: CheckpointView, keys: list[str]) -> None:
-    for key, bias in read_tensors(view, keys).items():
-        if bool(bias.ne(0).any()):
-            raise CheckpointError(f"cannot export as Qwen3-MoE: {key} is not zero (Qwen3-MoE has no selection bias)")
 
 
 def _check_exportable(view: CheckpointView) -> dict[str, Any]:
@@ -128,8 +92,7 @@ def _check_exportable(view: CheckpointView) -> dict[str, Any]:
     fields = {k.removeprefix(MODEL_PREFIX): v for k, v in shaping_of(view).items() if k.startswith(MODEL_PREFIX)}
     problems = export_problems(fields, is_vlm(view))
     if problems:
-        arch = "Qwen3-MoE" if fields.get("moe") else "Llama"
-        raise CheckpointError(f"cannot export {view.path} as a Hugging Face {arch}: " + "; ".join(problems))
+        raise CheckpointError(f"cannot export {view.path} to Hugging Face: " + "; ".join(problems))
     return fields
 
 
@@ -192,63 +155,51 @@ def export_hf(
     overwrite: bool = False,
     tokenizer: str | None = None,
 ) -> ExportResult:
-    """Write `checkpoint`'s model as ``LlamaForCausalLM`` weights in `out_dir`.
+    """Write `checkpoint`'s model in `out_dir` as the ``transformers`` architecture that holds it.
 
-    `dtype` is ``fp32``/``bf16``/``fp16`` (default: the checkpoint's own dtype). Text
-    models with RMSNorm, SwiGLU and no QK-norm only: anything else is refused with the reason.
-    `tokenizer` is ``byte``, a tokenizer.json path, ``none`` (write none), or None: the
-    one the run trained with (from its config.toml; none when there is no config.toml).
+    Dense: ``LlamaForCausalLM`` (``Qwen3ForCausalLM`` with QK-norm); MoE:
+    ``Qwen3MoeForCausalLM``, ``Glm4MoeForCausalLM`` or ``Ernie4_5_MoeForCausalLM``
+    (``hf_moe``); a vision-language model: ``LlavaForConditionalGeneration`` (``hf_vlm``).
+    What none holds is refused with the fields named. `dtype` is ``fp32``/``bf16``/``fp16``
+    (default: the checkpoint's own dtype). `tokenizer` is ``byte``, a tokenizer.json path,
+    ``none`` (write none), or None: the one the run trained with (from its config.toml;
+    none when there is no config.toml).
     """
-    from safetensors.torch import save_file
-
     view = open_checkpoint(checkpoint)
-    fields = _check_exportable(view)
-    cfg = model_settings_of(view)
-    moe = bool(fields.get("moe"))
-    mapped: dict[str, str | None]
-    entries = sorted(view.model_entries(), key=lambda e: e.key)
-    if moe:
-        entries = _moe_order(entries)
-        mapped = {e.key: to_hf_moe_name(e.key.removeprefix(MODEL_PREFIX), to_hf_name) for e in entries}
-        _check_zero_bias(view, [e.key for e in entries if e.key.endswith("expert_bias")])
-        entries = [e for e in entries if mapped[e.key] is not None or e.key.endswith(FUSED_UP)]
-    else:
-        mapped = {e.key: to_hf_name(e.key.removeprefix(MODEL_PREFIX)) for e in entries}
+    if not view.complete:
+        raise CheckpointError(
+            f"{view.path} is an incomplete checkpoint (its save never finished); export an earlier one"
+        )
     if dtype is not None and dtype not in DTYPES:
         raise CheckpointError(f"--dtype {dtype!r} is not one of {', '.join(DTYPES)}")
+    if is_vlm(view):
+        from kforge_cli.engine.interop.hf_vlm import vlm_export_plan
+
+        plan = vlm_export_plan(view)
+    else:
+        plan = _text_plan(view)
+    entries = sorted(view.model_entries(), key=lambda e: e.key)
+    entries = [e for e in entries if plan.name(e.key.removeprefix(MODEL_PREFIX)) is not None]
     target = DTYPES[dtype] if dtype else _stored_dtype(entries)
     out = output_dir(out_dir, "output")  # a link is refused, never resolved
     tmp = _prepare_out(out, overwrite, view.path)
     try:
-        shards = _plan(entries, target.itemsize, max_shard_bytes)
-        files = (
-            [SINGLE_FILE]
-            if len(shards) == 1
-            else [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
-        )
-        weight_map: dict[str, str] = {}
-        for shard, file in zip(shards, files, strict=True):
-            loaded = read_tensors(view, [e.key for e in shard], dtype=target)
-            tensors = _fuse_experts(loaded, mapped)
-            save_file(tensors, str(tmp / file), metadata={"format": "pt"})
-            weight_map.update({name: file for name in tensors})
-            del loaded, tensors
-        if len(files) > 1:
-            total = sum(e.numel for e in entries) * target.itemsize
-            index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
-            (tmp / INDEX_FILE).write_text(json.dumps(index, indent=2) + "\n")
-        config = hf_config(fields, ffn_hidden_dim=cfg.resolved_ffn_hidden_dim, torch_dtype=torch_dtype_name(target))
-        if moe and cfg.moe is not None:
-            config = qwen3_moe_config(fields, config, expert_hidden=cfg.moe.resolved_expert_hidden_dim(cfg))
+        files, count = _write_weights(view, entries, plan, target, max_shard_bytes, tmp)
+        config = plan.config(torch_dtype_name(target))
+        cfg = plan.text_settings
         spec = run_tokenizer(view.path) if tokenizer is None else tokenizer
         exported = None if spec in (None, "none") else write_tokenizer(spec, tmp, cfg.max_seq_len)
         if exported is not None:
             # kforge trains documents separated by EOS (no BOS): EOS also starts a document.
-            config.update(bos_token_id=exported.eos_id, eos_token_id=exported.eos_id)
+            ids = {"bos_token_id": exported.eos_id, "eos_token_id": exported.eos_id}
+            config.update(ids)
+            if isinstance(config.get("text_config"), dict):
+                config["text_config"].update(ids)
             # No max_length: with it, every generate(max_new_tokens=...) warns that both are set
             # (config.json's max_position_embeddings already states the context length).
-            generation = {"bos_token_id": exported.eos_id, "eos_token_id": exported.eos_id}
+            generation = dict(ids)
             (tmp / GENERATION_CONFIG_FILE).write_text(json.dumps(generation, indent=2) + "\n")
+        plan.write_extras(tmp, exported)
         (tmp / CONFIG_FILE).write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
         written = sorted(p.name for p in tmp.iterdir())
         marker = {"format": EXPORT_FORMAT, "files": written, "source": str(view.path), "step": view.step}
@@ -258,6 +209,44 @@ def export_hf(
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
-    return ExportResult(
-        out, files, len(entries), sum(e.numel for e in entries), torch_dtype_name(target), view.step, config, exported
+    params = sum(e.numel for e in entries)
+    return ExportResult(out, files, count, params, torch_dtype_name(target), view.step, config, exported, plan.hf_class)
+
+
+def _text_plan(view: CheckpointView) -> TextPlan:
+    fields = _check_exportable(view)
+    return TextPlan(Layout.of(fields), fields, model_settings_of(view))
+
+
+def _write_weights(
+    view: CheckpointView,
+    entries: list[TensorEntry],
+    plan: ExportPlan,
+    target: torch.dtype,
+    max_shard_bytes: int,
+    tmp: Path,
+) -> tuple[list[str], int]:
+    """The safetensors shards (and index) of `entries` in `tmp`: (file names, tensors written)."""
+    from safetensors.torch import save_file
+
+    shards = _plan(entries, target.itemsize, max_shard_bytes)
+    files = (
+        [SINGLE_FILE]
+        if len(shards) == 1
+        else [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
     )
+    weight_map: dict[str, str] = {}
+    total = 0
+    for shard, file in zip(shards, files, strict=True):
+        loaded = read_tensors(view, [e.key for e in shard], dtype=target)
+        tensors: dict[str, torch.Tensor] = {}
+        for key, t in loaded.items():
+            tensors.update(plan.tensors(key.removeprefix(MODEL_PREFIX), t))
+        save_file(tensors, str(tmp / file), metadata={"format": "pt"})
+        weight_map.update({name: file for name in tensors})
+        total += sum(t.numel() for t in tensors.values()) * target.itemsize
+        del loaded, tensors
+    if len(files) > 1:
+        index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
+        (tmp / INDEX_FILE).write_text(json.dumps(index, indent=2) + "\n")
+    return files, len(weight_map)

@@ -1,5 +1,9 @@
 """The Hugging Face Llama layout: parameter names and ``config.json`` <-> kforge's model settings.
 
+A dense model with QK-norm is written as ``Qwen3ForCausalLM`` (Llama plus a per-head
+RMSNorm on queries and keys before RoPE, exactly kforge's ``qk_norm``); MoE models are
+mapped in ``hf_moe``.
+
 No q/k permutation is needed in either direction. Meta's original Llama checkpoints
 rotate *interleaved* pairs of each head's dimensions, which is why Hugging Face's
 converter permutes ``wq``/``wk``; kforge's RoPE already uses HF's ``rotate_half``
@@ -41,8 +45,13 @@ _BLOCK = {
     "feed_forward.w3.weight": "mlp.up_proj.weight",
     "feed_forward.w2.weight": "mlp.down_proj.weight",
 }
+QK_NORM = {
+    "attention.q_norm.weight": "self_attn.q_norm.weight",
+    "attention.k_norm.weight": "self_attn.k_norm.weight",
+}
 _TOP_BACK = {v: k for k, v in _TOP.items()}
 _BLOCK_BACK = {v: k for k, v in _BLOCK.items()}
+_QK_NORM_BACK = {v: k for k, v in QK_NORM.items()}
 _KF_LAYER = re.compile(r"^layers\.(\d+)\.(.+)$")
 _HF_LAYER = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
 
@@ -57,31 +66,43 @@ def to_hf_name(name: str) -> str:
     raise CheckpointError(f"parameter {name!r} has no Hugging Face Llama equivalent")
 
 
+def to_hf_qwen3_name(name: str) -> str:
+    """kforge name -> ``Qwen3ForCausalLM`` name: Llama's plus the query/key norms."""
+    m = _KF_LAYER.match(name)
+    if m and m.group(2) in QK_NORM:
+        return f"model.layers.{m.group(1)}.{QK_NORM[m.group(2)]}"
+    return to_hf_name(name)
+
+
 def from_hf_name(name: str) -> str | None:
-    """Hugging Face Llama name -> kforge name; None for entries kforge does not keep (e.g. rotary buffers)."""
+    """Hugging Face Llama (or Qwen3) name -> kforge name; None for entries kforge does not keep (e.g. rotary buffers)."""
     if name in _TOP_BACK:
         return _TOP_BACK[name]
     m = _HF_LAYER.match(name)
     if m and m.group(2) in _BLOCK_BACK:
         return f"layers.{m.group(1)}.{_BLOCK_BACK[m.group(2)]}"
+    if m and m.group(2) in _QK_NORM_BACK:
+        return f"layers.{m.group(1)}.{_QK_NORM_BACK[m.group(2)]}"
     return None
 
 
-def export_problems(model: dict[str, Any], has_vlm: bool) -> list[str]:
-    """What in a kforge model config Hugging Face's ``LlamaForCausalLM`` cannot represent (empty: exportable)."""
+def export_problems(model: dict[str, Any], has_vlm: bool = False) -> list[str]:
+    """What in a kforge text model config no ``transformers`` architecture kforge writes can hold (empty: exportable).
+
+    Dense: ``LlamaForCausalLM`` (``Qwen3ForCausalLM`` with QK-norm); MoE: see ``hf_moe``.
+    A vision-language model is checked by ``hf_vlm`` (its decoder by this function).
+    """
     problems = []
     if has_vlm:
         problems.append("it is a vision-language / MoT model; only text models export to LlamaForCausalLM")
     if model.get("norm") != "rmsnorm":
-        problems.append(f"model.norm = {model.get('norm')!r}: Llama uses RMSNorm")
+        problems.append(f"model.norm = {model.get('norm')!r}: Llama, Qwen3 and the MoE architectures use RMSNorm")
     if model.get("activation") != "swiglu":
-        problems.append(f"model.activation = {model.get('activation')!r}: Llama uses a SwiGLU MLP")
+        problems.append(f"model.activation = {model.get('activation')!r}: they all use a SwiGLU MLP")
     if model.get("moe"):
         from kforge_cli.engine.interop.hf_moe import moe_export_problems
 
         return problems + moe_export_problems(model)
-    if model.get("qk_norm"):
-        problems.append("model.qk_norm = true: Llama has no query/key norm")
     return problems
 
 
@@ -126,6 +147,22 @@ def _read_text(path: Path) -> str:
     return read_text_capped(path, MAX_JSON_BYTES, "file")  # a FIFO or device is refused, never read
 
 
+def qwen3_config(llama: dict[str, Any], n_layers: int) -> dict[str, Any]:
+    """``config.json`` of ``Qwen3ForCausalLM`` (a dense model with QK-norm) from the Llama one."""
+    cfg = {k: v for k, v in llama.items() if k != "mlp_bias"}
+    cfg.update(
+        {
+            "architectures": ["Qwen3ForCausalLM"],
+            "model_type": "qwen3",
+            "use_sliding_window": False,
+            "sliding_window": None,
+            "max_window_layers": n_layers,
+            "layer_types": ["full_attention"] * n_layers,
+        }
+    )
+    return cfg
+
+
 def read_hf_config(hf_dir: Path) -> dict[str, Any]:
     path = hf_dir / CONFIG_FILE
     try:
@@ -148,13 +185,19 @@ def _rope_theta(config: dict[str, Any], problems: list[str]) -> float:
 
 def model_fields_from_hf(config: dict[str, Any]) -> dict[str, Any]:
     """kforge ``model.*`` settings equivalent to a Hugging Face Llama config; refuses what kforge lacks."""
-    if config.get("model_type") == "qwen3_moe":
-        from kforge_cli.engine.interop.hf_moe import moe_fields_from_hf
+    from kforge_cli.engine.interop.hf_moe import BY_MODEL_TYPE, moe_fields_from_hf
 
+    kind = config.get("model_type")
+    if kind in BY_MODEL_TYPE:
         return moe_fields_from_hf(config, model_fields_from_hf)
+    if kind == "qwen3":
+        if config.get("use_sliding_window"):
+            raise CheckpointError("this Hugging Face model cannot be represented by kforge: use_sliding_window = true")
+        return {**model_fields_from_hf({**config, "model_type": "llama"}), "qk_norm": True}
     problems: list[str] = []
-    if config.get("model_type") != "llama":
-        problems.append(f"model_type {config.get('model_type')!r} (only 'llama' and 'qwen3_moe' are supported)")
+    if kind != "llama":
+        supported = ", ".join(repr(k) for k in ("llama", "qwen3", *BY_MODEL_TYPE))
+        problems.append(f"model_type {kind!r} (supported: {supported})")
     act = config.get("hidden_act", "silu")
     if act not in ("silu", "swish"):
         problems.append(f"hidden_act {act!r} (kforge's SwiGLU uses silu)")

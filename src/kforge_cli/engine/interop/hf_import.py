@@ -1,4 +1,6 @@
-"""Hugging Face Llama weights into a kforge model: ``checkpoint.init_from = HF_DIR`` and ``load_model(HF_DIR)``.
+"""Hugging Face weights into a kforge model: ``checkpoint.init_from = HF_DIR`` and ``load_model(HF_DIR)``.
+
+Llama, Qwen3 (dense with QK-norm), and the MoE architectures of ``hf_moe``.
 
 Weights are read from safetensors only (never pickle). The HF config must describe
 the same model the run builds: a shape difference is an error that spells out the
@@ -20,7 +22,8 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_
 from kforge_cli.engine.checkpoint.dcp_io import OPTIONS, _excluded
 from kforge_cli.engine.checkpoint.errors import CheckpointError
 from kforge_cli.engine.interop.hf_format import from_hf_name, hf_weight_files, model_fields_from_hf, read_hf_config
-from kforge_cli.engine.interop.hf_moe import FUSED_GATE, FUSED_UP, ROUTER_GATE, SKIPPED, from_hf_moe_name
+from kforge_cli.engine.interop.hf_layout import from_interleaved_rope
+from kforge_cli.engine.interop.hf_moe import BY_MODEL_TYPE, EXPERT_BIAS, ROUTER_GATE, from_hf_moe_name
 from kforge_cli.settings.training import ModelSettings
 
 log = logging.getLogger("kforge")
@@ -39,6 +42,20 @@ _SHAPE_FIELDS = (
 )
 _SOFT_FIELDS = ("rope_theta", "norm_eps")
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)  # buffers some old exports carry; recomputed from the config
+_MOE_FIELDS = (
+    "num_experts",
+    "top_k",
+    "num_shared_experts",
+    "first_dense_layers",
+    "every_n_layers",
+    "score_func",
+    "n_groups",
+    "topk_groups",
+    "renormalize",
+    "route_scale",
+)
+FUSED_GATE = "feed_forward.experts.w1"
+FUSED_UP = "feed_forward.experts.w3"
 
 
 def hf_model_settings(hf_dir: str | Path) -> ModelSettings:
@@ -63,7 +80,7 @@ def check_matches(cfg: ModelSettings, hf_dir: Path) -> None:
         f"{f}: run has {getattr(cfg, f)!r}, {hf_dir.name} has {getattr(theirs, f)!r}"
         for f in _SHAPE_FIELDS
         if getattr(cfg, f) != getattr(theirs, f)
-    ]
+    ] + _moe_differences(cfg, theirs, hf_dir.name)
     if wrong:
         overrides = " ".join(
             f"--model.{k}={str(v).lower() if isinstance(v, bool) else v}"
@@ -82,6 +99,13 @@ def check_matches(cfg: ModelSettings, hf_dir: Path) -> None:
                 "norm_eps",
             )
         )
+        if theirs.moe is not None:
+            moe = theirs.moe.model_dump()
+            moe["expert_hidden_dim"] = theirs.moe.resolved_expert_hidden_dim(theirs)
+            overrides += "".join(
+                f" --model.moe.{k}={str(moe[k]).lower() if isinstance(moe[k], bool) else moe[k]}"
+                for k in ("expert_hidden_dim", *_MOE_FIELDS)
+            )
         raise CheckpointError(
             f"checkpoint.init_from={hf_dir} is a differently shaped model ({'; '.join(wrong)}). "
             f"To continue pre-training it, build the same model: {overrides}"
@@ -97,40 +121,88 @@ def check_matches(cfg: ModelSettings, hf_dir: Path) -> None:
             )
 
 
+def _moe_differences(cfg: ModelSettings, theirs: ModelSettings, name: str) -> list[str]:
+    """The MoE fields (router included: it decides what the weights compute) in which `cfg` and `theirs` differ."""
+    if cfg.moe is None or theirs.moe is None:
+        if (cfg.moe is None) != (theirs.moe is None):
+            return [
+                f"moe: run has {'none' if cfg.moe is None else 'MoE'}, {name} has {'none' if theirs.moe is None else 'MoE'}"
+            ]
+        return []
+    ours_d, theirs_d = cfg.moe.model_dump(), theirs.moe.model_dump()
+    ours_d["expert_hidden_dim"] = cfg.moe.resolved_expert_hidden_dim(cfg)
+    theirs_d["expert_hidden_dim"] = theirs.moe.resolved_expert_hidden_dim(theirs)
+    fields = ["expert_hidden_dim", *_MOE_FIELDS]
+    if ours_d["n_groups"] == theirs_d["n_groups"] == 1:
+        fields.remove("topk_groups")  # unused without groups
+    return [f"moe.{f}: run has {ours_d[f]!r}, {name} has {theirs_d[f]!r}" for f in fields if ours_d[f] != theirs_d[f]]
+
+
 def read_hf_tensors(hf_dir: str | Path, names: Iterable[str] | None = None) -> dict[str, torch.Tensor]:
-    """kforge name -> CPU tensor for every (or every wanted) Llama weight in the directory's safetensors."""
+    """kforge name -> CPU tensor for every (or every wanted) weight in the directory's safetensors.
+
+    Llama / Qwen3 names map one to one; MoE experts written per expert are stacked into
+    kforge's ``[E, out, in]`` (a fused ``gate_up_proj`` is split), the selection bias is
+    read from wherever the architecture keeps it (zeros for Qwen3-MoE, which has none),
+    and ERNIE's interleaved-RoPE ``q_proj``/``k_proj`` rows are put back in kforge's order.
+    """
     from safetensors import SafetensorError, safe_open
 
     hf_dir = Path(hf_dir).expanduser()
+    config = read_hf_config(hf_dir)
+    arch = BY_MODEL_TYPE.get(str(config.get("model_type")))
     wanted = set(names) if names is not None else None
     out: dict[str, torch.Tensor] = {}
+    experts: dict[str, dict[int, torch.Tensor]] = {}
     unknown: list[str] = []
+
+    def keep(name: str, tensor: torch.Tensor) -> None:
+        if wanted is None or name in wanted:
+            out[name] = tensor
+
     for path in hf_weight_files(hf_dir):
         try:
             with safe_open(str(path), framework="pt", device="cpu") as f:
                 for key in f.keys():  # noqa: SIM118 (a safetensors handle, not a dict)
-                    name = from_hf_name(key) or from_hf_moe_name(key)
-                    if name is not None and name.endswith(FUSED_GATE):  # Qwen3-MoE's fused gate/up
-                        gate, up = f.get_tensor(key).chunk(2, dim=1)
-                        up_name = name.removesuffix(FUSED_GATE) + FUSED_UP
-                        for part_name, part in ((name, gate), (up_name, up)):
-                            if wanted is None or part_name in wanted:
-                                out[part_name] = part.contiguous()
-                        continue
-                    if name is None:
+                    plain = from_hf_name(key)
+                    moe = None if plain is not None else from_hf_moe_name(key)
+                    if plain is not None:
+                        keep(plain, f.get_tensor(key))
+                    elif moe is None:
                         if not key.endswith(_IGNORED_SUFFIXES):
                             unknown.append(key)
-                    elif wanted is None or name in wanted:
-                        out[name] = f.get_tensor(key)
+                    elif moe.fused:  # gate_up_proj [E, 2 x hidden, dim]: w1 over w3
+                        gate, up = f.get_tensor(key).chunk(2, dim=1)
+                        keep(moe.name, gate.contiguous())
+                        keep(moe.name.removesuffix(FUSED_GATE) + FUSED_UP, up.contiguous())
+                    elif moe.expert is not None:
+                        if wanted is None or moe.name in wanted:
+                            experts.setdefault(moe.name, {})[moe.expert] = f.get_tensor(key)
+                    elif moe.name.endswith(EXPERT_BIAS):
+                        keep(moe.name, f.get_tensor(key).reshape(-1).float())
+                    else:
+                        keep(moe.name, f.get_tensor(key))
         except (SafetensorError, OSError) as exc:
             raise CheckpointError(f"cannot read {path}: {exc}") from None
-    for name in [n for n in out if n.endswith(ROUTER_GATE)]:  # Qwen3-MoE has no selection bias: zero
-        bias = name.removesuffix(ROUTER_GATE) + SKIPPED
-        if wanted is None or bias in wanted:
+    for name, parts in experts.items():
+        if sorted(parts) != list(range(len(parts))):
+            raise CheckpointError(f"{hf_dir}: the experts of {name} are not numbered 0..{len(parts) - 1}")
+        out[name] = torch.stack([parts[e] for e in range(len(parts))])
+    for name in [n for n in out if n.endswith(ROUTER_GATE)]:  # an architecture without a selection bias: zero
+        bias = name.removesuffix(ROUTER_GATE) + EXPERT_BIAS
+        if bias not in out and (wanted is None or bias in wanted):
             out[bias] = torch.zeros(out[name].shape[0], dtype=torch.float32)
+    if arch is not None and arch.interleaved_rope:
+        n_heads = int(config["num_attention_heads"])
+        kv_heads = int(config.get("num_key_value_heads") or n_heads)
+        for name in out:
+            if name.endswith("attention.wq.weight"):
+                out[name] = from_interleaved_rope(out[name], n_heads)
+            elif name.endswith("attention.wk.weight"):
+                out[name] = from_interleaved_rope(out[name], kv_heads)
     if unknown:
         shown = ", ".join(unknown[:5]) + (f" (and {len(unknown) - 5} more)" if len(unknown) > 5 else "")
-        raise CheckpointError(f"{hf_dir} holds tensors a kforge Llama has no place for: {shown}")
+        raise CheckpointError(f"{hf_dir} holds tensors a kforge model has no place for: {shown}")
     return out
 
 

@@ -58,6 +58,14 @@ def max_positions(model: nn.Module) -> int:
     return int(model.cfg.max_seq_len)  # type: ignore[union-attr]
 
 
+def visual_positions(model: nn.Module, pixel_values: torch.Tensor | None) -> int:
+    """Sequence positions the images take before the text (a joint-decoder or MoT VLM; 0 otherwise)."""
+    if pixel_values is None or getattr(model, "arch", "cross_attention") == "cross_attention":
+        return 0
+    frames = 1 if pixel_values.dim() == 4 else int(pixel_values.shape[1])
+    return frames * int(model.tokens_per_frame)  # type: ignore[arg-type]
+
+
 @torch.no_grad()
 def generate_tokens(
     model: nn.Module,
@@ -68,30 +76,44 @@ def generate_tokens(
     eos_id: int | None = None,
     generator: torch.Generator | None = None,
     use_cache: bool = True,
+    pixel_values: torch.Tensor | None = None,
 ) -> Iterator[int]:
     """Yield up to `max_new_tokens` new token ids after `prompt` (stops after yielding `eos_id`).
 
     The sequence never outgrows ``max_seq_len``: the last token may be chosen at position
     ``max_seq_len`` but is not fed back. ``use_cache`` falls back to recomputation for a
-    model without cache-aware attention.
+    model without cache-aware attention. `pixel_values` (a vision-language model: one
+    image ``[1, C, H, W]`` or clip ``[1, F, C, H, W]``) goes before the prompt; its tokens
+    count against ``max_seq_len`` (joint decoder, MoT), and a cross-attention model,
+    which reads them in every layer, decodes without the cache.
     """
     limit = max_positions(model)
+    visual = visual_positions(model, pixel_values)
     if not prompt:
         raise ValueError("the prompt is empty: give at least one token")
-    if len(prompt) > limit:
-        raise ValueError(f"the prompt has {len(prompt)} tokens, more than the model's max_seq_len={limit}")
-    device = next(model.parameters()).device
-    budget = min(max_new_tokens, limit - len(prompt) + 1)
-    # sized to what this call can feed (prompt + fed-back tokens), not max_seq_len: a 131k-position
-    # model must not take its full-length cache for a short prompt
-    cache = KVCache(min(limit, len(prompt) + budget)) if use_cache and supports_kv_cache(model) else None
+    if visual + len(prompt) > limit:
+        raise ValueError(
+            f"the prompt has {len(prompt)} tokens"
+            + (f" after {visual} image tokens" if visual else "")
+            + f", more than the model's max_seq_len={limit}"
+        )
+    param = next(model.parameters())
+    device = param.device
+    budget = min(max_new_tokens, limit - visual - len(prompt) + 1)
+    cross = pixel_values is not None and getattr(model, "arch", None) == "cross_attention"
+    # sized to what this call can feed (image, prompt and fed-back tokens), not max_seq_len: a
+    # 131k-position model must not take its full-length cache for a short prompt
+    size = min(limit, visual + len(prompt) + budget)
+    cache = KVCache(size) if use_cache and not cross and supports_kv_cache(model) else None
+    images = None if pixel_values is None else pixel_values.to(device=device, dtype=param.dtype)
     ids = list(prompt)
     feed = torch.tensor([ids], device=device)
     for produced in range(budget):
+        extra = {} if images is None else {"pixel_values": images}
         if cache is not None:
-            logits = model(feed, kv_cache=cache)
+            logits = model(feed, kv_cache=cache, **(extra if produced == 0 else {}))
         else:
-            logits = model(torch.tensor([ids], device=device))
+            logits = model(torch.tensor([ids], device=device), **extra)
         token = next_token(logits[0, -1], sampling, generator)
         yield token
         if token == eos_id or produced + 1 == budget:

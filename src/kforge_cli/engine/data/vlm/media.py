@@ -53,6 +53,71 @@ def load_image(path: Path, image_size: int, channels: int) -> np.ndarray:
     return arr[None] if channels == 1 else np.ascontiguousarray(arr.transpose(2, 0, 1))
 
 
+MAX_IMAGE_BYTES = 64 * 2**20  # an image file given on the command line (kforge generate --image)
+MAX_IMAGE_PIXELS = 8192 * 8192
+IMAGE_FORMATS = ("PNG", "JPEG", "GIF", "BMP", "WEBP", "TIFF")
+
+
+def read_image_file(path: Path, image_size: int, channels: int) -> np.ndarray:
+    """One image a user names (``kforge generate --image``), read as untrusted input.
+
+    A regular file of at most 64 MiB, one of the common raster formats (never the ones
+    Pillow hands to external programs), at most 8192 x 8192 pixels as its header says
+    before anything is decoded; then converted and resized as training data is. Every
+    failure is an InvalidInputError naming the file.
+    """
+    import io
+    import os
+    import stat
+    import warnings
+
+    from PIL import Image, UnidentifiedImageError
+
+    mode = _mode(channels)
+    try:
+        info = os.stat(path)
+    except OSError as exc:
+        raise InvalidInputError(f"--image {path}: {exc.strerror or exc}") from None
+    if not stat.S_ISREG(info.st_mode):
+        raise InvalidInputError(f"--image {path} is not a regular file")
+    if info.st_size > MAX_IMAGE_BYTES:
+        raise InvalidInputError(f"--image {path} is {info.st_size:,} bytes, over the {MAX_IMAGE_BYTES:,}-byte limit")
+    try:
+        with open(path, "rb") as f:
+            data = f.read(MAX_IMAGE_BYTES + 1)
+    except OSError as exc:
+        raise InvalidInputError(f"--image {path} is unreadable ({exc.strerror or exc})") from None
+    if len(data) > MAX_IMAGE_BYTES:
+        raise InvalidInputError(f"--image {path} is over the {MAX_IMAGE_BYTES:,}-byte limit")
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", Image.DecompressionBombWarning)
+            with Image.open(io.BytesIO(data), formats=IMAGE_FORMATS) as img:
+                width, height = img.size
+                if width * height > MAX_IMAGE_PIXELS or min(width, height) < 1:
+                    raise InvalidInputError(
+                        f"--image {path} is {width} x {height} pixels; at most {MAX_IMAGE_PIXELS:,} pixels are read"
+                    )
+                img.load()
+                img = img.convert(mode)
+                if img.size != (image_size, image_size):
+                    img = img.resize((image_size, image_size), Image.Resampling.BILINEAR)
+                arr = np.asarray(img, dtype=np.float32) / 255.0
+    except InvalidInputError:
+        raise
+    except (Image.DecompressionBombError, Image.DecompressionBombWarning) as exc:
+        raise InvalidInputError(
+            f"--image {path} is too large: at most {MAX_IMAGE_PIXELS:,} pixels are read ({exc})"
+        ) from None
+    except UnidentifiedImageError as exc:
+        raise InvalidInputError(
+            f"--image {path} is not an image kforge reads ({', '.join(IMAGE_FORMATS)}; {exc})"
+        ) from None
+    except (OSError, ValueError, SyntaxError, EOFError, MemoryError) as exc:
+        raise InvalidInputError(f"--image {path} is corrupt ({exc})") from None
+    return arr[None] if channels == 1 else np.ascontiguousarray(arr.transpose(2, 0, 1))
+
+
 def _resize_frames(frames: np.ndarray, image_size: int) -> np.ndarray:
     """``[F, C, H, W]`` -> ``[F, C, image_size, image_size]`` (bilinear, antialiased) when sizes differ."""
     if frames.shape[-2:] == (image_size, image_size):

@@ -137,13 +137,24 @@ class VisionLanguageModel(nn.Module):
 
         ``tokens`` ``[B, L]`` are text ids; without ``pixel_values`` the model runs on text
         alone (a MoT model then equals the dense model of its text weights). ``kv_cache``
-        decodes text incrementally (generation; text only).
+        decodes text incrementally (generation); ``pixel_values`` may come with the first
+        call only (the prefill: the visual tokens then sit in the cache before the text), and
+        not for ``cross_attention``, whose every layer reads the images again (decode without
+        a cache there).
         """
         if kv_cache is not None:
+            visual = 0
             if pixel_values is not None:
-                raise ValueError("KV-cache decoding of a vision-language model is text-only: pass no pixel_values")
-            with kv_cache.bound(self, tokens.shape[1]) as start:
-                return self._forward(tokens, None, None, doc_ids, positions, labels, loss_fn, start)
+                if self.arch == "cross_attention" or kv_cache.length:
+                    raise ValueError(
+                        "KV-cache decoding takes pixel_values only in the prefill, and not for cross_attention"
+                    )
+                if frame_mask is not None and not bool(frame_mask.all()):
+                    raise ValueError("KV-cache decoding takes no padded frames")
+                frames = 1 if pixel_values.dim() == 4 else pixel_values.shape[1]
+                visual = frames * self.tokens_per_frame
+            with kv_cache.bound(self, visual + tokens.shape[1]) as start:
+                return self._forward(tokens, pixel_values, None, doc_ids, positions, labels, loss_fn, start)
         return self._forward(tokens, pixel_values, frame_mask, doc_ids, positions, labels, loss_fn, 0)
 
     def _forward(
