@@ -185,13 +185,10 @@ def test_heldout_states_its_batch_count_and_a_tokenizer_clash_names_both_tokeniz
     with pytest.raises(SystemExit) as done:
         main(["eval", str(run_dir), "--task", "heldout", "--no-log"])
     assert done.value.code == 0
-    got = run_task(open_for_inference(run_dir), "heldout")
-    assert (got["batches"], got["tokens"]) == (3.0, 3 * 2 * 32) and got["val_tokens"] > got["tokens"]
+    got = run_task(open_for_inference(run_dir), "heldout")  # the whole validation split by default
+    assert got["batches"] >= 1 and got["tokens"] > 0
     line = next(x for x in capsys.readouterr().out.splitlines() if x.startswith("heldout: "))
-    assert line == (
-        f"heldout: loss over 3 held-out batches (192 tokens of the {int(got['val_tokens']):,} in the val split; "
-        "--steps N for more)"
-    )
+    assert line == f"heldout: {int(got['tokens']):,} tokens in {int(got['batches'])} batches, the whole validation split"
     text = tmp_path / "t.txt"
     text.write_text("the cat sat on the mat\n" * 200)
     bpe = tmp_path / "bpe"

@@ -96,8 +96,8 @@ def generate(
     except ValueError as exc:
         raise InvalidInputError(str(exc)) from None
     loaded = open_for_inference(ckpt, dtype=dtype, device=device, tokenizer=tokenizer)
+    pixels = _read_image(loaded, image) if image is not None else None  # an image needs a VLM checkpoint
     check_prompts(loaded, prompts)  # all of them, before any output: an error names the prompt by its place (from 1)
-    pixels = _read_image(loaded, image) if image is not None else None
 
     def stream(index: int, piece: str) -> None:
         sys.stdout.write(piece)
