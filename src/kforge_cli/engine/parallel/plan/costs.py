@@ -156,9 +156,15 @@ def kv_gather_bytes(settings: JobSettings, dims: ParallelDims, compute_bytes: in
     Ring attention (``cp_attention = ring``) passes K/V repeated to the query heads (torch's ring
     kernels run without SDPA's GQA), and its default rotation all-gathers them too.
     """
-    m, t = settings.model, settings.train
-    heads = m.n_heads if settings.distributed.cp_attention == "ring" else m.kv_heads
-    return 2 * t.batch_size * t.seq_len * heads * m.head_dim // dims.tp * compute_bytes
+    t = settings.train
+    ring = settings.distributed.cp_attention == "ring"
+    return kv_bytes(settings.model, t.batch_size * t.seq_len, ring=ring, tp=dims.tp, compute_bytes=compute_bytes)
+
+
+def kv_bytes(model: ModelSettings, tokens: int, *, ring: bool, tp: int, compute_bytes: int) -> int:
+    """K and V of one layer over ``tokens`` on one TP rank (:func:`kv_gather_bytes`)."""
+    heads = model.n_heads if ring else model.kv_heads
+    return 2 * tokens * heads * model.head_dim // tp * compute_bytes
 
 
 @dataclass(frozen=True)

@@ -22,7 +22,7 @@ uneven shards.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from torch import nn
@@ -98,6 +98,31 @@ class ParamSpec:
 
 
 @dataclass(frozen=True)
+class RankPlace:
+    """Where a pipeline rank sits: its stages, their blocks, whether it has the embedding and the head."""
+
+    stage_ids: tuple[int, ...]
+    block_ids: tuple[int, ...]
+    has_embedding: bool
+    has_head: bool
+
+
+def rank_place(settings: JobSettings, pp_rank: int) -> RankPlace:
+    """The :class:`RankPlace` of pipeline rank ``pp_rank`` under ``settings.distributed``."""
+    from kforge_cli.engine.parallel.pipeline import stage_ids_of_rank
+
+    d = settings.distributed
+    layout = pipeline_layout(settings)
+    stage_ids = stage_ids_of_rank(pp_rank, d.pp, d.pp_stages_per_rank, d.pp_schedule) if d.pp > 1 else [0]
+    return RankPlace(
+        tuple(stage_ids),
+        tuple(sorted(i for s in stage_ids for i in layout[s].layers)),
+        any(layout[s].embedding for s in stage_ids),
+        any(layout[s].head for s in stage_ids),
+    )
+
+
+@dataclass(frozen=True)
 class ShardTemplate:
     """The parameters of a model, by place: root ones before the blocks, block ones per kind, root ones after."""
 
@@ -105,9 +130,23 @@ class ShardTemplate:
     blocks: dict[bool, tuple[ParamSpec, ...]]  # is an MoE block -> its parameters in named_parameters order
     tail: tuple[ParamSpec, ...]  # final norm and head (last stage)
     moe_layers: frozenset[int]
+    n_layers: int
+    _cache: dict[tuple[object, ...], list[ParamShard]] = field(default_factory=dict, compare=False, repr=False)
 
     def block_kind(self, layer: int) -> bool:
         return layer in self.moe_layers
+
+    def _shards(self, place: str, layer: int, dims: ParallelDims, where: dict[str, int]) -> list[ParamShard]:
+        """The shards of block ``layer`` (``place`` "block"), or of the root's first/tail parameters (cached)."""
+        key = (place, layer, dims.tp, dims.ep, dims.dp_shard, dims.cp, dims.world_size > 1, *sorted(where.items()))
+        found = self._cache.get(key)
+        if found is None:
+            if place == "block":
+                specs, prefix = self.blocks[self.block_kind(layer)], f"layers.{layer}."
+            else:
+                specs, prefix = (self.head_first if place == "first" else self.tail), ""
+            found = self._cache[key] = [p.shard(prefix + p.suffix, dims, where) for p in specs]
+        return found
 
     def build(
         self, settings: JobSettings, dims: ParallelDims, pp_rank: int, coords: dict[str, int] | None = None
@@ -115,7 +154,7 @@ class ShardTemplate:
         """The :class:`MetaBuild` (parameters and place) of the rank at pipeline rank ``pp_rank`` and ``coords``."""
         from kforge_cli.engine.parallel.pipeline import stage_ids_of_rank
 
-        where = {"pp": pp_rank, **(coords or {})}
+        where = {k: v for k, v in (coords or {}).items() if k != "pp" and v}
         d = settings.distributed
         layout = pipeline_layout(settings)
         stage_ids = stage_ids_of_rank(pp_rank, dims.pp, d.pp_stages_per_rank, d.pp_schedule) if dims.pp > 1 else [0]
@@ -123,15 +162,16 @@ class ShardTemplate:
         for sid in stage_ids:
             st = layout[sid]
             if st.embedding:
-                params += [p.shard(p.suffix, dims, where) for p in self.head_first]
+                params += self._shards("first", 0, dims, where)
             for i in st.layers:
-                params += [p.shard(f"layers.{i}.{p.suffix}", dims, where) for p in self.blocks[self.block_kind(i)]]
+                params += self._shards("block", i, dims, where)
             if st.head:
-                params += [p.shard(p.suffix, dims, where) for p in self.tail]
+                params += self._shards("tail", 0, dims, where)
         names = ("pp", "dp_replicate", "dp_shard", *(("cp",) if dims.cp > 1 else ()), "tp")
+        place = {"pp": pp_rank, **where}
         return MetaBuild(
             params=params,
-            coordinates={n: where.get(n, 0) for n in names},
+            coordinates={n: place.get(n, 0) for n in names},
             stages=layout,
             rank_stages=stage_ids,
             block_ids=sorted(i for s in stage_ids for i in layout[s].layers),
@@ -139,6 +179,25 @@ class ShardTemplate:
             has_head=any(layout[s].head for s in stage_ids),
             float8_swapped=False,
         )
+
+    def held_lower_bound(self, dims: ParallelDims, state_slots: int) -> float:
+        """A lower bound of the largest (parameters + gradients + optimizer state) of any pipeline rank.
+
+        Every rank's chunk 0 is at least the average chunk, and the busiest pipeline rank
+        holds at least the average stage: so the whole model over the splits, over ``pp``.
+        """
+        total = 0.0
+        specs = [*self.head_first, *self.tail]
+        for i in range(self.n_layers):
+            specs += self.blocks[self.block_kind(i)]
+        for p in specs:
+            parts = dims.tp if dims.tp > 1 and p.tp_dim is not None else 1
+            if dims.ep > 1 and p.ep_dim is not None:
+                parts *= dims.ep * (dims.dp_shard // dims.ep)
+            elif dims.world_size > 1:
+                parts *= dims.dp_shard * dims.cp
+            total += p.numel * p.element_size / parts
+        return total * (2 + state_slots) / dims.pp
 
 
 def _split_dims(param: torch.Tensor) -> tuple[int | None, int | None]:
@@ -211,7 +270,7 @@ def build_template(settings: JobSettings) -> ShardTemplate:
                 first.append(spec)
     m = settings.model
     moe = frozenset(i for i in range(m.n_layers) if m.moe is not None and m.moe.is_moe_layer(i))
-    return ShardTemplate(tuple(first), {k: tuple(v) for k, v in blocks.items()}, tuple(tail), moe)
+    return ShardTemplate(tuple(first), {k: tuple(v) for k, v in blocks.items()}, tuple(tail), moe, m.n_layers)
 
 
 __all__ = ["HEAD_NAME", "ParamSpec", "ShardTemplate", "build_template", "chunk_size"]
