@@ -40,6 +40,7 @@ from kforge_cli.engine.parallel.plan.cost_model import (
 )
 from kforge_cli.engine.parallel.plan.planner import (
     GIB,
+    TIGHT_FRACTION,
     MemoryItem,
     activation_items,
     param_items,
@@ -100,7 +101,7 @@ class Layout:
 
     def family(self) -> tuple[Any, ...]:
         """The mesh and schedule (what the report lists once, with its best stage split, micro-batch and AC)."""
-        return (self.tp, self.cp, self.pp, self.pp_schedule, self.dp_replicate, self.dp_shard, self.ep)
+        return (self.tp, self.cp, self.pp, self.pp_schedule, self.ep)
 
     def overrides(self) -> list[str]:
         """The layout as ``--section.key=value`` overrides."""
@@ -166,6 +167,7 @@ class SearchResult:
     global_batch: int  # sequences per optimizer step
     seq_len: int
     constants: CostConstants
+    memory_limit_bytes: int = 0
     enumerated: int = 0
     invalid: int = 0
     checked: int = 0  # layouts checked against the rules and the memory plan (the fastest first)
@@ -174,14 +176,19 @@ class SearchResult:
     seconds: float = 0.0
     top: list[Candidate] = field(default_factory=list)
     best_memory: list[MemoryItem] = field(default_factory=list)
-    fastest_rejected: tuple[Layout, StepEstimate, int] | None = None  # the fastest layout the memory plan refused
+    fastest_rejected: tuple[Layout, StepEstimate, int, bool] | None = None  # fastest over the limit (peak, by bound)
 
     def as_dict(self) -> dict[str, Any]:
         c = self.constants
         rejected = None
         if self.fastest_rejected is not None:
-            layout, est, peak = self.fastest_rejected
-            rejected = {"layout": {**layout.distributed(), **layout.train()}, "step_s": est.step_s, "peak_bytes": peak}
+            layout, est, peak, bound = self.fastest_rejected
+            rejected = {
+                "layout": {**layout.distributed(), **layout.train()},
+                "step_s": est.step_s,
+                "peak_bytes": peak,
+                "held_bytes_alone_over": bound,
+            }
         return {
             "profile": self.profile,
             "world_size": self.world_size,
@@ -198,6 +205,7 @@ class SearchResult:
                 "full_speed_tokens": c.full_speed_tokens,
                 "sources": c.sources,
             },
+            "memory_limit_bytes": self.memory_limit_bytes,
             "enumerated": self.enumerated,
             "invalid": self.invalid,
             "checked": self.checked,
@@ -452,12 +460,15 @@ def search_layouts(
     top: int = 5,
     global_batch: int | None = None,
     mfu: float | None = None,
+    memory_share: float = TIGHT_FRACTION,
 ) -> SearchResult:
-    """The ``top`` fastest valid layouts that fit (see the module docstring)."""
+    """The ``top`` fastest valid layouts whose peak is within ``memory_share`` of the GPU (module docstring)."""
     if settings.vlm is not None:
         raise InvalidInputError("--search covers text models; a VLM's vision tower is outside its cost model")
     if top < 1:
         raise InvalidInputError(f"--top must be at least 1 (got {top})")
+    if not 0 < memory_share <= 1:
+        raise InvalidInputError(f"--memory-share must be in (0, 1] (got {memory_share})")
     start = time.perf_counter()
     nodes, gpn = cluster_shape(settings, world_size)
     batch = global_batch if global_batch is not None else global_batch_of(settings, world_size)
@@ -471,8 +482,9 @@ def search_layouts(
     template = build_template(settings)
     memo = _Memo(settings, template, cdtype.itemsize, device.type == "cuda")
     capacity = int(settings.slurm.gpu_memory_gb * GIB)
+    limit = int(capacity * memory_share)
     result = SearchResult(
-        settings.profile, world_size, settings.slurm.gpu_type, gpn, batch, settings.train.seq_len, consts
+        settings.profile, world_size, settings.slurm.gpu_type, gpn, batch, settings.train.seq_len, consts, limit
     )
     predicted: list[tuple[float, int, Layout, ParallelDims, StepEstimate]] = []
     for groups in layouts(settings, world_size, batch):
@@ -495,14 +507,14 @@ def search_layouts(
             result.invalid += 1
             continue
         bound = memo.held_bound(dims)
-        if bound > capacity:
+        if bound > limit:
             peak, worst = int(bound), -1  # parameters, gradients and optimizer state alone do not fit
         else:
-            peak, worst = memo.worst_peak(s, dims, capacity)
-        if peak > capacity:
+            peak, worst = memo.worst_peak(s, dims, limit)
+        if peak > limit:
             result.too_big += 1
             if result.fastest_rejected is None and not found:
-                result.fastest_rejected = (layout, estimate, peak)
+                result.fastest_rejected = (layout, estimate, peak, worst < 0)
             continue
         found.append(Candidate(layout, s, dims, estimate, peak, worst, capacity))
         done.add(family)
@@ -563,15 +575,21 @@ def explain(result: SearchResult) -> None:
         delta = {k: c[k] - b[k] for k in c}
         key = max(delta, key=lambda k: delta[k])
         slower = cand.estimate.step_s / best.estimate.step_s - 1
-        text = f"+{slower:.1%}: {COMPONENTS[key]} +{delta[key]:.2f} s"
+        what = COMPONENTS[key]
+        if key == "compute":
+            if cand.estimate.efficiency < best.estimate.efficiency:
+                what = f"smaller matmuls (micro-batch runs at {cand.estimate.efficiency:.0%} speed)"
+            else:
+                what = "more FLOPs on its busiest rank (uneven pipeline stages, or MoE experts whole on each TP rank)"
+        text = f"+{slower:.1%}: {what} +{delta[key]:.2f} s"
         gained = cand.headroom_bytes - best.headroom_bytes
         if gained > GIB // 10:
             text += f"; {_gib(gained)} more memory headroom"
         cand.reason = text
 
 
-def format_search(result: SearchResult) -> str:
-    """The text report of a search."""
+def format_search(result: SearchResult, top: int | None = None) -> str:
+    """The text report of a search (its first ``top`` layouts)."""
     c = result.constants
     lines = [
         f"layout search: profile {result.profile or '-'}, world size {result.world_size} "
@@ -581,14 +599,14 @@ def format_search(result: SearchResult) -> str:
         f"{c.intra_bps / 1e9:g} GB/s per GPU in a node, {c.inter_bps / 1e9:g} GB/s between nodes "
         f"({c.sources.get('intra_node_gbps', '')}); overlap " + " ".join(f"{k} {v:g}" for k, v in c.overlap.items()),
         f"  predicted {result.enumerated:,} layouts, then checked the fastest {result.checked:,} against the rules "
-        f"and the memory plan in {result.seconds:.1f} s: {result.invalid:,} invalid, {result.too_big:,} do not fit; "
-        f"the best of each mesh and schedule:",
+        f"and the memory plan in {result.seconds:.1f} s: {result.invalid:,} invalid, {result.too_big:,} over "
+        f"{result.memory_limit_bytes / GIB:.1f} GiB per GPU; the best of each tp x cp x pp schedule x ep:",
     ]
     if not result.top:
         lines.append("  no valid layout fits: a bigger world size, a smaller micro-batch or model is needed")
         return "\n".join(lines)
     lines += ["", f"  {'#':>2} {'step':>9} {'tokens/s':>12} {'peak / GPU':>18}  layout"]
-    for i, cand in enumerate(result.top, 1):
+    for i, cand in enumerate(result.top[:top], 1):
         e = cand.estimate
         share = cand.peak_bytes / cand.capacity_bytes
         lines.append(
@@ -602,10 +620,12 @@ def format_search(result: SearchResult) -> str:
         )
         lines.append(f"{'':>7}why: {cand.reason}")
     if result.fastest_rejected is not None:
-        layout, est, peak = result.fastest_rejected
+        layout, est, peak, bound = result.fastest_rejected
         lines += [
             "",
-            f"  faster but rejected by the memory plan: {layout.describe()} ({est.step_s:.3g} s, "
-            f"peak {peak / GIB:.1f} GiB of {result.top[0].capacity_bytes / GIB:.0f})",
+            f"  faster, but over the memory limit: {layout.describe()} ({est.step_s:.3g} s, "
+            f"peak {peak / GIB:.1f} GiB of {result.top[0].capacity_bytes / GIB:.0f}"
+            + (": parameters, gradients and optimizer state alone, at least" if bound else "")
+            + ")",
         ]
     return "\n".join(lines)
