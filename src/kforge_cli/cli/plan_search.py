@@ -36,6 +36,8 @@ def search_command(
     if sbatch and not trial:
         raise InvalidInputError("--sbatch with --search writes a trial sweep: give --trial K too")
     settings = resolved.settings
+    if write_profile is not None:
+        check_profile_target(write_profile, overwrite=overwrite)  # before the search, not after it
     if sbatch:  # before searching: the job itself searches, inside its allocation
         from kforge_cli.cli.plan_trials import write_sweep_script
 
@@ -66,6 +68,13 @@ def write_best_profile(settings: Any, candidate: Any, path: Path, *, overwrite: 
     """Write ``candidate`` as a profile extending the one ``settings`` came from (no link followed)."""
     from kforge_cli.files import atomic_write
 
+    path = check_profile_target(path, overwrite=overwrite)
+    atomic_write(path, candidate_profile(settings, candidate).encode())  # replaces a link, never follows it
+    return path
+
+
+def check_profile_target(path: Path, *, overwrite: bool) -> Path:
+    """The --write-profile path, refused when it is no .toml, exists (without --overwrite) or has no directory."""
     path = Path(path).expanduser()
     if path.suffix != ".toml":
         raise InvalidInputError(f"--write-profile {path}: a profile file ends in .toml")
@@ -75,7 +84,6 @@ def write_best_profile(settings: Any, candidate: Any, path: Path, *, overwrite: 
         raise InvalidInputError(f"--write-profile {path} is not a file")
     if not path.parent.is_dir():
         raise InvalidInputError(f"--write-profile {path}: directory {path.parent} does not exist")
-    atomic_write(path, candidate_profile(settings, candidate).encode())  # replaces a link, never follows it
     return path
 
 

@@ -453,6 +453,39 @@ class _Memo:
         return peak, worst
 
 
+def layout_of(settings: JobSettings, dims: ParallelDims) -> Layout:
+    """The :class:`Layout` ``settings`` already has at ``dims``."""
+    d, t = settings.distributed, settings.train
+    return Layout(
+        dims.dp_replicate,
+        dims.dp_shard,
+        dims.tp,
+        dims.pp,
+        dims.cp,
+        dims.ep,
+        d.pp_schedule,
+        d.pp_stages_per_rank,
+        t.batch_size,
+        t.grad_accum_steps,
+        t.activation_checkpointing,
+        t.ac_selective_mode,
+    )
+
+
+def predict_layout(
+    settings: JobSettings, world_size: int, *, mfu: float | None = None, template: ShardTemplate | None = None
+) -> tuple[StepEstimate, int]:
+    """The cost model's step and the memory plan's worst peak of ``settings``' own layout at ``world_size``."""
+    dims = resolve_dims(settings, world_size)
+    device = target_device(settings)
+    cdtype = compute_dtype(settings, device)
+    consts = cost_constants(settings, dtype_name(cdtype), mfu)
+    memo = _Memo(settings, template or build_template(settings), cdtype.itemsize, device.type == "cuda")
+    estimate = memo.estimate(settings, layout_of(settings, dims), dims, consts)
+    peak, _ = memo.worst_peak(settings, dims, 2**62)
+    return estimate, peak
+
+
 def search_layouts(
     settings: JobSettings,
     world_size: int,
@@ -595,7 +628,7 @@ def format_search(result: SearchResult, top: int | None = None) -> str:
         f"layout search: profile {result.profile or '-'}, world size {result.world_size} "
         f"({result.gpu_type}, {result.gpus_per_node} per node), global batch {result.global_batch} x "
         f"{result.seq_len} tokens",
-        f"  cost model: {c.peak_flops / 1e12:.1f} TFLOP/s x MFU {c.mfu:.2f} ({c.sources.get('mfu', '')}); "
+        f"  cost model: {c.peak_flops / 1e12:.4g} TFLOP/s x MFU {c.mfu:.2f} ({c.sources.get('mfu', '')}); "
         f"{c.intra_bps / 1e9:g} GB/s per GPU in a node, {c.inter_bps / 1e9:g} GB/s between nodes "
         f"({c.sources.get('intra_node_gbps', '')}); overlap " + " ".join(f"{k} {v:g}" for k, v in c.overlap.items()),
         f"  predicted {result.enumerated:,} layouts, then checked the fastest {result.checked:,} against the rules "
@@ -609,9 +642,11 @@ def format_search(result: SearchResult, top: int | None = None) -> str:
     for i, cand in enumerate(result.top[:top], 1):
         e = cand.estimate
         share = cand.peak_bytes / cand.capacity_bytes
+        size = (
+            f"{cand.peak_bytes / GIB:>8.1f} GiB" if cand.peak_bytes >= GIB else f"{cand.peak_bytes / 2**20:>8.1f} MiB"
+        )
         lines.append(
-            f"  {i:>2} {e.step_s:>7.3g} s {e.tokens_per_s:>12,.0f} {cand.peak_bytes / GIB:>8.1f} GiB ({share:>4.0%})  "
-            f"{cand.layout.describe()}"
+            f"  {i:>2} {e.step_s:>7.3g} s {e.tokens_per_s:>12,.0f} {size} ({share:>4.0%})  {cand.layout.describe()}"
         )
         comm = ", ".join(f"{k} {v:.2f}" for k, v in e.exposed.items() if v > 0.005) or "none"
         lines.append(
