@@ -37,7 +37,7 @@ from dataclasses import dataclass, field
 from kforge_cli.engine.observe.mfu import match_device, peak_flops
 from kforge_cli.engine.parallel.plan.costs import kv_bytes
 from kforge_cli.engine.parallel.plan.moe import all_to_all_bytes
-from kforge_cli.engine.parallel.plan.shards import ParamSpec, RankPlace, ShardTemplate
+from kforge_cli.engine.parallel.plan.shards import HEAD_NAME, ParamSpec, RankPlace, ShardTemplate
 from kforge_cli.errors import InvalidInputError
 from kforge_cli.settings import JobSettings, ParallelDims
 from kforge_cli.settings.pipeline_schedules import schedule_facts
@@ -309,8 +309,9 @@ def rank_work(
         block = f.split / dims.tp + f.whole
         flops += block
         recompute += block * recompute_share(settings, i, cuda, attention / block)
-    if place.has_head:
+    if place.has_head:  # the head (vocab-parallel under TP) and the final norm, 6 x parameters as --plan counts
         flops += 6.0 * m.vocab_size * m.dim / dims.tp
+        flops += sum(6.0 * p.numel for p in template.tail if not p.suffix.endswith(HEAD_NAME))
     dense = expert = 0
 
     def add(specs: tuple[ParamSpec, ...], times: int = 1) -> None:

@@ -472,18 +472,28 @@ def layout_of(settings: JobSettings, dims: ParallelDims) -> Layout:
     )
 
 
-def predict_layout(
+def predict_step(
     settings: JobSettings, world_size: int, *, mfu: float | None = None, template: ShardTemplate | None = None
-) -> tuple[StepEstimate, int]:
-    """The cost model's step and the memory plan's worst peak of ``settings``' own layout at ``world_size``."""
+) -> StepEstimate:
+    """The cost model's step of ``settings``' own layout at ``world_size`` (constants from its ``[plan]``)."""
     dims = resolve_dims(settings, world_size)
     device = target_device(settings)
     cdtype = compute_dtype(settings, device)
     consts = cost_constants(settings, dtype_name(cdtype), mfu)
     memo = _Memo(settings, template or build_template(settings), cdtype.itemsize, device.type == "cuda")
-    estimate = memo.estimate(settings, layout_of(settings, dims), dims, consts)
+    return memo.estimate(settings, layout_of(settings, dims), dims, consts)
+
+
+def predict_layout(
+    settings: JobSettings, world_size: int, *, mfu: float | None = None, template: ShardTemplate | None = None
+) -> tuple[StepEstimate, int]:
+    """:func:`predict_step` and the memory plan's worst peak over the pipeline ranks."""
+    template = template or build_template(settings)
+    dims = resolve_dims(settings, world_size)
+    cdtype = compute_dtype(settings, target_device(settings))
+    memo = _Memo(settings, template, cdtype.itemsize, target_device(settings).type == "cuda")
     peak, _ = memo.worst_peak(settings, dims, 2**62)
-    return estimate, peak
+    return predict_step(settings, world_size, mfu=mfu, template=template), peak
 
 
 def search_layouts(
