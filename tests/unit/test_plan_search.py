@@ -245,3 +245,15 @@ def test_written_profile_resolves_to_the_layout(small_search, tmp_path) -> None:
         write_best_profile(s, best, link, overwrite=False)
     write_best_profile(s, best, link, overwrite=True)  # the link is replaced, not written through
     assert target.read_text() == "keep me" and not link.is_symlink()
+
+
+def test_no_layout_of_any_mesh_breaks_a_rule() -> None:
+    """Every mesh the search returns (all of them: tp = 8 is refused here, 4 KV heads) passes the rules."""
+    s = _settings(*SMALL, "--distributed.reshard_after_forward=true")  # zero-bubble schedules refuse it
+    result = search_layouts(s, 8, top=1000)
+    assert len(result.top) > 20
+    for cand in result.top:
+        again = _settings(*SMALL, "--distributed.reshard_after_forward=true", *cand.layout.overrides())
+        assert resolve_dims(again, 8) == cand.dims  # raises ConfigError when validate-config would refuse it
+    assert result.invalid > 0
+    assert all(c.dims.tp < 8 and "zero_bubble" not in c.layout.pp_schedule for c in result.top)
