@@ -257,3 +257,34 @@ def test_no_layout_of_any_mesh_breaks_a_rule() -> None:
         assert resolve_dims(again, 8) == cand.dims  # raises ConfigError when validate-config would refuse it
     assert result.invalid > 0
     assert all(c.dims.tp < 8 and "zero_bubble" not in c.layout.pp_schedule for c in result.top)
+
+
+def test_trial_commands_local_and_under_srun(tmp_path) -> None:
+    from kforge_cli.cli.plan_trials import in_slurm_allocation, trial_command
+
+    profile, run = tmp_path / "p.toml", tmp_path / "run"
+    local = trial_command(profile, run, 10, 4, 1, 4, slurm=False)
+    assert local[1:6] == ["-m", "kforge_cli", "train", "--profile", str(profile)]
+    assert local[-2:] == ["--nproc-per-node", "4"] and "--train.max_steps=10" in local
+    srun = trial_command(profile, run, 10, 16, 2, 8, slurm=True)
+    assert srun[:5] == ["srun", "--nodes=2", "--ntasks=16", "--ntasks-per-node=8", "--kill-on-bad-exit=1"]
+    assert "--nproc-per-node" not in srun and f"--train.run_dir={run}" in srun
+    assert in_slurm_allocation({"SLURM_JOB_ID": "7"}) and not in_slurm_allocation(
+        {"SLURM_JOB_ID": "7", "SLURM_STEP_ID": "0"}
+    )
+
+
+def test_sweep_script_runs_the_search_and_trials_in_one_allocation(tmp_path, monkeypatch, capsys) -> None:
+    from kforge_cli.cli.plan_trials import write_sweep_script
+
+    monkeypatch.chdir(tmp_path)
+    s = _settings(*SMALL, "--slurm.nodes=2", "--slurm.partition=gpu")
+    argv = ["validate-config", "--plan", "--search", "--trial", "3", "--sbatch", "--trial-dir", "old", "--top=2"]
+    script = write_sweep_script(s, argv, tmp_path / "sweep")
+    text = script.read_text()
+    assert "#SBATCH --nodes=2" in text and "#SBATCH --ntasks-per-node=8" in text and "#SBATCH --partition=gpu" in text
+    assert "--requeue" not in text
+    command = text.strip().splitlines()[-1]
+    assert command.endswith(f"validate-config --plan --search --trial 3 --top=2 --trial-dir {tmp_path}/sweep/results")
+    assert "--sbatch" not in command and "old" not in command
+    assert capsys.readouterr().out == text

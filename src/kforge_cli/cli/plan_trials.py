@@ -250,6 +250,7 @@ def write_sweep_script(settings: Any, argv: list[str], trial_dir: Path | None) -
 
         raise ConfigError(issues, header="cannot write an sbatch script")
     out = _fresh_dir(trial_dir)
+    real_dir(out / "logs")  # where #SBATCH --output points
     args = [a for a in argv if a != "--sbatch"]
     args = _drop_option(args, "--trial-dir")
     python = task_python(settings.slurm, sys.executable)
