@@ -228,7 +228,7 @@ def test_search_refuses_what_it_cannot_do() -> None:
 
 
 def test_written_profile_resolves_to_the_layout(small_search, tmp_path) -> None:
-    from kforge_cli.cli.plan_search import write_best_profile
+    from kforge_cli.cli.plan_profile import write_best_profile
 
     s, result = small_search
     best = result.top[0]

@@ -146,7 +146,7 @@ def run_trials(
     settings: Any, result: Any, candidates: list[Any], steps: int, trial_dir: Path | None
 ) -> list[TrialResult]:
     """Run each candidate for ``steps`` steps (see the module docstring); write TRIAL_DIR/trials.json."""
-    from kforge_cli.cli.plan_search import candidate_profile
+    from kforge_cli.cli.plan_profile import candidate_profile
     from kforge_cli.rundir.layout import RunDir
 
     out = _fresh_dir(trial_dir)
