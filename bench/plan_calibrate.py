@@ -2,7 +2,8 @@
 
 Input: a trial directory written by `kforge validate-config --plan --search --trial K`
 (TRIAL_DIR/trials.json and each trial's profile.toml), or, without ``--trials``, a fresh CPU
-sweep: a tiny model on ``--world-size`` gloo ranks, ``--k`` trials of ``--steps`` steps.
+sweep: a tiny model on ``--world-size`` gloo ranks, ``--k`` trials of ``--steps`` steps (kept in
+bench/results/plan-calibrate-trials-*).
 
 The fit: the cost model (``plan.search.predict_step``, the same code the search runs) is
 evaluated on a grid of ``plan.mfu`` x one collective bandwidth (``plan.intra_node_gbps`` =
@@ -22,7 +23,7 @@ import json
 import math
 import subprocess
 import sys
-import tempfile
+import time
 from pathlib import Path
 from typing import Any
 
@@ -69,12 +70,11 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--world-size", type=int, default=4)
     args = parser.parse_args()
-    with tempfile.TemporaryDirectory() as tmp:
-        trial_dir = args.trials
-        if trial_dir is None:
-            trial_dir = Path(tmp) / "trials"
-            run_sweep(args.world_size, args.k, args.steps, trial_dir)
-        summary = json.loads((trial_dir / "trials.json").read_text())
+    trial_dir = args.trials
+    if trial_dir is None:  # kept under bench/results/ for a later --trials run
+        trial_dir = HERE / "results" / f"plan-calibrate-trials-{time.strftime('%Y%m%d-%H%M%S')}"
+        run_sweep(args.world_size, args.k, args.steps, trial_dir)
+    summary = json.loads((trial_dir / "trials.json").read_text())
     trials = [t for t in summary["trials"] if t["measured_step_s"] is not None]
     if not trials:
         sys.exit("no trial finished: nothing to fit")
