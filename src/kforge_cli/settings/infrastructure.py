@@ -118,9 +118,10 @@ class PlanSettings(Section):
     pp_overlap: float = field(
         0.5, "Share of pipeline send/receive time hidden under compute (asynchronous P2P).", ge=0, le=1
     )
-    full_speed_tokens: int = field(
-        4096,
-        "Tokens per micro-batch and rank from which matmuls run at the assumed MFU; fewer run proportionally slower.",
+    full_speed_tokens: int | None = field(
+        None,
+        "Tokens per micro-batch and rank from which matmuls run at the assumed MFU; fewer run proportionally slower "
+        "(None: the GPU table's, 4096 for GPUs).",
         gt=0,
     )
 

@@ -57,6 +57,7 @@ class Hardware:
     inter_node_gbps: float
     source: str
     peak_tflops: float | None = None  # only where engine.observe.mfu has no peak (the CPU)
+    full_speed_tokens: int = 4096  # the --plan warning for tiny per-GPU batches
 
 
 def _link(per_direction_gbps: float) -> float:
@@ -109,6 +110,7 @@ HARDWARE: dict[str, Hardware] = {
         1.0,
         "placeholders for gloo on one machine (not a GPU): fit them with bench/plan_calibrate.py",
         peak_tflops=0.05,
+        full_speed_tokens=1,  # a CPU's matmuls do not starve on small batches the way a GPU's do
     ),
 }
 
@@ -176,7 +178,7 @@ def cost_constants(settings: JobSettings, compute_dtype: str, mfu: float | None 
             "ep": p.ep_overlap,
             "pp": p.pp_overlap,
         },
-        full_speed_tokens=p.full_speed_tokens,
+        full_speed_tokens=int(pick("full_speed_tokens", p.full_speed_tokens, hw.full_speed_tokens if hw else 0)),
         sources=sources,
     )
 
