@@ -7,7 +7,8 @@ bench/results/plan-calibrate-trials-*).
 
 The fit: the cost model (``plan.search.predict_step``, the same code the search runs) is
 evaluated on a grid of ``plan.mfu`` x one collective bandwidth (``plan.intra_node_gbps`` =
-``plan.inter_node_gbps``) x one overlap share (fsdp, tp, cp, ep and pp alike), and the point
+``plan.inter_node_gbps``) x one overlap share (fsdp, tp, cp, ep and pp alike) x
+``plan.full_speed_tokens``, and the point
 with the least mean squared log error of the predicted against the measured step time wins.
 The error is in-sample: with a handful of trials it says how well the model's *shape* fits,
 not how well it predicts a new layout. Prints the table of predicted (defaults and fitted)
@@ -40,8 +41,9 @@ TINY = [
     "--train.seq_len=128",
 ]
 MFUS = [round(0.01 * 1.2**i, 4) for i in range(26)]  # 0.01 .. 0.95
-GBPS = [round(0.05 * 1.4**i, 3) for i in range(24)]  # 0.05 .. 115
+GBPS = [round(0.05 * 1.4**i, 3) for i in range(30)]  # 0.05 .. 870
 OVERLAPS = [0.0, 0.25, 0.5, 0.75, 0.9]
+FULL_SPEED = [256, 1024, 4096, 16384]
 
 
 def run_sweep(world: int, k: int, steps: int, out: Path) -> None:
@@ -51,10 +53,11 @@ def run_sweep(world: int, k: int, steps: int, out: Path) -> None:
     subprocess.run(argv, check=True)
 
 
-def _with_plan(settings: Any, mfu: float, gbps: float, overlap: float) -> Any:
+def _with_plan(settings: Any, mfu: float, gbps: float, overlap: float, full: int) -> Any:
     plan = settings.plan.model_copy(
         update={
             "mfu": mfu,
+            "full_speed_tokens": full,
             "intra_node_gbps": gbps,
             "inter_node_gbps": gbps,
             **{f"{k}_overlap": overlap for k in ("fsdp", "tp", "cp", "ep", "pp")},
@@ -83,10 +86,10 @@ def main() -> None:
         settings = load_settings(profile=t["profile"], use_env=False).settings
         cases.append((t, settings, build_template(settings)))
 
-    def predictions(mfu: float | None, gbps: float | None, overlap: float | None) -> list[float]:
+    def predictions(point: tuple[float, float, float, int] | None) -> list[float]:
         out = []
         for t, settings, template in cases:
-            s = settings if mfu is None else _with_plan(settings, mfu, gbps or 1.0, overlap or 0.0)
+            s = settings if point is None else _with_plan(settings, *point)
             out.append(predict_step(s, t["world_size"], template=template).step_s)
         return out
 
@@ -95,16 +98,17 @@ def main() -> None:
     def loss(pred: list[float]) -> float:
         return sum(math.log(p / m) ** 2 for p, m in zip(pred, measured, strict=True)) / len(pred)
 
-    default = predictions(None, None, None)
-    best = (math.inf, 0.0, 0.0, 0.0)
+    default = predictions(None)
+    best: tuple[float, tuple[float, float, float, int]] = (math.inf, (0.0, 0.0, 0.0, 0))
     for mfu in MFUS:
         for gbps in GBPS:
             for overlap in OVERLAPS:
-                value = loss(predictions(mfu, gbps, overlap))
-                if value < best[0]:
-                    best = (value, mfu, gbps, overlap)
-    _, mfu, gbps, overlap = best
-    fitted = predictions(mfu, gbps, overlap)
+                for full in FULL_SPEED:
+                    value = loss(predictions((mfu, gbps, overlap, full)))
+                    if value < best[0]:
+                        best = (value, (mfu, gbps, overlap, full))
+    mfu, gbps, overlap, full = best[1]
+    fitted = predictions(best[1])
 
     def err(p: float, m: float) -> float:
         return (p - m) / m
@@ -124,7 +128,7 @@ def main() -> None:
     print(f"mean |error|: defaults {mean_default:.0%}, fitted {mean_fitted:.0%} (in-sample)")
     print(f"ranking by measurement {rank_measured}, by the fitted model {rank_fitted}")
     print("fitted constants (paste into the profile):")
-    print(f"[plan]\nmfu = {mfu}\nintra_node_gbps = {gbps}\ninter_node_gbps = {gbps}")
+    print(f"[plan]\nmfu = {mfu}\nintra_node_gbps = {gbps}\ninter_node_gbps = {gbps}\nfull_speed_tokens = {full}")
     for kind in ("fsdp", "tp", "cp", "ep", "pp"):
         print(f"{kind}_overlap = {overlap}")
     out = HERE / "results" / "plan_calibrate.json"
@@ -133,7 +137,7 @@ def main() -> None:
         "gpu_type": summary["gpu_type"],
         "world_size": summary["world_size"],
         "steps": summary["steps"],
-        "fitted": {"mfu": mfu, "gbps": gbps, "overlap": overlap},
+        "fitted": {"mfu": mfu, "gbps": gbps, "overlap": overlap, "full_speed_tokens": full},
         "mean_abs_error_default": mean_default,
         "mean_abs_error_fitted": mean_fitted,
         "rows": rows,

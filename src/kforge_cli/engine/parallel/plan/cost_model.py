@@ -110,7 +110,6 @@ HARDWARE: dict[str, Hardware] = {
         1.0,
         "placeholders for gloo on one machine (not a GPU): fit them with bench/plan_calibrate.py",
         peak_tflops=0.05,
-        full_speed_tokens=1,  # a CPU's matmuls do not starve on small batches the way a GPU's do
     ),
 }
 
