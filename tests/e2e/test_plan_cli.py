@@ -104,3 +104,44 @@ def test_plan_bad_rank_and_format_are_input_errors(kforge) -> None:
     assert r.returncode == 2 and "--rank must be in [0, 1]" in r.stderr
     r = kforge("validate-config", "--plan", "--format", "toml")
     assert r.returncode == 2 and "--plan prints a table" in r.stderr
+
+
+def test_search_prints_valid_layouts_and_writes_a_profile_that_validates(
+    kforge, data_stub: Path, tmp_path: Path
+) -> None:
+    best = tmp_path / "best.toml"
+    data = f"--data.path={data_stub}"
+    r = kforge(
+        "validate-config",
+        "-p",
+        "llama70b-h100x64",
+        "--plan",
+        "--search",
+        "--format",
+        "json",
+        data,
+        "--write-profile",
+        str(best),
+    )
+    assert r.returncode == 0, r.stderr
+    found = json.loads(r.stdout)
+    assert found["world_size"] == 64 and len(found["top"]) == 5
+    steps = [t["predicted"]["step_s"] for t in found["top"]]
+    assert steps == sorted(steps) and all(t["peak_bytes"] <= found["memory_limit_bytes"] for t in found["top"])
+    first = found["top"][0]
+    check = kforge("validate-config", "-p", "llama70b-h100x64", data, *first["overrides"], "--plan", "--format", "json")
+    assert check.returncode == 0, check.stderr  # the layout as printed passes validate-config at world size 64
+    assert json.loads(check.stdout)["mesh"]["tp"] == first["layout"]["tp"]
+    again = kforge("validate-config", "--profile", str(best), "--plan", "--format", "json")  # nothing else given
+    assert again.returncode == 0, again.stderr
+    plan = json.loads(again.stdout)
+    assert plan["world_size"] == 64 and plan["mesh"]["pp"] == first["layout"]["pp"]
+    refused = kforge(
+        "validate-config", "-p", "llama70b-h100x64", "--plan", "--search", data, "--write-profile", str(best)
+    )
+    assert refused.returncode == 2 and "exists; choose another file or pass --overwrite" in refused.stderr
+
+
+def test_search_options_need_plan_search(kforge) -> None:
+    r = kforge("validate-config", "--write-profile", "x.toml")
+    assert r.returncode == 2 and "go with --plan --search" in r.stderr

@@ -188,7 +188,9 @@ def test_heldout_states_its_batch_count_and_a_tokenizer_clash_names_both_tokeniz
     got = run_task(open_for_inference(run_dir), "heldout")  # the whole validation split by default
     assert got["batches"] >= 1 and got["tokens"] > 0
     line = next(x for x in capsys.readouterr().out.splitlines() if x.startswith("heldout: "))
-    assert line == f"heldout: {int(got['tokens']):,} tokens in {int(got['batches'])} batches, the whole validation split"
+    assert (
+        line == f"heldout: {int(got['tokens']):,} tokens in {int(got['batches'])} batches, the whole validation split"
+    )
     text = tmp_path / "t.txt"
     text.write_text("the cat sat on the mat\n" * 200)
     bpe = tmp_path / "bpe"

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import sys
+from pathlib import Path
 from typing import Annotated, Any, Literal
 
 import typer
@@ -33,14 +35,61 @@ def validate_config(
     plan: Annotated[bool, typer.Option("--plan", help="Also simulate the parallel plan and per-GPU memory.")] = False,
     rank: Annotated[int, typer.Option("--rank", help="With --plan: the rank to report.")] = 0,
     mfu: Annotated[
-        float, typer.Option("--mfu", help="With --plan: the model FLOP utilisation the step time assumes.")
-    ] = 0.4,
+        float | None,
+        typer.Option(
+            "--mfu",
+            help="With --plan: the model FLOP utilisation the step time assumes (default 0.4; with --search: "
+            "plan.mfu, else the GPU table's).",
+        ),
+    ] = None,
+    search: Annotated[
+        bool,
+        typer.Option(
+            "--search", help="With --plan: search the layouts (tp, pp, cp, ep, FSDP/HSDP, micro-batch, AC) that fit."
+        ),
+    ] = False,
+    top: Annotated[int, typer.Option("--top", help="With --search: how many layouts to print.")] = 5,
+    global_batch: Annotated[
+        int | None,
+        typer.Option(
+            "--global-batch", help="With --search: sequences per step every layout keeps (default: the profile's)."
+        ),
+    ] = None,
+    memory_share: Annotated[
+        float,
+        typer.Option(
+            "--memory-share",
+            help="With --search: keep layouts whose planned peak is within this share of the GPU's memory "
+            "(above 0.9 the plan calls it tight: allocator fragmentation may still OOM).",
+        ),
+    ] = 0.9,
+    write_profile: Annotated[
+        Path | None,
+        typer.Option("--write-profile", help="With --search: write the best layout as a profile FILE.toml."),
+    ] = None,
+    overwrite: Annotated[bool, typer.Option("--overwrite", help="With --write-profile: replace FILE.")] = False,
+    trial: Annotated[
+        int, typer.Option("--trial", help="With --search: run the K best layouts and measure them (K).")
+    ] = 0,
+    steps: Annotated[int, typer.Option("--steps", help="With --trial: training steps per trial.")] = 10,
+    trial_dir: Annotated[
+        Path | None,
+        typer.Option(
+            "--trial-dir", help="With --trial: a new directory for the trial runs (default runs/plan-trials-*)."
+        ),
+    ] = None,
+    sbatch: Annotated[
+        bool,
+        typer.Option("--sbatch", help="With --trial: write a SLURM script that runs the search and trials with srun."),
+    ] = False,
 ) -> None:
     """Check a configuration: fields, cross-section rules and world-size rules, all at once.
 
     Overrides follow the options: `kforge validate-config -p h100x64 --model.n_layers=48`.
     Exit code 0 when valid, 2 when not (every problem listed with its dotted key). With
     `--plan` (`--format json` prints only the plan), 1 when the plan does not fit the GPU.
+    `--plan --search` lists the fastest layouts that fit (1 when none does), and can write
+    the best as a profile (`--write-profile`) or measure the best K (`--trial K --steps N`).
     """
     from kforge_cli.errors import InvalidInputError
     from kforge_cli.settings import resolve_dims
@@ -54,6 +103,30 @@ def validate_config(
     n = world_size if world_size is not None else s.slurm.world_size
     if n < 1:
         raise InvalidInputError(f"--world-size must be >= 1 (got {n})")
+    if search or write_profile or trial or sbatch:
+        if not (plan and search):
+            raise InvalidInputError("--search, --write-profile, --trial and --sbatch go with --plan --search")
+        if fmt not in (None, "json"):
+            raise InvalidInputError(f"--search prints a table, or JSON with --format json (got --format {fmt!r})")
+        from kforge_cli.cli.plan_search import search_command
+
+        search_command(
+            resolved,
+            n,
+            fmt=fmt,
+            mfu=mfu,
+            top=top,
+            global_batch=global_batch,
+            memory_share=memory_share,
+            write_profile=write_profile,
+            overwrite=overwrite,
+            trial=trial,
+            steps=steps,
+            trial_dir=trial_dir,
+            sbatch=sbatch,
+            argv=sys.argv[1:],
+        )
+        return
     dims = resolve_dims(s, n)
     if plan and fmt not in (None, "json"):
         raise InvalidInputError(f"--plan prints a table, or JSON with --format json (got --format {fmt!r})")
@@ -95,7 +168,7 @@ def validate_config(
             )
         typer.echo(f"  tokens per step: {tokens:,} (global batch {tokens // s.train.seq_len} x {s.train.seq_len})")
     if plan:
-        _plan(s, n, rank, fmt, mfu)
+        _plan(s, n, rank, fmt, 0.4 if mfu is None else mfu)
 
 
 def _plan(settings: Any, world_size: int, rank: int, fmt: str | None, mfu: float) -> None:

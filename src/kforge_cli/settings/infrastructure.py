@@ -94,6 +94,42 @@ class MetricsSettings(Section):
     )
 
 
+class PlanSettings(Section):
+    """The step-time cost model of `validate-config --plan` and `--plan --search` (None = the GPU table).
+
+    Defaults and their sources: docs/distributed.md ("The layout search"); fit them to
+    measured trials with bench/plan_calibrate.py.
+    """
+
+    mfu: float | None = field(
+        None,
+        "Model FLOP utilisation the compute time assumes (None: the GPU table's, e.g. 0.40 for H100).",
+        gt=0,
+        le=1,
+    )
+    intra_node_gbps: float | None = field(
+        None, "Collective bandwidth per GPU inside a node, GB/s (None: the GPU table's, e.g. 360 for H100).", gt=0
+    )
+    inter_node_gbps: float | None = field(
+        None, "Collective bandwidth per GPU between nodes, GB/s (None: the GPU table's, e.g. 40 for H100).", gt=0
+    )
+    fsdp_overlap: float = field(
+        0.9, "Share of FSDP all-gather/reduce-scatter time hidden under compute (prefetch).", ge=0, le=1
+    )
+    tp_overlap: float = field(0.0, "Share of tensor-parallel collective time hidden under compute.", ge=0, le=1)
+    cp_overlap: float = field(0.0, "Share of context-parallel K/V all-gather time hidden under compute.", ge=0, le=1)
+    ep_overlap: float = field(0.0, "Share of expert-parallel all-to-all time hidden under compute.", ge=0, le=1)
+    pp_overlap: float = field(
+        0.5, "Share of pipeline send/receive time hidden under compute (asynchronous P2P).", ge=0, le=1
+    )
+    full_speed_tokens: int | None = field(
+        None,
+        "Tokens per micro-batch and rank from which matmuls run at the assumed MFU; fewer run proportionally slower "
+        "(None: the GPU table's, 4096 for GPUs).",
+        gt=0,
+    )
+
+
 class ProfilingSettings(Section):
     """A torch.profiler window writing one trace per rank."""
 

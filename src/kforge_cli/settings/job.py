@@ -12,6 +12,7 @@ from kforge_cli.settings.infrastructure import (
     CheckpointSettings,
     DistributedSettings,
     MetricsSettings,
+    PlanSettings,
     ProfilingSettings,
     ResilienceSettings,
     SlurmSettings,
@@ -52,6 +53,7 @@ class JobSettings(BaseSettings):
     profiling: ProfilingSettings = field(ProfilingSettings, "torch.profiler window.")
     resilience: ResilienceSettings = field(ResilienceSettings, "NaN policy and signals.")
     slurm: SlurmSettings = field(SlurmSettings, "Cluster shape and SLURM options.")
+    plan: PlanSettings = field(PlanSettings, "Step-time cost model of validate-config --plan / --search.")
     vision_encoder: VisionEncoderSettings | None = field(None, "Vision encoder (VLM jobs only).")
     adapter: AdapterSettings | None = field(None, "Vision-to-text adapter (VLM jobs only).")
     vlm: VLMSettings | None = field(None, "Vision-language architecture (VLM jobs only).")

@@ -13,6 +13,7 @@ Note that fp32 matmuls run on tensor cores as TF32 when
 from __future__ import annotations
 
 import re
+from collections.abc import Mapping
 
 import torch
 
@@ -64,6 +65,16 @@ _KEY_PATTERNS = [
 
 def _normalise_dtype(dtype: str) -> str | None:
     return _DTYPE_ALIASES.get(dtype.lower().removeprefix("torch."))
+
+
+def match_device(device_name: str, table: Mapping[str, object]) -> str | None:
+    """The key of ``table`` that names ``device_name``: whole upper-case tokens, the longest key first
+    ("GH200" is not read as "H200"; "H100 PCIE" wins over "H100")."""
+    name = device_name.upper()
+    for key in sorted(table, key=len, reverse=True):
+        if re.search(rf"(?<![A-Z0-9]){re.escape(key.upper())}(?![A-Z0-9])", name):
+            return key
+    return None
 
 
 def peak_flops(device_name: str, dtype: str) -> float | None:

@@ -228,14 +228,21 @@ def estimate_activations(
     blocks after it have freed theirs; a checkpointed block recomputes its activations).
     """
     ids = sorted(block_ids)
-    saved = [block_saved_bytes(a, i) for i in ids]
+    by_class: dict[bool, int] = {}  # a block's saved bytes depend on its index only under selective block AC
+    saved = []
+    for i in ids:
+        cls = a.ac_mode == "selective_block" and i % a.ac_every_n_blocks == 0
+        if cls not in by_class:
+            by_class[cls] = block_saved_bytes(a, i)
+        saved.append(by_class[cls])
     blocks = sum(saved)
     head = head_saved_bytes(a) if has_head else 0
     phases = [blocks + head + loss_transient_bytes(a)] if has_head else []
+    working = block_full_bytes(a) + block_backward_bytes(a)  # one block's backward: recomputed + gradients
     alive = 0
     for kept in saved:
         alive += kept
-        phases.append(alive + block_full_bytes(a) - kept + block_backward_bytes(a))
+        phases.append(alive + working - kept)
     others = int((microbatches_in_flight - 1) * (blocks + head))
     peak = others + max(phases, default=0)
     return ActivationEstimate(blocks + head, microbatches_in_flight, peak - others - blocks - head, peak)

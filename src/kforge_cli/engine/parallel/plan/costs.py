@@ -100,7 +100,23 @@ def comm_buffers(
     float8_all_gather: bool,
     n_stages_here: int,
 ) -> CommBuffers:
-    """FSDP2 / TP / PP buffers of this rank.
+    """FSDP2 / TP / PP / CP buffers of this rank (:func:`fsdp_buffers` + :func:`transit_buffers`)."""
+    if dims.world_size == 1:
+        return CommBuffers(0, 0, 0, 0)
+    gathered, reduce = fsdp_buffers(
+        params,
+        compute_bytes=compute_bytes,
+        reshard_after_forward=reshard_after_forward,
+        float8_all_gather=float8_all_gather,
+    )
+    tp, pp, cp = transit_buffers(settings, dims, compute_bytes=compute_bytes, n_stages_here=n_stages_here)
+    return CommBuffers(gathered, reduce, tp, pp, cp)
+
+
+def fsdp_buffers(
+    params: list[ParamShard], *, compute_bytes: int, reshard_after_forward: bool, float8_all_gather: bool
+) -> tuple[int, int]:
+    """FSDP2's all-gathered parameters and unsharded gradients at the peak of the backward (multi-process).
 
     FSDP2 never reshards the root unit (embedding, final norm, head) between forward and
     backward; each block is gathered before its forward and backward with the next one
@@ -109,8 +125,6 @@ def comm_buffers(
     fp32) after its backward, so the root's unsharded gradients, made first by the head,
     live through the whole backward.
     """
-    if dims.world_size == 1:
-        return CommBuffers(0, 0, 0, 0)
     units: dict[str, int] = defaultdict(int)
     for p in params:
         units[p.unit] += p.tp_numel
@@ -120,13 +134,20 @@ def comm_buffers(
     gathered = root * compute_bytes + (2 * max(blocks) if reshard_after_forward else sum(blocks)) * block_bytes
     reduce_bytes = compute_bytes + (FP32 if compute_bytes < FP32 else 0)
     reduce = root * compute_bytes + max(blocks) * reduce_bytes
+    return gathered, reduce
+
+
+def transit_buffers(
+    settings: JobSettings, dims: ParallelDims, *, compute_bytes: int, n_stages_here: int
+) -> tuple[int, int, int]:
+    """(TP, PP, CP) buffers of activations in transit (multi-process): one micro-batch's activation
+    as it crosses TP ranks or pipeline stages (the local 1/cp of its tokens), and one layer's K/V."""
     t = settings.train
-    # One micro-batch's activation as it crosses TP ranks or pipeline stages: the local 1/cp of its tokens.
     tokens_dim = t.batch_size * t.seq_len // dims.cp * settings.model.dim * compute_bytes
     tp = tokens_dim if dims.tp > 1 else 0
     pp = 2 * tokens_dim * n_stages_here if dims.pp > 1 else 0
     cp = kv_gather_bytes(settings, dims, compute_bytes) if dims.cp > 1 else 0
-    return CommBuffers(gathered, reduce, tp, pp, cp)
+    return tp, pp, cp
 
 
 def kv_gather_bytes(settings: JobSettings, dims: ParallelDims, compute_bytes: int) -> int:
@@ -135,9 +156,15 @@ def kv_gather_bytes(settings: JobSettings, dims: ParallelDims, compute_bytes: in
     Ring attention (``cp_attention = ring``) passes K/V repeated to the query heads (torch's ring
     kernels run without SDPA's GQA), and its default rotation all-gathers them too.
     """
-    m, t = settings.model, settings.train
-    heads = m.n_heads if settings.distributed.cp_attention == "ring" else m.kv_heads
-    return 2 * t.batch_size * t.seq_len * heads * m.head_dim // dims.tp * compute_bytes
+    t = settings.train
+    ring = settings.distributed.cp_attention == "ring"
+    return kv_bytes(settings.model, t.batch_size * t.seq_len, ring=ring, tp=dims.tp, compute_bytes=compute_bytes)
+
+
+def kv_bytes(model: ModelSettings, tokens: int, *, ring: bool, tp: int, compute_bytes: int) -> int:
+    """K and V of one layer over ``tokens`` on one TP rank (:func:`kv_gather_bytes`)."""
+    heads = model.n_heads if ring else model.kv_heads
+    return 2 * tokens * heads * model.head_dim // tp * compute_bytes
 
 
 @dataclass(frozen=True)

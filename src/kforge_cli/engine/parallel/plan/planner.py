@@ -33,11 +33,12 @@ from kforge_cli.engine.parallel.plan.activations import (
 )
 from kforge_cli.engine.parallel.plan.costs import (
     Throughput,
-    comm_buffers,
+    fsdp_buffers,
     kv_gather_bytes,
     optimizer_state_bytes,
     optimizer_step_temporaries,
     throughput,
+    transit_buffers,
 )
 from kforge_cli.engine.parallel.plan.moe import moe_notes
 from kforge_cli.engine.parallel.plan.sharded_model import (
@@ -223,53 +224,28 @@ def _notes(settings: JobSettings, built: MetaBuild, dims: ParallelDims) -> list[
     return out
 
 
-def _memory(
-    settings: JobSettings, dims: ParallelDims, built: MetaBuild, cbytes: int
-) -> tuple[list[MemoryItem], ActivationEstimate]:
+def param_items(settings: JobSettings, dims: ParallelDims, built: MetaBuild, cbytes: int) -> list[MemoryItem]:
+    """The items that follow from the parameters alone (not the micro-batch, AC or schedule)."""
     cuda = target_device(settings).type == "cuda"
     params = built.params
     trainable = [p for p in params if p.trainable]
-    d, t = settings.distributed, settings.train
-    pp_rank = built.coordinates["pp"]
-    in_flight = pipeline_in_flight(d.pp_schedule, dims.pp, pp_rank, d.pp_stages_per_rank, t.grad_accum_steps)
-    acts = estimate_activations(
-        _activation_inputs(settings, dims, cbytes, cuda), built.block_ids, built.has_head, in_flight
-    )
+    t = settings.train
     fp8_gather = t.float8 and cuda and dims.dp_shard > 1 and t.float8_recipe == "tensorwise" and dims.world_size > 1
-    comm = comm_buffers(
-        params,
-        settings,
-        dims,
-        compute_bytes=cbytes,
-        reshard_after_forward=resolve_reshard_after_forward(settings),
-        float8_all_gather=fp8_gather,
-        n_stages_here=len(built.rank_stages),
-    )
-    ac = t.activation_checkpointing + (f"/{t.ac_selective_mode}" if t.activation_checkpointing == "selective" else "")
+    gathered, reduce = 0, 0
+    if dims.world_size > 1:
+        gathered, reduce = fsdp_buffers(
+            params,
+            compute_bytes=cbytes,
+            reshard_after_forward=resolve_reshard_after_forward(settings),
+            float8_all_gather=fp8_gather,
+        )
     items = [
         MemoryItem("parameters", sum(p.local_bytes for p in params), "held", f"{t.master_dtype} shards"),
         MemoryItem("gradients", sum(p.local_bytes for p in trainable), "held", f"{t.master_dtype} shards"),
         MemoryItem(
             "optimizer state", optimizer_state_bytes(params, settings.optimizer.name), "held", settings.optimizer.name
         ),
-        MemoryItem(
-            "activations",
-            acts.peak,
-            "backward",
-            f"micro-batch {t.batch_size}x{t.seq_len}, AC {ac}, {in_flight:g} in flight",
-        ),
-        MemoryItem(
-            "FSDP buffers",
-            comm.fsdp_all_gather + comm.fsdp_reduce_scatter,
-            "backward",
-            "all-gathered params + reduce-scatter grads",
-        ),
-        MemoryItem("TP/PP buffers", comm.tensor_parallel + comm.pipeline, "backward", "activations in transit"),
-        *(
-            [MemoryItem("CP K/V gradients", comm.context_parallel, "backward", "one layer's gathered K/V gradient")]
-            if dims.cp > 1
-            else []
-        ),
+        MemoryItem("FSDP buffers", gathered + reduce, "backward", "all-gathered params + reduce-scatter grads"),
         MemoryItem(
             "optimizer step temporaries",
             optimizer_step_temporaries(params, settings, cuda),
@@ -279,7 +255,47 @@ def _memory(
     ]
     if cuda:
         items.append(MemoryItem("CUDA context + NCCL", CUDA_RUNTIME_BYTES, "held", "allowance"))
+    return items
+
+
+def activation_items(
+    settings: JobSettings, dims: ParallelDims, built: MetaBuild, cbytes: int
+) -> tuple[list[MemoryItem], ActivationEstimate]:
+    """The items that follow from the micro-batch, AC mode and schedule: activations and their transit buffers."""
+    cuda = target_device(settings).type == "cuda"
+    d, t = settings.distributed, settings.train
+    pp_rank = built.coordinates["pp"]
+    in_flight = pipeline_in_flight(d.pp_schedule, dims.pp, pp_rank, d.pp_stages_per_rank, t.grad_accum_steps)
+    acts = estimate_activations(
+        _activation_inputs(settings, dims, cbytes, cuda), built.block_ids, built.has_head, in_flight
+    )
+    tp, pp, cp = (0, 0, 0)
+    if dims.world_size > 1:
+        tp, pp, cp = transit_buffers(settings, dims, compute_bytes=cbytes, n_stages_here=len(built.rank_stages))
+    ac = t.activation_checkpointing + (f"/{t.ac_selective_mode}" if t.activation_checkpointing == "selective" else "")
+    items = [
+        MemoryItem(
+            "activations",
+            acts.peak,
+            "backward",
+            f"micro-batch {t.batch_size}x{t.seq_len}, AC {ac}, {in_flight:g} in flight",
+        ),
+        MemoryItem("TP/PP buffers", tp + pp, "backward", "activations in transit"),
+    ]
+    if dims.cp > 1:
+        items.append(MemoryItem("CP K/V gradients", cp, "backward", "one layer's gathered K/V gradient"))
     return items, acts
+
+
+def _memory(
+    settings: JobSettings, dims: ParallelDims, built: MetaBuild, cbytes: int
+) -> tuple[list[MemoryItem], ActivationEstimate]:
+    held = param_items(settings, dims, built, cbytes)
+    transient, acts = activation_items(settings, dims, built, cbytes)
+    by_name = {m.name: m for m in held + transient}
+    order = ["parameters", "gradients", "optimizer state", "activations", "FSDP buffers", "TP/PP buffers"]
+    order += ["CP K/V gradients", "optimizer step temporaries", "CUDA context + NCCL"]
+    return [by_name[n] for n in order if n in by_name], acts
 
 
 def peak_of(items: list[MemoryItem]) -> int:

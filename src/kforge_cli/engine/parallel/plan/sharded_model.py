@@ -210,11 +210,11 @@ def _meta_modules(settings: JobSettings, runtime: RuntimeContext, stage_ids: lis
         return [Transformer(settings.model)]
 
 
-def build_meta(settings: JobSettings, dims: ParallelDims, rank: int) -> MetaBuild:
-    """Parallelise rank ``rank``'s modules on meta, as build_parallel_model does, and read their shards.
-
-    Call inside :func:`fake_process_group` when the world size is above one.
-    """
+def parallel_modules(
+    settings: JobSettings, dims: ParallelDims, rank: int
+) -> tuple[list[nn.Module], RuntimeContext, list[int], bool]:
+    """Rank ``rank``'s modules parallelised on meta as build_parallel_model does: (modules, runtime, its
+    stage ids, whether float8 was swapped in). Call inside :func:`fake_process_group` above world size one."""
     swap = settings.train.float8 and float8_available()
     plan_settings = _plan_settings(settings, swap)
     runtime = _runtime(plan_settings, dims, rank, target_device(settings))
@@ -225,6 +225,15 @@ def build_meta(settings: JobSettings, dims: ParallelDims, rank: int) -> MetaBuil
         parallelize(module, plan_settings, runtime)
         if runtime.world_size == 1 and settings.train.master_dtype != "fp32":
             module.to(DTYPES[settings.train.master_dtype])  # what the single-process build does after init
+    return modules, runtime, stage_ids, swap
+
+
+def build_meta(settings: JobSettings, dims: ParallelDims, rank: int) -> MetaBuild:
+    """Parallelise rank ``rank``'s modules on meta, as build_parallel_model does, and read their shards.
+
+    Call inside :func:`fake_process_group` when the world size is above one.
+    """
+    modules, runtime, stage_ids, swap = parallel_modules(settings, dims, rank)
     layout = pipeline_layout(settings)
     blocks = sorted(i for s in stage_ids for i in layout[s].layers)
     return MetaBuild(

@@ -1,0 +1,676 @@
+"""`validate-config --plan --search`: the fastest layouts of a model on a world size, by the plan's own rules.
+
+Enumerated, for the profile's model, sequence length and global batch (in sequences, kept
+by every layout): ``tp`` (within a node when the job spans nodes), ``cp``, ``pp`` with each
+schedule and stages per rank (2..8 for the interleaved ones), ``dp_replicate x dp_shard``
+(the rest), ``ep`` (MoE), the micro-batch size with the accumulation that keeps the global
+batch, and the activation checkpointing mode (none, selective op, selective block, full).
+
+Every layout's step time is predicted first (``plan.cost_model``: cheap, cached per rank
+placement). Then, fastest first, each is checked by the same rules as ``validate-config``
+(settings.rules), so an invalid one never appears, and by the same memory plan as
+``--plan`` (planner's ``param_items`` + ``activation_items``) on *every* pipeline rank (the
+worst counts; the first and last rank first, and a layout whose parameters, gradients and
+optimizer state alone exceed the GPU is out without building anything), with the
+parameter shards of ``plan.shards`` (equal to the meta build's, without a model per
+layout). The first layout that passes of each mesh and schedule (tp, cp, pp schedule,
+dp_replicate, dp_shard, ep) is its best stage split, micro-batch and AC mode; the search
+stops when ``top`` meshes are found. The memory items are cached by what they depend on,
+so a 70B model on 1024 GPUs is searched in seconds (bench/plan_search.py).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+from kforge_cli.engine.parallel.build import compute_dtype
+from kforge_cli.engine.parallel.fsdp import resolve_reshard_after_forward
+from kforge_cli.engine.parallel.plan.activations import pipeline_in_flight
+from kforge_cli.engine.parallel.plan.cost_model import (
+    CostConstants,
+    RankWork,
+    StepEstimate,
+    StepShape,
+    cost_constants,
+    estimate_step,
+    rank_work,
+)
+from kforge_cli.engine.parallel.plan.planner import (
+    GIB,
+    TIGHT_FRACTION,
+    MemoryItem,
+    activation_items,
+    param_items,
+    peak_of,
+)
+from kforge_cli.engine.parallel.plan.sharded_model import MetaBuild, target_device
+from kforge_cli.engine.parallel.plan.shards import RankPlace, ShardTemplate, build_template, rank_place
+from kforge_cli.engine.runtime.dtypes import dtype_name
+from kforge_cli.errors import ConfigError, InvalidInputError
+from kforge_cli.settings import JobSettings, ParallelDims, config_issues, resolve_dims, world_size_issues
+from kforge_cli.settings.pipeline_schedules import SCHEDULES
+
+AC_MODES: tuple[tuple[str, str], ...] = (
+    ("none", "block"),
+    ("selective", "op"),
+    ("selective", "block"),
+    ("full", "block"),
+)
+MAX_STAGES_PER_RANK = 8
+
+
+@dataclass(frozen=True)
+class Layout:
+    """One point of the search space: the settings a layout changes."""
+
+    dp_replicate: int
+    dp_shard: int
+    tp: int
+    pp: int
+    cp: int
+    ep: int
+    pp_schedule: str
+    pp_stages_per_rank: int
+    batch_size: int
+    grad_accum_steps: int
+    activation_checkpointing: str
+    ac_selective_mode: str
+
+    def distributed(self) -> dict[str, Any]:
+        return {
+            "dp_replicate": self.dp_replicate,
+            "dp_shard": self.dp_shard,
+            "tp": self.tp,
+            "pp": self.pp,
+            "cp": self.cp,
+            "ep": self.ep,
+            "pp_schedule": self.pp_schedule,
+            "pp_stages_per_rank": self.pp_stages_per_rank,
+        }
+
+    def train(self) -> dict[str, Any]:
+        return {
+            "batch_size": self.batch_size,
+            "grad_accum_steps": self.grad_accum_steps,
+            "activation_checkpointing": self.activation_checkpointing,
+            "ac_selective_mode": self.ac_selective_mode,
+        }
+
+    def family(self) -> tuple[Any, ...]:
+        """The mesh and schedule (what the report lists once, with its best stage split, micro-batch and AC)."""
+        return (self.tp, self.cp, self.pp, self.pp_schedule, self.ep)
+
+    def overrides(self) -> list[str]:
+        """The layout as ``--section.key=value`` overrides."""
+        out = [f"--distributed.{k}={v}" for k, v in self.distributed().items()]
+        return out + [f"--train.{k}={v}" for k, v in self.train().items()]
+
+    @property
+    def ac(self) -> str:
+        if self.activation_checkpointing == "selective":
+            return f"selective/{self.ac_selective_mode}"
+        return self.activation_checkpointing
+
+    def describe(self) -> str:
+        mesh = [f"tp={self.tp}"] if self.tp > 1 else []
+        if self.cp > 1:
+            mesh.append(f"cp={self.cp}")
+        if self.pp > 1:
+            v = f" v={self.pp_stages_per_rank}" if self.pp_stages_per_rank > 1 else ""
+            mesh.append(f"pp={self.pp} {self.pp_schedule}{v}")
+        if self.dp_replicate > 1:
+            mesh.append(f"dp_replicate={self.dp_replicate}")
+        mesh.append(f"dp_shard={self.dp_shard}" + (f" (ep={self.ep})" if self.ep > 1 else ""))
+        return f"{' x '.join(mesh)}; micro-batch {self.batch_size} x {self.grad_accum_steps}, AC {self.ac}"
+
+
+@dataclass
+class Candidate:
+    """A valid layout that fits, with its predicted step and its worst rank's memory."""
+
+    layout: Layout
+    settings: JobSettings
+    dims: ParallelDims
+    estimate: StepEstimate
+    peak_bytes: int
+    peak_pp_rank: int
+    capacity_bytes: int
+    reason: str = ""
+
+    @property
+    def headroom_bytes(self) -> int:
+        return self.capacity_bytes - self.peak_bytes
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "layout": {**self.layout.distributed(), **self.layout.train()},
+            "overrides": self.layout.overrides(),
+            "predicted": self.estimate.as_dict(),
+            "peak_bytes": self.peak_bytes,
+            "peak_pp_rank": self.peak_pp_rank,
+            "capacity_bytes": self.capacity_bytes,
+            "reason": self.reason,
+        }
+
+
+@dataclass
+class SearchResult:
+    """What the search found and how much it looked at."""
+
+    profile: str | None
+    world_size: int
+    gpu_type: str
+    gpus_per_node: int
+    global_batch: int  # sequences per optimizer step
+    seq_len: int
+    constants: CostConstants
+    memory_limit_bytes: int = 0
+    enumerated: int = 0
+    invalid: int = 0
+    checked: int = 0  # layouts checked against the rules and the memory plan (the fastest first)
+    too_big: int = 0
+    fitting: int = 0
+    seconds: float = 0.0
+    top: list[Candidate] = field(default_factory=list)
+    best_memory: list[MemoryItem] = field(default_factory=list)
+    fastest_rejected: tuple[Layout, StepEstimate, int, bool] | None = None  # fastest over the limit (peak, by bound)
+
+    def as_dict(self) -> dict[str, Any]:
+        c = self.constants
+        rejected = None
+        if self.fastest_rejected is not None:
+            layout, est, peak, bound = self.fastest_rejected
+            rejected = {
+                "layout": {**layout.distributed(), **layout.train()},
+                "step_s": est.step_s,
+                "peak_bytes": peak,
+                "held_bytes_alone_over": bound,
+            }
+        return {
+            "profile": self.profile,
+            "world_size": self.world_size,
+            "gpu_type": self.gpu_type,
+            "gpus_per_node": self.gpus_per_node,
+            "global_batch": self.global_batch,
+            "seq_len": self.seq_len,
+            "constants": {
+                "peak_tflops": c.peak_flops / 1e12,
+                "mfu": c.mfu,
+                "intra_node_gbps": c.intra_bps / 1e9,
+                "inter_node_gbps": c.inter_bps / 1e9,
+                "overlap": c.overlap,
+                "full_speed_tokens": c.full_speed_tokens,
+                "sources": c.sources,
+            },
+            "memory_limit_bytes": self.memory_limit_bytes,
+            "enumerated": self.enumerated,
+            "invalid": self.invalid,
+            "checked": self.checked,
+            "rejected_by_memory": self.too_big,
+            "fitting": self.fitting,
+            "seconds": self.seconds,
+            "top": [cand.as_dict() for cand in self.top],
+            "fastest_rejected_by_memory": rejected,
+        }
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def global_batch_of(settings: JobSettings, world_size: int) -> int:
+    """Sequences per optimizer step of the profile's own layout (at ``world_size``, else at its slurm size)."""
+    t = settings.train
+    for world in (world_size, settings.slurm.world_size):
+        try:
+            dims = resolve_dims(settings, world)
+        except ConfigError:
+            continue
+        return t.batch_size * t.grad_accum_steps * dims.dp
+    raise InvalidInputError(
+        f"the profile's own layout fits neither world size {world_size} nor its slurm size "
+        f"{settings.slurm.world_size}, so its global batch is unknown: give --global-batch SEQUENCES"
+    )
+
+
+def cluster_shape(settings: JobSettings, world_size: int) -> tuple[int, int]:
+    """(slurm.nodes, slurm.gpus_per_node) of a job of ``world_size`` processes on this profile's nodes."""
+    gpn = settings.slurm.gpus_per_node
+    if world_size % gpn == 0:
+        return world_size // gpn, gpn
+    if world_size < gpn:
+        return 1, world_size
+    raise InvalidInputError(
+        f"--world-size {world_size} is not a multiple of slurm.gpus_per_node ({gpn}): give whole nodes"
+    )
+
+
+def _schedules(pp: int, n_layers: int) -> Iterator[tuple[str, int]]:
+    if pp == 1:
+        return
+    for name, facts in SCHEDULES.items():
+        if facts.v_shaped:
+            if 2 * pp <= n_layers:
+                yield name, 2
+        elif facts.multi_stage:
+            for v in range(2, MAX_STAGES_PER_RANK + 1):
+                if pp * v <= n_layers:
+                    yield name, v
+        else:
+            yield name, 1
+
+
+def layouts(settings: JobSettings, world_size: int, global_batch: int) -> Iterator[list[tuple[Layout, ...]]]:
+    """Every layout, grouped: per mesh and schedule a list over micro-batch sizes (ascending), each a
+    tuple over AC modes (cheapest first, least memory last).
+
+    A cheap pre-filter skips what cannot divide (the rules check every layout that is kept).
+    """
+    m, t, d = settings.model, settings.train, settings.distributed
+    gpn = settings.slurm.gpus_per_node
+    for tp in _divisors(world_size):
+        if world_size > gpn and tp > gpn:
+            continue
+        for cp in _divisors(world_size // tp):
+            if t.seq_len % (2 * cp) and cp > 1:
+                continue
+            for pp in _divisors(world_size // (tp * cp)):
+                if pp > m.n_layers:
+                    continue
+                dp = world_size // (tp * cp * pp)
+                if global_batch % dp:
+                    continue
+                schedules = list(_schedules(pp, m.n_layers)) or [(d.pp_schedule, d.pp_stages_per_rank)]
+                for schedule, v in schedules:
+                    modes = AC_MODES[:1] if pp > 1 and SCHEDULES[schedule].zero_bubble else AC_MODES
+                    for dp_replicate in _divisors(dp):
+                        dp_shard = dp // dp_replicate
+                        eps = [1]
+                        if m.moe is not None:
+                            eps += [e for e in _divisors(dp_shard) if e > 1 and m.moe.num_experts % e == 0]
+                        for ep in eps:
+                            groups = []
+                            for micro in _divisors(global_batch // dp):
+                                accum = global_batch // (dp * micro)
+                                if pp > 1 and accum < pp:
+                                    continue
+                                groups.append(
+                                    tuple(
+                                        Layout(
+                                            dp_replicate,
+                                            dp_shard,
+                                            tp,
+                                            pp,
+                                            cp,
+                                            ep,
+                                            schedule,
+                                            v,
+                                            micro,
+                                            accum,
+                                            ac,
+                                            mode if ac == "selective" else t.ac_selective_mode,
+                                        )
+                                        for ac, mode in modes
+                                    )
+                                )
+                            yield groups
+
+
+def with_layout(settings: JobSettings, layout: Layout, nodes: int, gpus_per_node: int) -> JobSettings:
+    """``settings`` with the layout applied (and the cluster shape of the world size)."""
+    dist = settings.distributed.model_copy(update=layout.distributed())
+    train = settings.train.model_copy(update=layout.train())
+    slurm = settings.slurm.model_copy(update={"nodes": nodes, "gpus_per_node": gpus_per_node})
+    return settings.model_copy(update={"distributed": dist, "train": train, "slurm": slurm})
+
+
+class _Memo:
+    """The memory plan's and the cost model's pieces for many layouts, each computed once per what it depends on."""
+
+    def __init__(self, settings: JobSettings, template: ShardTemplate, cbytes: int, cuda: bool) -> None:
+        self.template, self.cbytes, self.cuda = template, cbytes, cuda
+        self.state_slots = 1 if settings.optimizer.name in ("lion", "muon") else 2
+        self.builds: dict[tuple[Any, ...], MetaBuild] = {}
+        self.params: dict[tuple[Any, ...], list[MemoryItem]] = {}
+        self.acts: dict[tuple[Any, ...], list[MemoryItem]] = {}
+        self.places: dict[tuple[Any, ...], RankPlace] = {}
+        self.work: dict[tuple[Any, ...], RankWork] = {}
+        self.bounds: dict[tuple[Any, ...], float] = {}
+        self.reshard_setting = settings.distributed.reshard_after_forward
+
+    @staticmethod
+    def _pipeline_key(s: JobSettings, dims: ParallelDims, pp_rank: int) -> tuple[Any, ...]:
+        d = s.distributed
+        return (dims.pp, d.pp_stages_per_rank, d.pp_schedule, pp_rank) if dims.pp > 1 else (1, pp_rank)
+
+    def _shard_key(self, dims: ParallelDims) -> tuple[Any, ...]:
+        return (dims.tp, dims.ep, dims.dp_shard, dims.cp, dims.world_size > 1)
+
+    def held_bound(self, dims: ParallelDims) -> float:
+        key = (*self._shard_key(dims), dims.pp)
+        bound = self.bounds.get(key)
+        if bound is None:
+            bound = self.bounds[key] = self.template.held_lower_bound(dims, self.state_slots)
+        return bound
+
+    def place(self, s: JobSettings, dims: ParallelDims, pp_rank: int) -> RankPlace:
+        key = self._pipeline_key(s, dims, pp_rank)
+        found = self.places.get(key)
+        if found is None:
+            found = self.places[key] = rank_place(s, pp_rank)
+        return found
+
+    def estimate(self, s: JobSettings, layout: Layout, dims: ParallelDims, consts: CostConstants) -> StepEstimate:
+        """The slower of the first and the last pipeline rank (the one with the most blocks, the one with the head).
+
+        ``s`` is the base settings: what the layout changes is read from ``layout``.
+        """
+        shape = StepShape(
+            layout.batch_size,
+            layout.grad_accum_steps,
+            layout.pp_schedule,
+            layout.pp_stages_per_rank,
+            self.reshard(layout.pp),
+            layout.activation_checkpointing == "full",
+        )
+        best: StepEstimate | None = None
+        for r in (0, dims.pp - 1) if dims.pp > 1 else (0,):
+            pkey = (layout.pp, layout.pp_stages_per_rank, layout.pp_schedule, r)
+            place = self.places.get(pkey)
+            if place is None:
+                place = self.places[pkey] = rank_place(self.ac_settings(s, layout), r)
+            key = (place, dims.tp, dims.ep, layout.activation_checkpointing, layout.ac_selective_mode)
+            work = self.work.get(key)
+            if work is None:
+                work = self.work[key] = rank_work(
+                    self.ac_settings(s, layout), dims, self.template, place, cuda=self.cuda
+                )
+            e = estimate_step(s, shape, dims, work, consts, self.cbytes)
+            if best is None or e.step_s > best.step_s:
+                best = e
+        assert best is not None
+        return best
+
+    def reshard(self, pp: int) -> bool:
+        """``resolve_reshard_after_forward`` of the base settings at this ``pp``."""
+        given = self.reshard_setting
+        return given if given is not None else pp == 1
+
+    def ac_settings(self, s: JobSettings, layout: Layout) -> JobSettings:
+        """``s`` with the layout's pipeline and AC mode (what rank placement and rank work read)."""
+        dist = s.distributed.model_copy(
+            update={"pp": layout.pp, "pp_schedule": layout.pp_schedule, "pp_stages_per_rank": layout.pp_stages_per_rank}
+        )
+        train = s.train.model_copy(
+            update={
+                "activation_checkpointing": layout.activation_checkpointing,
+                "ac_selective_mode": layout.ac_selective_mode,
+            }
+        )
+        return s.model_copy(update={"distributed": dist, "train": train})
+
+    def build(self, s: JobSettings, dims: ParallelDims, pp_rank: int) -> MetaBuild:
+        key = (*self._shard_key(dims), *self._pipeline_key(s, dims, pp_rank))
+        built = self.builds.get(key)
+        if built is None:
+            built = self.builds[key] = self.template.build(s, dims, pp_rank)
+        return built
+
+    def peak(self, s: JobSettings, dims: ParallelDims, pp_rank: int) -> tuple[int, list[MemoryItem]]:
+        """The memory plan's peak of pipeline rank ``pp_rank`` (and its items)."""
+        built = self.build(s, dims, pp_rank)
+        d, t = s.distributed, s.train
+        pkey = (id(built), dims.dp_shard > 1, resolve_reshard_after_forward(s))
+        held = self.params.get(pkey)
+        if held is None:
+            held = self.params[pkey] = param_items(s, dims, built, self.cbytes)
+        in_flight = pipeline_in_flight(d.pp_schedule, dims.pp, pp_rank, d.pp_stages_per_rank, t.grad_accum_steps)
+        akey = (dims.tp, dims.cp, dims.pp > 1, dims.world_size > 1, t.batch_size, t.activation_checkpointing)
+        akey += (t.ac_selective_mode, tuple(built.block_ids), built.has_head, in_flight, len(built.rank_stages))
+        transient = self.acts.get(akey)
+        if transient is None:
+            transient = self.acts[akey] = activation_items(s, dims, built, self.cbytes)[0]
+        items = held + transient
+        return peak_of(items), items
+
+    def worst_peak(self, s: JobSettings, dims: ParallelDims, capacity: int) -> tuple[int, int]:
+        """(the highest peak of any pipeline rank, that rank); ranks at other coordinates 0 hold the largest chunks.
+
+        The first and last pipeline ranks come first (the most in flight, the head): once one of
+        them is over ``capacity`` the layout is out and the others are not looked at.
+        """
+        peak, worst = 0, 0
+        order = [0, *([dims.pp - 1] if dims.pp > 1 else []), *range(1, dims.pp - 1)]
+        for r in order:
+            bytes_r, _ = self.peak(s, dims, r)
+            if bytes_r > peak:
+                peak, worst = bytes_r, r
+            if peak > capacity:
+                break
+        return peak, worst
+
+
+def layout_of(settings: JobSettings, dims: ParallelDims) -> Layout:
+    """The :class:`Layout` ``settings`` already has at ``dims``."""
+    d, t = settings.distributed, settings.train
+    return Layout(
+        dims.dp_replicate,
+        dims.dp_shard,
+        dims.tp,
+        dims.pp,
+        dims.cp,
+        dims.ep,
+        d.pp_schedule,
+        d.pp_stages_per_rank,
+        t.batch_size,
+        t.grad_accum_steps,
+        t.activation_checkpointing,
+        t.ac_selective_mode,
+    )
+
+
+def predict_step(
+    settings: JobSettings, world_size: int, *, mfu: float | None = None, template: ShardTemplate | None = None
+) -> StepEstimate:
+    """The cost model's step of ``settings``' own layout at ``world_size`` (constants from its ``[plan]``)."""
+    dims = resolve_dims(settings, world_size)
+    device = target_device(settings)
+    cdtype = compute_dtype(settings, device)
+    consts = cost_constants(settings, dtype_name(cdtype), mfu)
+    memo = _Memo(settings, template or build_template(settings), cdtype.itemsize, device.type == "cuda")
+    return memo.estimate(settings, layout_of(settings, dims), dims, consts)
+
+
+def predict_layout(
+    settings: JobSettings, world_size: int, *, mfu: float | None = None, template: ShardTemplate | None = None
+) -> tuple[StepEstimate, int]:
+    """:func:`predict_step` and the memory plan's worst peak over the pipeline ranks."""
+    template = template or build_template(settings)
+    dims = resolve_dims(settings, world_size)
+    cdtype = compute_dtype(settings, target_device(settings))
+    memo = _Memo(settings, template, cdtype.itemsize, target_device(settings).type == "cuda")
+    peak, _ = memo.worst_peak(settings, dims, 2**62)
+    return predict_step(settings, world_size, mfu=mfu, template=template), peak
+
+
+def search_layouts(
+    settings: JobSettings,
+    world_size: int,
+    *,
+    top: int = 5,
+    global_batch: int | None = None,
+    mfu: float | None = None,
+    memory_share: float = TIGHT_FRACTION,
+) -> SearchResult:
+    """The ``top`` fastest valid layouts whose peak is within ``memory_share`` of the GPU (module docstring)."""
+    if settings.vlm is not None:
+        raise InvalidInputError("--search covers text models; a VLM's vision tower is outside its cost model")
+    if top < 1:
+        raise InvalidInputError(f"--top must be at least 1 (got {top})")
+    if not 0 < memory_share <= 1:
+        raise InvalidInputError(f"--memory-share must be in (0, 1] (got {memory_share})")
+    start = time.perf_counter()
+    nodes, gpn = cluster_shape(settings, world_size)
+    batch = global_batch if global_batch is not None else global_batch_of(settings, world_size)
+    if batch < 1:
+        raise InvalidInputError(f"--global-batch must be at least 1 (got {batch})")
+    slurm = settings.slurm.model_copy(update={"nodes": nodes, "gpus_per_node": gpn})
+    base = settings.model_copy(update={"slurm": slurm})
+    device = target_device(settings)
+    cdtype = compute_dtype(settings, device)
+    consts = cost_constants(base, dtype_name(cdtype), mfu)
+    template = build_template(settings)
+    memo = _Memo(settings, template, cdtype.itemsize, device.type == "cuda")
+    capacity = int(settings.slurm.gpu_memory_gb * GIB)
+    limit = int(capacity * memory_share)
+    result = SearchResult(
+        settings.profile, world_size, settings.slurm.gpu_type, gpn, batch, settings.train.seq_len, consts, limit
+    )
+    predicted: list[tuple[float, int, Layout, ParallelDims, StepEstimate]] = []
+    for groups in layouts(settings, world_size, batch):
+        for group in groups:
+            for order, layout in enumerate(group):
+                dims = ParallelDims(layout.pp, layout.dp_replicate, layout.dp_shard, layout.tp, layout.cp, layout.ep)
+                estimate = memo.estimate(base, layout, dims, consts)
+                predicted.append((estimate.step_s, order, layout, dims, estimate))
+    result.enumerated = len(predicted)
+    predicted.sort(key=lambda p: (p[0], p[1]))
+    found: list[Candidate] = []
+    done: set[tuple[Any, ...]] = set()
+    for _, _, layout, dims, estimate in predicted:
+        family = layout.family()
+        if family in done:
+            continue  # a faster variant of this mesh and schedule is already in
+        result.checked += 1
+        s = with_layout(base, layout, nodes, gpn)
+        if config_issues(s) or world_size_issues(s, world_size):
+            result.invalid += 1
+            continue
+        bound = memo.held_bound(dims)
+        if bound > limit:
+            peak, worst = int(bound), -1  # parameters, gradients and optimizer state alone do not fit
+        else:
+            peak, worst = memo.worst_peak(s, dims, limit)
+        if peak > limit:
+            result.too_big += 1
+            if result.fastest_rejected is None and not found:
+                result.fastest_rejected = (layout, estimate, peak, worst < 0)
+            continue
+        found.append(Candidate(layout, s, dims, estimate, peak, worst, capacity))
+        done.add(family)
+        if len(found) == top:
+            break
+    result.fitting = len(found)
+    result.top = found
+    explain(result)
+    if result.top:
+        best = result.top[0]
+        result.best_memory = memo.peak(best.settings, best.dims, best.peak_pp_rank)[1]
+    result.seconds = time.perf_counter() - start
+    return result
+
+
+COMPONENTS = {
+    "recompute": "activation recompute",
+    "fsdp": "exposed FSDP communication",
+    "tp": "exposed TP communication",
+    "cp": "exposed CP K/V communication",
+    "ep": "exposed EP all-to-all",
+    "pp": "exposed pipeline send/receive",
+    "bubble": "pipeline bubble",
+    "compute": "slower matmuls (small micro-batch) or more FLOPs per rank",
+}
+
+
+def _components(e: StepEstimate) -> dict[str, float]:
+    out = {"compute": e.compute_s - e.recompute_s, "recompute": e.recompute_s, "bubble": e.bubble_s}
+    for kind in ("fsdp", "tp", "cp", "ep", "pp"):
+        out[kind] = e.exposed.get(kind, 0.0)
+    return out
+
+
+def _gib(n: float) -> str:
+    return f"{n / GIB:.1f} GiB"
+
+
+def explain(result: SearchResult) -> None:
+    """Give each of the top layouts the reason it wins or loses against the first."""
+    if not result.top:
+        return
+    best = result.top[0]
+    b = _components(best.estimate)
+    for i, cand in enumerate(result.top):
+        if i == 0:
+            exposed = best.estimate.exposed_s
+            worst = max(best.estimate.exposed, key=lambda k: best.estimate.exposed[k], default=None)
+            parts = [
+                f"exposed communication {exposed:.2f} s" + (f" (mostly {worst})" if worst and exposed > 0 else ""),
+                f"bubble {best.estimate.bubble:.0%}" if best.estimate.bubble else "no bubble",
+                f"recompute {best.estimate.recompute_s:.2f} s" if best.estimate.recompute_s else "no recompute",
+                f"{_gib(best.headroom_bytes)} memory headroom",
+            ]
+            cand.reason = "fastest: " + ", ".join(parts)
+            continue
+        c = _components(cand.estimate)
+        delta = {k: c[k] - b[k] for k in c}
+        key = max(delta, key=lambda k: delta[k])
+        slower = cand.estimate.step_s / best.estimate.step_s - 1
+        what = COMPONENTS[key]
+        if key == "compute":
+            if cand.estimate.efficiency < best.estimate.efficiency:
+                what = f"smaller matmuls (micro-batch runs at {cand.estimate.efficiency:.0%} speed)"
+            else:
+                what = "more FLOPs on its busiest rank (uneven pipeline stages, or MoE experts whole on each TP rank)"
+        text = f"+{slower:.1%}: {what} +{delta[key]:.2f} s"
+        gained = cand.headroom_bytes - best.headroom_bytes
+        if gained > GIB // 10:
+            text += f"; {_gib(gained)} more memory headroom"
+        cand.reason = text
+
+
+def format_search(result: SearchResult, top: int | None = None) -> str:
+    """The text report of a search (its first ``top`` layouts)."""
+    c = result.constants
+    lines = [
+        f"layout search: profile {result.profile or '-'}, world size {result.world_size} "
+        f"({result.gpu_type}, {result.gpus_per_node} per node), global batch {result.global_batch} x "
+        f"{result.seq_len} tokens",
+        f"  cost model: {c.peak_flops / 1e12:.4g} TFLOP/s x MFU {c.mfu:.2f} ({c.sources.get('mfu', '')}); "
+        f"{c.intra_bps / 1e9:g} GB/s per GPU in a node, {c.inter_bps / 1e9:g} GB/s between nodes "
+        f"({c.sources.get('intra_node_gbps', '')}); overlap " + " ".join(f"{k} {v:g}" for k, v in c.overlap.items()),
+        f"  predicted {result.enumerated:,} layouts, then checked the fastest {result.checked:,} against the rules "
+        f"and the memory plan in {result.seconds:.1f} s: {result.invalid:,} invalid, {result.too_big:,} over "
+        f"{result.memory_limit_bytes / GIB:.1f} GiB per GPU; the best of each tp x cp x pp schedule x ep:",
+    ]
+    if not result.top:
+        lines.append("  no valid layout fits: a bigger world size, a smaller micro-batch or model is needed")
+        return "\n".join(lines)
+    lines += ["", f"  {'#':>2} {'step':>9} {'tokens/s':>12} {'peak / GPU':>18}  layout"]
+    for i, cand in enumerate(result.top[:top], 1):
+        e = cand.estimate
+        share = cand.peak_bytes / cand.capacity_bytes
+        size = (
+            f"{cand.peak_bytes / GIB:>8.1f} GiB" if cand.peak_bytes >= GIB else f"{cand.peak_bytes / 2**20:>8.1f} MiB"
+        )
+        lines.append(
+            f"  {i:>2} {e.step_s:>7.3g} s {e.tokens_per_s:>12,.0f} {size} ({share:>4.0%})  {cand.layout.describe()}"
+        )
+        comm = ", ".join(f"{k} {v:.2f}" for k, v in e.exposed.items() if v > 0.005) or "none"
+        lines.append(
+            f"{'':>7}compute {e.compute_s:.2f} s (recompute {e.recompute_s:.2f}), exposed comm {comm}, "
+            f"bubble {e.bubble:.0%}"
+        )
+        lines.append(f"{'':>7}why: {cand.reason}")
+    if result.fastest_rejected is not None:
+        layout, est, peak, bound = result.fastest_rejected
+        lines += [
+            "",
+            f"  faster, but over the memory limit: {layout.describe()} ({est.step_s:.3g} s, "
+            f"peak {peak / GIB:.1f} GiB of {result.top[0].capacity_bytes / GIB:.0f}"
+            + (": parameters, gradients and optimizer state alone, at least" if bound else "")
+            + ")",
+        ]
+    return "\n".join(lines)
