@@ -12,6 +12,7 @@ that already holds complete checkpoints is refused (exit 2).
 from __future__ import annotations
 
 import logging
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal, Protocol
@@ -42,7 +43,7 @@ RestoreKind = Literal["resume", "warm_start", "warm_start_hf"]
 class Stateful(Protocol):
     """Anything whose state a checkpoint carries as JSON (train state, NaN guard, data loader)."""
 
-    def state_dict(self) -> dict[str, Any]: ...
+    def state_dict(self) -> Mapping[str, object]: ...
 
     def load_state_dict(self, state: dict[str, Any]) -> None: ...
 
