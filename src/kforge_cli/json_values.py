@@ -19,3 +19,17 @@ def dict_of(value: object, what: str = "value") -> dict[str, object]:
     if not isinstance(value, dict):
         raise TypeError(f"{what} is {value!r}, not an object")
     return value
+
+
+def float_of(value: object) -> float:
+    """``float(value)`` for a number or a numeric string; TypeError for anything else."""
+    if isinstance(value, int | float | str):
+        return float(value)
+    raise TypeError(f"{value!r} is not a number")
+
+
+def list_of(value: object, what: str = "value") -> list[object]:
+    """``value`` when it is a JSON array (a list); TypeError naming ``what`` otherwise."""
+    if not isinstance(value, list):
+        raise TypeError(f"{what} is {value!r}, not a list")
+    return value

@@ -47,9 +47,10 @@ from collections import deque
 from collections.abc import Callable
 from pathlib import Path
 from types import FrameType
-from typing import Any
+from typing import Any, TypedDict
 
 from kforge_cli.errors import EXIT_HANG
+from kforge_cli.json_values import int_of
 from kforge_cli.rundir import names
 
 log = logging.getLogger("kforge")
@@ -223,7 +224,7 @@ class HangWatchdog:
         )
         self._summarise()
 
-    def report(self, phase: str, idle: float, limit: float) -> tuple[dict[str, Any], str]:
+    def report(self, phase: str, idle: float, limit: float) -> tuple[RankReport, str]:
         """(facts for the summary, the text of rank_N.txt) of this rank now."""
         frames = sys._current_frames()
         main = threading.main_thread()
@@ -231,7 +232,7 @@ class HangWatchdog:
         where, in_collective, collective_frame = describe_frame(main_frame)
         fr = flight_recorder_entries()
         last = last_collectives(fr) if fr is not None else {}
-        facts: dict[str, Any] = {
+        facts: RankReport = {
             "rank": self.rank,
             "world_size": self.world_size,
             "host": socket.gethostname(),
@@ -285,6 +286,33 @@ class HangWatchdog:
         _wait_for(summary, 5.0)
 
 
+class CollectiveMark(TypedDict):
+    """The last collective a rank entered in one process group (from the flight recorder)."""
+
+    seq: int
+    op: str
+    state: str
+
+
+class RankReport(TypedDict):
+    """``rank_N.json``: one rank's facts when the watchdog fired (the summary reads every rank's)."""
+
+    rank: int
+    world_size: int
+    host: str
+    pid: int
+    step: int
+    phase: str
+    idle_s: float
+    limit_s: float
+    time: str
+    where: str
+    in_collective: bool
+    collective_frame: str | None
+    last_collectives: dict[str, CollectiveMark]
+    flight_recorder: bool
+
+
 # ---- the stack and the flight recorder -----------------------------------------------------
 
 
@@ -325,7 +353,7 @@ def flight_recorder_dump() -> bytes | None:
     return None
 
 
-def flight_recorder_entries() -> list[dict[str, Any]] | None:
+def flight_recorder_entries() -> list[dict[str, object]] | None:
     """The flight recorder's entries (our own process's dump), or None when it has none."""
     raw = flight_recorder_dump()
     if raw is None:
@@ -337,14 +365,14 @@ def flight_recorder_entries() -> list[dict[str, Any]] | None:
     return entries or None
 
 
-def last_collectives(entries: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
+def last_collectives(entries: list[dict[str, object]]) -> dict[str, CollectiveMark]:
     """Per process group: the last collective entered (sequence number, op, state)."""
-    out: dict[str, dict[str, Any]] = {}
+    out: dict[str, CollectiveMark] = {}
     for e in entries:
         pg = e.get("process_group") or ("?", "?")
         key = f"pg {pg[0]} ({pg[1]})" if isinstance(pg, list | tuple) and len(pg) == 2 else str(pg)
         p2p = bool(e.get("is_p2p"))
-        seq = int(e.get("p2p_seq_id" if p2p else "collective_seq_id") or 0)
+        seq = int_of(e.get("p2p_seq_id" if p2p else "collective_seq_id") or 0)
         if p2p:
             key += " p2p"
         if key not in out or seq >= out[key]["seq"]:
