@@ -64,7 +64,7 @@ class RestoreDecision:
             raise (UnsafeCheckpointError if self.unsafe else CheckpointError)(self.error)
 
 
-def _own_checkpoint(root: Path, load_path: str | None) -> tuple[Path, dict[str, Any]] | None:
+def _own_checkpoint(root: Path, load_path: str | None) -> tuple[Path, dict[str, object]] | None:
     """Newest complete checkpoint under `root` that belongs to this lineage (same load_path)."""
     for _, path in reversed(list_step_dirs(root)):
         if not is_complete(path):
@@ -126,14 +126,14 @@ def decide_restore(cfg: CheckpointSettings, root: Path) -> RestoreDecision:
     return RestoreDecision()
 
 
-def freeze_config(settings: JobSettings) -> dict[str, Any] | None:
+def freeze_config(settings: JobSettings) -> dict[str, object] | None:
     vlm = settings.vlm
     if vlm is None:
         return None
     return {"freeze": list(vlm.freeze), "freeze_schedule": [s.model_dump(mode="json") for s in vlm.freeze_schedule]}
 
 
-def data_phase(settings: JobSettings, step: int) -> dict[str, Any] | None:
+def data_phase(settings: JobSettings, step: int) -> dict[str, int] | None:
     """The data phase in force at `step` (index in start order and its start), None before the first."""
     current = None
     for i, phase in enumerate(sorted(settings.data.phases, key=lambda p: p.start_step)):
@@ -143,7 +143,7 @@ def data_phase(settings: JobSettings, step: int) -> dict[str, Any] | None:
 
 
 def check_compatible(
-    state: dict[str, Any], path: Path, fingerprint: str, shaping: dict[str, Any], settings: JobSettings
+    state: dict[str, Any], path: Path, fingerprint: str, shaping: dict[str, object], settings: JobSettings
 ) -> None:
     """Refuse to resume a checkpoint of another model shape or (VLM) another freeze plan."""
     if state.get("format") != FORMAT:
