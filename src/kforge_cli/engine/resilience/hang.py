@@ -44,10 +44,10 @@ import threading
 import time
 import traceback
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from types import FrameType
-from typing import Any, TypedDict
+from typing import TypedDict
 
 from kforge_cli.errors import EXIT_HANG
 from kforge_cli.json_values import int_of
@@ -383,13 +383,27 @@ def last_collectives(entries: list[dict[str, object]]) -> dict[str, CollectiveMa
 # ---- the summary ----------------------------------------------------------------------------
 
 
-def _read_reports(directory: Path, world_size: int) -> dict[int, dict[str, Any]]:
-    reports = {}
+def _read_reports(directory: Path, world_size: int) -> dict[int, dict[str, object]]:
+    """The rank reports that parse as JSON objects (read back from disk: each field is checked where used)."""
+    reports: dict[int, dict[str, object]] = {}
     for r in range(world_size):
         path = directory / f"rank_{r}.json"
         with contextlib.suppress(OSError, ValueError):
-            reports[r] = json.loads(path.read_text())
+            report: object = json.loads(path.read_text())
+            if isinstance(report, dict):
+                reports[r] = report
     return reports
+
+
+def _collectives(report: Mapping[str, object]) -> dict[str, CollectiveMark]:
+    """A report's ``last_collectives``; an entry without an integer ``seq`` is left out."""
+    found = report.get("last_collectives")
+    out: dict[str, CollectiveMark] = {}
+    if isinstance(found, dict):
+        for pg, c in found.items():
+            if isinstance(c, dict) and isinstance(seq := c.get("seq"), int):
+                out[str(pg)] = {"seq": seq, "op": str(c.get("op", "?")), "state": str(c.get("state", "?"))}
+    return out
 
 
 def _short(where: str) -> str:
@@ -401,7 +415,7 @@ def _short(where: str) -> str:
     return where
 
 
-def stopped_ranks(reports: dict[int, dict[str, Any]], world_size: int) -> tuple[list[int], dict[int, str]]:
+def stopped_ranks(reports: Mapping[int, Mapping[str, object]], world_size: int) -> tuple[list[int], dict[int, str]]:
     """(the ranks that stopped, why each) from the reports: no report at all; or not inside a
     collective while behind the others' sequence number in some process group; else either."""
     why: dict[int, str] = {}
@@ -409,9 +423,9 @@ def stopped_ranks(reports: dict[int, dict[str, Any]], world_size: int) -> tuple[
     for r in missing:
         why[r] = "wrote no report (exited, killed, or stuck holding the GIL)"
     behind: dict[int, str] = {}
-    groups: dict[str, dict[int, dict[str, Any]]] = {}
+    groups: dict[str, dict[int, CollectiveMark]] = {}
     for r, rep in reports.items():
-        for pg, c in (rep.get("last_collectives") or {}).items():
+        for pg, c in _collectives(rep).items():
             groups.setdefault(pg, {})[r] = c
     for pg, per_rank in groups.items():
         if len(per_rank) < 2:
@@ -426,7 +440,9 @@ def stopped_ranks(reports: dict[int, dict[str, Any]], world_size: int) -> tuple[
     for r in chosen:
         parts = []
         if r in idle:
-            parts.append(f"not in a collective: {reports[r].get('phase')} at {_short(reports[r].get('where', '?'))}")
+            parts.append(
+                f"not in a collective: {reports[r].get('phase')} at {_short(str(reports[r].get('where', '?')))}"
+            )
         if r in behind:
             parts.append(behind[r])
         why[r] = "; ".join(parts)
@@ -437,8 +453,10 @@ def summarise(directory: Path, world_size: int, note: str = "") -> str:
     """The one-screen summary of the rank reports in ``directory``."""
     reports = _read_reports(directory, world_size)
     stopped, why = stopped_ranks(reports, world_size)
-    steps = sorted({rep.get("step", -1) for rep in reports.values()})
-    idle = max((rep.get("idle_s", 0.0) for rep in reports.values()), default=0.0)
+    steps = sorted({step if isinstance(step := rep.get("step", -1), int) else -1 for rep in reports.values()})
+    idle = max(
+        (s if isinstance(s := rep.get("idle_s", 0.0), int | float) else 0.0 for rep in reports.values()), default=0.0
+    )
     lines = [
         f"kforge hang: no progress for {idle:.0f} s at step {'/'.join(map(str, steps)) or '?'}; "
         f"{len(reports)} of {world_size} ranks reported.",
@@ -461,10 +479,10 @@ def summarise(directory: Path, world_size: int, note: str = "") -> str:
     rows = [r for r in sorted(reports) if r in stopped] + [r for r in sorted(reports) if r not in stopped]
     for r in rows[:12]:
         rep = reports[r]
-        last = rep.get("last_collectives") or {}
+        last = _collectives(rep)
         newest = max(last.values(), key=lambda c: c["seq"], default=None) if last else None
         coll = f"{newest['op']} #{newest['seq']}" if newest else "-"
-        where = _short(rep.get("collective_frame") or rep.get("where") or "?")
+        where = _short(str(rep.get("collective_frame") or rep.get("where") or "?"))
         lines.append(
             f"{r:>4}  {str(rep.get('host', '?'))[:16]:<16} {rep.get('step', '?'):>6}  "
             f"{str(rep.get('phase', '?'))[:17]:<17} {coll[:36]:<36} {where}"
