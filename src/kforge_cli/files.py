@@ -20,7 +20,7 @@ import tempfile
 import tomllib
 from collections.abc import Callable
 from pathlib import Path
-from typing import IO, Any
+from typing import IO
 
 from kforge_cli.errors import InvalidInputError
 
@@ -232,7 +232,7 @@ def read_text_capped(path: Path | str, max_bytes: int, what: str = "file") -> st
 MAX_TOML_BYTES = 4 << 20  # a settings file is KBs
 
 
-def read_toml_file(path: Path | str, what: str = "config") -> dict[str, Any]:
+def read_toml_file(path: Path | str, what: str = "config") -> dict[str, object]:
     """A TOML file as a dict; every way the file can be wrong is an InvalidInputError naming it (exit 2).
 
     Missing (the message says so), a FIFO or device (refused, never read), over

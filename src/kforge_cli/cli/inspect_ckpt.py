@@ -3,10 +3,18 @@
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from pathlib import Path
-from typing import Annotated, Any
+from typing import TYPE_CHECKING, Annotated, TypeVar
 
 import typer
+
+if TYPE_CHECKING:
+    from kforge_cli.engine.checkpoint.inspection import CheckpointSummary, DiffResult, TensorRecord, TensorStats
+
+    _Block = tuple[str, int, list[TensorRecord]]  # (prefix, index, its tensors)
+
+_Record = TypeVar("_Record")
 
 
 def register(app: typer.Typer) -> None:
@@ -54,7 +62,7 @@ def inspect_ckpt(
         from kforge_cli.engine.checkpoint.inspection import diff_checkpoints
 
         result = diff_checkpoints(view, open_checkpoint(diff))
-        _emit(result.to_dict(), as_json, _diff_text)
+        typer.echo(json.dumps(result.to_dict(), indent=1, default=str) if as_json else _diff_text(result))
         if not result.identical:
             raise typer.Exit(1)
     else:
@@ -63,7 +71,7 @@ def inspect_ckpt(
         _emit(summarize(view), as_json, lambda data: _summary_text(data, show_all=show_all))
 
 
-def _emit(data: dict[str, Any], as_json: bool, to_text: Any) -> None:
+def _emit(data: _Record, as_json: bool, to_text: Callable[[_Record], str]) -> None:
     typer.echo(json.dumps(data, indent=1, default=str) if as_json else to_text(data))
 
 
@@ -149,7 +157,7 @@ def _group(name: str) -> str:
     return head if head in ("model", "optimizer") else "other"
 
 
-def _shape(t: dict[str, Any]) -> str:
+def _shape(t: TensorRecord) -> str:
     return "x".join(map(str, t["shape"])) or "scalar"
 
 
@@ -162,42 +170,42 @@ def _block_key(name: str) -> tuple[str, int, str] | None:
     return None
 
 
-def _model_rows(tensors: list[dict[str, Any]], shards: bool) -> list[list[str]]:
+def _model_rows(tensors: list[TensorRecord], shards: bool) -> list[list[str]]:
     """The model's tensors, each run of alike blocks (same tensors, shapes, dtypes) as one row and
     the first of them spelled out beneath it; other tensors one row each."""
     rows: list[list[str]] = []
-    pending: list[tuple[str, int, list[dict[str, Any]]]] = []  # (prefix, index, its tensors), in order
-    items: list[tuple[str, Any]] = []  # ("tensor", t) or ("block", (prefix, index, tensors))
+    pending: list[_Block] = []  # in order
+    items: list[TensorRecord | _Block] = []  # a tensor outside the blocks, or a block
     for t in tensors:
         name = t["name"].removeprefix("model.")
         key = _block_key(name)
         if key is None:
-            items.append(("tensor", {**t, "name": name}))
+            items.append({**t, "name": name})
             continue
         prefix, index, rest = key
         if pending and pending[-1][:2] == (prefix, index):
             pending[-1][2].append({**t, "name": rest})
         else:
             pending.append((prefix, index, [{**t, "name": rest}]))
-            items.append(("block", pending[-1]))
+            items.append(pending[-1])
 
-    def signature(block: tuple[str, int, list[dict[str, Any]]]) -> tuple[Any, ...]:
+    def signature(block: _Block) -> tuple[str, tuple[tuple[str, tuple[int, ...], str], ...]]:
         return (block[0], tuple((t["name"], tuple(t["shape"]), t["dtype"]) for t in block[2]))
 
-    merged: list[tuple[str, Any]] = []
-    for kind, item in items:
-        if kind == "block" and merged and merged[-1][0] == "blocks":
-            run = merged[-1][1]
+    merged: list[TensorRecord | list[_Block]] = []  # a tensor, or a run of alike blocks
+    for item in items:
+        if isinstance(item, tuple) and merged and isinstance(merged[-1], list):
+            run = merged[-1]
             if signature(run[-1]) == signature(item) and run[-1][1] + 1 == item[1]:
                 run.append(item)
                 continue
-        merged.append(("blocks", [item]) if kind == "block" else (kind, item))
+        merged.append([item] if isinstance(item, tuple) else item)
 
     def row(name: str, shape: str, dtype: str, numel: int, nbytes: int, n_shards: str) -> list[str]:
         return [name, shape, dtype, f"{numel:,}", human_bytes(nbytes), *([n_shards] if shards else [])]
 
-    for kind, item in merged:
-        if kind == "tensor":
+    for item in merged:
+        if not isinstance(item, list):
             rows.append(
                 row(item["name"], _shape(item), item["dtype"], item["numel"], item["bytes"], str(item["shards"]))
             )
@@ -216,9 +224,9 @@ def _model_rows(tensors: list[dict[str, Any]], shards: bool) -> list[list[str]]:
     return rows
 
 
-def _optimizer_lines(tensors: list[dict[str, Any]]) -> list[str]:
+def _optimizer_lines(tensors: list[TensorRecord]) -> list[str]:
     """One line per kind of optimizer state (``optimizer.state.<param>.<kind>``), other entries by name."""
-    kinds: dict[str, list[dict[str, Any]]] = {}
+    kinds: dict[str, list[TensorRecord]] = {}
     for t in tensors:
         name = t["name"].removeprefix("optimizer.")
         kind = name.rsplit(".", 1)[-1] if name.startswith("state.") else name
@@ -231,7 +239,7 @@ def _optimizer_lines(tensors: list[dict[str, Any]]) -> list[str]:
     return _table(rows, ["optimizer state", "tensors", "dtype", "numel", "size"])
 
 
-def _summary_text(s: dict[str, Any], show_all: bool = False) -> str:
+def _summary_text(s: CheckpointSummary, show_all: bool = False) -> str:
     status = "complete" if s["complete"] else "INCOMPLETE (its save never finished)"
     if s["complete"] and s.get("file_problems"):
         status = f"DAMAGED: {s['file_problems'][0]}; run --verify for every problem"
@@ -241,18 +249,20 @@ def _summary_text(s: dict[str, Any], show_all: bool = False) -> str:
     if s["step"] is not None:
         tokens = f", {s['tokens_seen']:,} tokens seen" if isinstance(s.get("tokens_seen"), int) else ""
         lines.append(f"step {s['step']}{tokens}" + (f" (saved: {s['reason']}, {s['time']})" if s.get("reason") else ""))
-    if s.get("world_size"):
-        mesh = ", ".join(f"{k}={v}" for k, v in (s.get("mesh") or {}).items())
+    if world_size := s["world_size"]:
+        mesh_sizes = s["mesh"]
+        mesh = ", ".join(f"{k}={v}" for k, v in mesh_sizes.items()) if isinstance(mesh_sizes, dict) else ""
         mesh = f" ({mesh})" if mesh else ""
-        ranks = _plural(s["world_size"], "rank")
+        ranks = _plural(world_size, "rank") if isinstance(world_size, int) else f"{world_size} ranks"
         lines += _wrap(f"written by {ranks}{mesh}; DCP dirs: {', '.join(s['dcp_dirs'])}")
-    if s.get("model"):
-        lines += _wrap("model: " + ", ".join(f"{k}={v}" for k, v in s["model"].items() if v is not None))
-    if s.get("vlm"):
-        lines += _wrap("vlm: " + ", ".join(f"{k}={v}" for k, v in s["vlm"].items()))
-    for name, run_id in (s.get("metrics_run_ids") or {}).items():
+    if model_cfg := s["model"]:
+        lines += _wrap("model: " + ", ".join(f"{k}={v}" for k, v in model_cfg.items() if v is not None))
+    if vlm := s["vlm"]:
+        lines += _wrap("vlm: " + ", ".join(f"{k}={v}" for k, v in vlm.items()))
+    run_ids = s["metrics_run_ids"]
+    for name, run_id in run_ids.items() if isinstance(run_ids, dict) else ():
         lines.append(f"{name} run id: {run_id}")
-    versions = [f"{k.removesuffix('_version')} {s[k]}" for k in ("kforge_version", "torch_version") if s.get(k)]
+    versions = [f"{name} {v}" for name, v in (("kforge", s["kforge_version"]), ("torch", s["torch_version"])) if v]
     if versions:
         lines += _wrap("saved with " + ", ".join(versions) + (f", profile {s['profile']}" if s.get("profile") else ""))
     sharded = any(t["shards"] != 1 for t in s["tensors"])
@@ -286,9 +296,8 @@ def _summary_text(s: dict[str, Any], show_all: bool = False) -> str:
             lines += ["", *_table(rows, header)]
     t = s["totals"]
     lines.append("")
-    for group in ("model", "optimizer", "other"):
-        if t[group]["tensors"]:
-            g = t[group]
+    for group, g in (("model", t["model"]), ("optimizer", t["optimizer"]), ("other", t["other"])):
+        if g["tensors"]:
             lines.append(
                 f"{group}: {_plural(g['tensors'], 'tensor')}, {human_count(g['numel'])} elements "
                 f"({g['numel']:,}), {human_bytes(g['bytes'])}"
@@ -301,31 +310,27 @@ def _summary_text(s: dict[str, Any], show_all: bool = False) -> str:
     return "\n".join(lines)
 
 
-def _stats_text(s: dict[str, Any]) -> str:
+def _stats_text(s: TensorStats) -> str:
     shape = "x".join(map(str, s["shape"])) or "scalar"
     lines = [f"{s['name']}  {shape} {s['dtype']}  ({s['numel']:,} elements, {s['shards']} shard(s))"]
-    for key in ("mean", "std", "min", "max", "norm"):
-        value = s[key]
+    values = {"mean": s["mean"], "std": s["std"], "min": s["min"], "max": s["max"], "norm": s["norm"]}
+    for key, value in values.items():
         lines.append(f"  {key:<5} {value:.6g}" if value is not None else f"  {key:<5} -")
     lines.append(f"  nan   {s['nan']}\n  inf   {s['inf']}\n  zeros {s['zeros']}")
     return "\n".join(lines)
 
 
-def _diff_text(d: dict[str, Any]) -> str:
-    lines = [f"A: {d['a']}", f"B: {d['b']}"]
-    rows = [[x["name"], f"{x['changed']:,}", f"{x['max_abs']:.3e}", f"{x['rel_l2']:.3e}"] for x in d["differing"]]
+def _diff_text(d: DiffResult) -> str:
+    lines = [f"A: {d.a}", f"B: {d.b}"]
+    rows = [[x.name, f"{x.changed:,}", f"{x.max_abs:.3e}", f"{x.rel_l2:.3e}"] for x in d.differing]
     if rows:
         lines += ["", *_table(rows, ["differing tensor", "changed", "max |B-A|", "|B-A|/|A|"])]
-    for key, label in (("only_in_a", "only in A"), ("only_in_b", "only in B"), ("shape_mismatch", "shape differs")):
-        for name in d[key]:
+    for names, label in ((d.only_in_a, "only in A"), (d.only_in_b, "only in B"), (d.shape_mismatch, "shape differs")):
+        for name in names:
             lines.append(f"{label}: {name}")
-    same = d["compared"] - len(d["differing"])
+    same = d.compared - len(d.differing)
     lines.append(
-        f"\n{len(d['differing'])} of {d['compared']} common tensors differ, {same} identical"
-        + (
-            ""
-            if not (d["only_in_a"] or d["only_in_b"])
-            else f"; {len(d['only_in_a'])} only in A, {len(d['only_in_b'])} only in B"
-        )
+        f"\n{len(d.differing)} of {d.compared} common tensors differ, {same} identical"
+        + ("" if not (d.only_in_a or d.only_in_b) else f"; {len(d.only_in_a)} only in A, {len(d.only_in_b)} only in B")
     )
     return "\n".join(lines)

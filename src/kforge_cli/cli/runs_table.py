@@ -228,7 +228,7 @@ def describe_run(
         status = "failed"
     return RunRow(
         name=run.name,
-        profile=config.get("profile") if isinstance(config.get("profile"), str) else None,
+        profile=profile if isinstance(profile := config.get("profile"), str) else None,
         steps_done=step,
         steps_planned=planned,
         last_loss=last["loss"][1] if "loss" in last else None,

@@ -45,7 +45,7 @@ def atomic_write_bytes(path: Path, data: bytes) -> None:
     atomic_write(path, data)
 
 
-def atomic_write_json(path: Path, obj: Any) -> None:
+def atomic_write_json(path: Path, obj: object) -> None:
     atomic_write_bytes(path, (json.dumps(obj, indent=1, sort_keys=True) + "\n").encode())
 
 
@@ -61,7 +61,7 @@ def _read_small(path: Path) -> bytes:
     return data
 
 
-def read_json(path: Path) -> dict[str, Any]:
+def read_json(path: Path) -> dict[str, Any]:  # TODO(types): dict[str, object] once engine/interop narrows its reads
     try:
         data = json.loads(_read_small(path))
     except FileNotFoundError:
@@ -92,7 +92,7 @@ def list_step_dirs(root: Path) -> list[tuple[int, Path]]:
     return sorted((s, p) for s, p in found if s is not None)
 
 
-def commit_problem(step_dir: Path) -> tuple[dict[str, Any] | None, str | None]:
+def commit_problem(step_dir: Path) -> tuple[dict[str, object] | None, str | None]:
     """(the commit marker's content, None) when `step_dir` is complete, else (None, why not)."""
     marker = step_dir / COMMIT_FILE
     if step_dir.is_symlink():
@@ -119,7 +119,7 @@ def commit_problem(step_dir: Path) -> tuple[dict[str, Any] | None, str | None]:
     return record, None
 
 
-def commit_record(step_dir: Path) -> dict[str, Any] | None:
+def commit_record(step_dir: Path) -> dict[str, object] | None:
     """The commit marker's content when `step_dir` is complete, else None."""
     return commit_problem(step_dir)[0]
 
@@ -133,7 +133,9 @@ def dcp_dirs(step_dir: Path) -> list[Path]:
     record, problem = commit_problem(step_dir)
     if record is None:
         raise CheckpointError(f"{step_dir} is not a complete checkpoint: {problem}")
-    return [step_dir / d if d != "." else step_dir for d in record.get("dcp_dirs", ["."])]
+    dirs = record.get("dcp_dirs", ["."])
+    assert isinstance(dirs, list)  # commit_problem checked it: a non-empty list of directory names
+    return [step_dir / d if d != "." else step_dir for d in dirs if isinstance(d, str)]
 
 
 def read_latest(root: Path) -> Path | None:

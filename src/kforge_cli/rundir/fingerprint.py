@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import hashlib
 import json
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from kforge_cli.settings import JobSettings
@@ -22,9 +22,9 @@ _MODEL_EXCLUDED = frozenset({"init_std", "attention"})
 _VLM_SHAPING = ("arch", "cross_attention_every", "modalities")
 
 
-def shaping_config(settings: JobSettings) -> dict[str, Any]:
+def shaping_config(settings: JobSettings) -> dict[str, object]:
     """Dotted key -> JSON value of every model-shaping field (absent VLM sections are None)."""
-    out: dict[str, Any] = {}
+    out: dict[str, object] = {}
     for name, value in settings.model.model_dump(mode="json").items():
         if name not in _MODEL_EXCLUDED:
             out[f"model.{name}"] = value
@@ -43,18 +43,18 @@ def shaping_config(settings: JobSettings) -> dict[str, Any]:
     return out
 
 
-def fingerprint(shaping: dict[str, Any]) -> str:
+def fingerprint(shaping: dict[str, object]) -> str:
     """SHA-256 of the canonical JSON of a shaping config."""
     blob = json.dumps(shaping, sort_keys=True, separators=(",", ":")).encode()
     return hashlib.sha256(blob).hexdigest()
 
 
-def shaping_diff(old: dict[str, Any], new: dict[str, Any]) -> list[tuple[str, Any, Any]]:
+def shaping_diff(old: dict[str, object], new: dict[str, object]) -> list[tuple[str, object, object]]:
     """(key, old value, new value) for every shaping field that differs (sorted by key)."""
     keys = sorted(set(old) | set(new))
     return [(k, old.get(k), new.get(k)) for k in keys if old.get(k) != new.get(k)]
 
 
-def changed_fields(old: dict[str, Any], new: dict[str, Any]) -> list[str]:
+def changed_fields(old: dict[str, object], new: dict[str, object]) -> list[str]:
     """`key: old -> new` for every shaping field that differs (sorted by key)."""
     return [f"{k}: {a!r} -> {b!r}" for k, a, b in shaping_diff(old, new)]

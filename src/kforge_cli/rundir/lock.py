@@ -25,8 +25,9 @@ import logging
 import os
 import socket
 import time
+from collections.abc import Mapping
 from pathlib import Path
-from typing import IO, Any
+from typing import IO, TypedDict
 
 from kforge_cli.errors import InvalidInputError
 from kforge_cli.files import open_append
@@ -42,7 +43,16 @@ class RunDirInUseError(InvalidInputError):
     """Another live kforge process holds the run directory (exit 2)."""
 
 
-def _record() -> dict[str, Any]:
+class LockRecord(TypedDict):
+    """What the lock file says about its holder (read back by the next claimant, untrusted)."""
+
+    pid: int
+    host: str
+    slurm_job_id: str | None
+    since: str
+
+
+def _record() -> LockRecord:
     return {
         "pid": os.getpid(),
         "host": socket.gethostname(),
@@ -51,15 +61,15 @@ def _record() -> dict[str, Any]:
     }
 
 
-def _read_record(path: Path) -> dict[str, Any]:
+def _read_record(path: Path) -> dict[str, object]:
     try:
-        data = json.loads(path.read_text())
+        data: object = json.loads(path.read_text())
     except (OSError, ValueError):
         return {}
     return data if isinstance(data, dict) else {}
 
 
-def _alive_here(record: dict[str, Any]) -> bool:
+def _alive_here(record: Mapping[str, object]) -> bool:
     """The record's process runs on this host (a record from another host cannot be checked)."""
     pid = record.get("pid")
     if record.get("host") != socket.gethostname() or not isinstance(pid, int) or pid <= 0:
@@ -73,7 +83,7 @@ def _alive_here(record: dict[str, Any]) -> bool:
     return True
 
 
-def _describe(record: dict[str, Any]) -> str:
+def _describe(record: Mapping[str, object]) -> str:
     job = f", SLURM job {record['slurm_job_id']}" if record.get("slurm_job_id") else ""
     return f"pid {record.get('pid', '?')} on {record.get('host', '?')}{job}, since {record.get('since', '?')}"
 
@@ -98,7 +108,7 @@ class RunLock:
         self.release()
 
 
-def _requeued(previous: dict[str, Any]) -> bool:
+def _requeued(previous: Mapping[str, object]) -> bool:
     job = os.environ.get("SLURM_JOB_ID")
     restarted = int(os.environ.get("SLURM_RESTART_COUNT", "0") or 0) > 0
     return bool(job) and (restarted or previous.get("slurm_job_id") == job)

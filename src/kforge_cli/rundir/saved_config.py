@@ -24,7 +24,7 @@ import shlex
 import sys
 from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from kforge_cli.errors import CheckpointError, ConfigIssue, InvalidInputError
 from kforge_cli.files import MAX_TOML_BYTES, atomic_write, open_append, read_text_capped, read_toml_file
@@ -39,7 +39,7 @@ if TYPE_CHECKING:  # the settings (pydantic) load where they are used: reading a
 # moved) and whether this command resumes. They are never recorded as changes.
 PER_COMMAND_KEYS = frozenset({"train.run_dir", "checkpoint.resume"})
 
-Change = tuple[str, Any, Any]  # (dotted key, the run's value, the new value)
+Change = tuple[str, object, object]  # (dotted key, the run's value, the new value)
 
 # What the run learns from: the model, the data and its order, the optimizer and schedule, the
 # steps and batches, the numerics. A continuation by `kforge train` with other arguments must
@@ -76,7 +76,7 @@ def shapes_learning(key: str) -> bool:
     return section in _LEARNING_SECTIONS
 
 
-def read_saved_config(run_dir: Path, *, missing_ok: bool = False) -> dict[str, Any]:
+def read_saved_config(run_dir: Path, *, missing_ok: bool = False) -> dict[str, object]:
     """The run's settings as a dict: RUN_DIR/config.toml plus every accepted change, in order.
 
     A missing or unreadable file is a clear error, or ``{}`` with ``missing_ok`` (readers that
@@ -99,7 +99,7 @@ def read_saved_config(run_dir: Path, *, missing_ok: bool = False) -> dict[str, A
         raise
 
 
-def read_changes(run_dir: Path) -> list[dict[str, Any]]:
+def read_changes(run_dir: Path) -> list[dict[str, object]]:
     """The records of RUN_DIR/config_changes.jsonl, oldest first ([] when there is none).
 
     A torn last line (a process killed while appending) is a change that was never
@@ -117,7 +117,7 @@ def read_changes(run_dir: Path) -> list[dict[str, Any]]:
         if not line.strip():
             continue
         try:
-            record = json.loads(line)
+            record: object = json.loads(line)
         except ValueError:
             if number == len(lines):
                 continue
@@ -128,17 +128,20 @@ def read_changes(run_dir: Path) -> list[dict[str, Any]]:
     return records
 
 
-def apply_changes(raw: dict[str, Any], records: list[dict[str, Any]]) -> dict[str, Any]:
+def apply_changes(raw: dict[str, object], records: list[dict[str, object]]) -> dict[str, object]:
     """`raw` (a config.toml as a dict) with each record's ``to`` values set, in order."""
     out = copy.deepcopy(raw)
     for record in records:
-        for key, change in record["changes"].items():
+        changes = record["changes"]
+        if not isinstance(changes, dict):  # read_changes refuses such a record
+            continue
+        for key, change in changes.items():
             if isinstance(change, dict) and "to" in change:
                 _set(out, key, change["to"])
     return out
 
 
-def _set(data: dict[str, Any], dotted: str, value: Any) -> None:
+def _set(data: dict[str, object], dotted: str, value: object) -> None:
     *parents, leaf = dotted.split(".")
     node = data
     for part in parents:
@@ -160,7 +163,7 @@ def settings_changes(old: JobSettings, new: JobSettings) -> list[Change]:
     return sorted((c for c in out if c[0] not in PER_COMMAND_KEYS), key=lambda c: c[0])
 
 
-def _diff(old: Any, new: Any, prefix: str, out: list[Change]) -> None:
+def _diff(old: object, new: object, prefix: str, out: list[Change]) -> None:
     if isinstance(old, dict) and isinstance(new, dict):
         for key in sorted(set(old) | set(new)):
             _diff(old.get(key), new.get(key), f"{prefix}{key}.", out)
@@ -168,7 +171,7 @@ def _diff(old: Any, new: Any, prefix: str, out: list[Change]) -> None:
         out.append((prefix.rstrip("."), old, new))
 
 
-def _data_order(settings: JobSettings) -> dict[str, Any]:
+def _data_order(settings: JobSettings) -> dict[str, object]:
     """What a checkpoint's data order was built from (engine.data.loader refuses a resume that changes it)."""
     return {
         "data.path": settings.data.path,

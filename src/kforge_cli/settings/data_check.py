@@ -13,9 +13,9 @@ from __future__ import annotations
 import hashlib
 import json
 from pathlib import Path
-from typing import Any
 
 from kforge_cli.errors import ConfigIssue
+from kforge_cli.json_values import dict_of, int_of
 from kforge_cli.rundir.names import TOKENIZER_FILE
 from kforge_cli.settings.job import JobSettings
 
@@ -65,11 +65,11 @@ def make_paths_absolute(settings: JobSettings, base: Path | None = None) -> None
         spec.path = _absolute(spec.path, base)
 
 
-def _read_metadata(key: str, root: Path) -> tuple[dict[str, Any] | None, ConfigIssue | None]:
+def _read_metadata(key: str, root: Path) -> tuple[dict[str, object] | None, ConfigIssue | None]:
     if not root.is_dir():
         return None, ConfigIssue(key, f"{root} does not exist; create it with `kforge prepare-data FILES --out {root}`")
     try:
-        meta = json.loads((root / METADATA).read_text(encoding="utf-8"))
+        meta: object = json.loads((root / METADATA).read_text(encoding="utf-8"))
     except FileNotFoundError:
         return None, ConfigIssue(key, f"{root} has no {METADATA}: it is not a directory made by `kforge prepare-data`")
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
@@ -79,7 +79,7 @@ def _read_metadata(key: str, root: Path) -> tuple[dict[str, Any] | None, ConfigI
     return meta, None
 
 
-def _tokenizer_issue(key: str, root: Path, tokenizer: dict[str, Any], requested: str) -> ConfigIssue | None:
+def _tokenizer_issue(key: str, root: Path, tokenizer: dict[str, object], requested: str) -> ConfigIssue | None:
     if requested == "byte":
         return None  # the default: use whatever the data was prepared with
     if tokenizer.get("kind") == "byte":
@@ -118,8 +118,8 @@ def data_issues(settings: JobSettings) -> list[ConfigIssue]:
         if issue is not None or meta is None:
             out += [issue] if issue else []
             continue
-        tokenizer = meta["tokenizer"]
-        vocab = int(meta.get("vocab_size", tokenizer.get("vocab_size", 0)))
+        tokenizer = dict_of(meta["tokenizer"], "tokenizer")  # _read_metadata checked it is one
+        vocab = int_of(meta.get("vocab_size", tokenizer.get("vocab_size", 0)))
         if vocab > s.model.vocab_size:
             name = "byte" if tokenizer.get("kind") == "byte" else tokenizer.get("file", TOKENIZER_FILE)
             out.append(
@@ -149,7 +149,7 @@ def record_data_tokenizer(settings: JobSettings) -> None:
     for value in roots:
         root = Path(value).expanduser()
         try:
-            meta = json.loads((root / METADATA).read_text(encoding="utf-8"))
+            meta: object = json.loads((root / METADATA).read_text(encoding="utf-8"))
         except (OSError, UnicodeDecodeError, json.JSONDecodeError):
             return
         tokenizer = meta.get("tokenizer") if isinstance(meta, dict) else None

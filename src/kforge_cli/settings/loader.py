@@ -14,9 +14,9 @@ import types
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
 from pydantic import BaseModel, ValidationError
+from pydantic_core import ErrorDetails
 from pydantic_settings import EnvSettingsSource
 
 from kforge_cli.errors import ConfigError, ConfigIssue, InvalidInputError
@@ -70,7 +70,7 @@ class ResolvedSettings:
         return "default"
 
 
-def parse_override_value(raw: str) -> Any:
+def parse_override_value(raw: str) -> object:
     """A command-line value in TOML syntax (numbers, booleans, lists, inline tables), else a string.
 
     TOML dates and times (e.g. a SLURM time limit `01:00:00`) stay strings: no setting
@@ -83,9 +83,9 @@ def parse_override_value(raw: str) -> Any:
     return raw if isinstance(value, datetime.date | datetime.time) else value
 
 
-def parse_overrides(args: list[str]) -> list[tuple[str, Any]]:
+def parse_overrides(args: list[str]) -> list[tuple[str, object]]:
     """`--section.key=value` or `--section.key value` pairs, in order."""
-    pairs: list[tuple[str, Any]] = []
+    pairs: list[tuple[str, object]] = []
     i = 0
     while i < len(args):
         arg = args[i]
@@ -115,15 +115,16 @@ def _did_you_mean(arg: str) -> str:
     return f"; did you mean --{key}{sep}{raw}?" if key else ""
 
 
-def nest(dotted: str, value: Any) -> dict[str, Any]:
+def nest(dotted: str, value: object) -> dict[str, object]:
     """'a.b.c', v -> {'a': {'b': {'c': v}}}."""
-    out: Any = value
-    for part in reversed(dotted.split(".")):
+    *parents, leaf = dotted.split(".")
+    out: dict[str, object] = {leaf: value}
+    for part in reversed(parents):
         out = {part: out}
     return out
 
 
-def leaf_paths(data: dict[str, Any], prefix: str = "") -> list[str]:
+def leaf_paths(data: dict[str, object], prefix: str = "") -> list[str]:
     """Dotted paths of the non-dict values of a nested dict."""
     paths: list[str] = []
     for key, value in data.items():
@@ -141,7 +142,7 @@ def load_settings(
     overrides: list[str] | None = None,
     *,
     use_env: bool = True,
-    base: dict[str, Any] | None = None,
+    base: dict[str, object] | None = None,
     base_source: str = "saved config",
     for_run: bool = False,
 ) -> ResolvedSettings:
@@ -152,7 +153,7 @@ def load_settings(
     relative paths to absolute ones, records the prepared data's tokenizer, and checks the
     data on disk against the model (settings.data_check), in the same pass as the rules.
     """
-    layers: list[tuple[str, dict[str, Any]]] = []
+    layers: list[tuple[str, dict[str, object]]] = []
     chain: list[ProfileFile] = []
     if base is not None:
         layers.append((base_source, base))
@@ -172,7 +173,7 @@ def load_settings(
     for key, value in parse_overrides(overrides or []):
         layers.append((f"command line --{key}", nest(key, value)))
 
-    merged: dict[str, Any] = {}
+    merged: dict[str, object] = {}
     sources: dict[str, str] = {}
     for source, data in layers:
         merged = deep_merge(merged, data)
@@ -219,26 +220,32 @@ def _rule_issues(settings: JobSettings, for_run: bool) -> list[ConfigIssue]:
     return problems
 
 
-def _validate_without(merged: dict[str, Any], locs: list[tuple[Any, ...]]) -> JobSettings | None:
+def _validate_without(merged: dict[str, object], locs: list[tuple[int | str, ...]]) -> JobSettings | None:
     """The settings with every invalid value dropped (back to its default), if that validates."""
     data = copy.deepcopy(merged)
     for loc in locs:
-        node: Any = data
+        node: object = data
         for part in loc[:-1]:
-            try:
-                node = node[part]
-            except (KeyError, IndexError, TypeError):
-                node = None
-                break
-        if isinstance(node, dict) and loc and loc[-1] in node:
-            del node[loc[-1]]
+            node = _child(node, part)
+        key = loc[-1] if loc else None
+        if isinstance(node, dict) and isinstance(key, str) and key in node:  # TOML keys are strings
+            del node[key]
     try:
         return JobSettings.model_validate(data)
     except ValidationError:
         return None
 
 
-def _env_value(dotted: str, value: Any) -> Any:
+def _child(node: object, part: int | str) -> object:
+    """``node[part]`` for a dict key or a list index that is there, else None."""
+    if isinstance(node, dict) and isinstance(part, str):
+        return node.get(part)
+    if isinstance(node, list) and isinstance(part, int) and -len(node) <= part < len(node):
+        return node[part]
+    return None
+
+
+def _env_value(dotted: str, value: object) -> object:
     """An environment variable's text as the integer an integer field needs (``KFORGE_TRAIN__MAX_STEPS=100``);
     a TOML file or the command line gives the integer itself, and a quoted one there is refused."""
     from kforge_cli.settings.section import is_int_field
@@ -254,13 +261,15 @@ def _env_value(dotted: str, value: Any) -> Any:
     return value
 
 
-def _get(data: dict[str, Any], dotted: str) -> Any:
+def _get(data: dict[str, object], dotted: str) -> object:
+    node: object = data
     for part in dotted.split("."):
-        data = data[part]
-    return data
+        assert isinstance(node, dict), dotted  # leaf_paths only names paths through dicts
+        node = node[part]
+    return node
 
 
-def _issue_from_pydantic(err: Any, sources: dict[str, str]) -> ConfigIssue:
+def _issue_from_pydantic(err: ErrorDetails, sources: dict[str, str]) -> ConfigIssue:
     loc = [str(p) for p in err["loc"]]
     path = ".".join(loc)
     if err["type"] == "extra_forbidden":
@@ -291,7 +300,7 @@ def _model_at(loc: list[str]) -> type[BaseModel] | None:
     return model
 
 
-def _section_class(annotation: Any) -> type[BaseModel] | None:
+def _section_class(annotation: object) -> type[BaseModel] | None:
     if isinstance(annotation, type) and issubclass(annotation, BaseModel):
         return annotation
     origin = typing.get_origin(annotation)

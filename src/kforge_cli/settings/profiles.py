@@ -5,7 +5,6 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 from kforge_cli.errors import InvalidInputError
 from kforge_cli.files import read_toml_file
@@ -155,12 +154,12 @@ def profile_chain(name: str) -> list[ProfileFile]:
         name = parent
 
 
-def read_toml(path: Path, what: str) -> dict[str, Any]:
+def read_toml(path: Path, what: str) -> dict[str, object]:
     """Parse a TOML file; a syntax error names the file and line (see ``files.read_toml_file``)."""
     return read_toml_file(path, what)
 
 
-def load_profile(name: str, _chain: tuple[str, ...] = ()) -> tuple[dict[str, Any], Path]:
+def load_profile(name: str, _chain: tuple[str, ...] = ()) -> tuple[dict[str, object], Path]:
     """The profile's settings with its `extends` chain merged in (child wins)."""
     if name in _chain:
         cycle = " -> ".join((*_chain, name))
@@ -196,12 +195,13 @@ def extends_chain(name: str) -> list[Path]:
         name = parent
 
 
-def deep_merge(base: dict[str, Any], top: dict[str, Any]) -> dict[str, Any]:
+def deep_merge(base: dict[str, object], top: dict[str, object]) -> dict[str, object]:
     """Merge nested dicts; values in `top` win, dicts merge recursively, lists replace."""
     out = dict(base)
     for key, value in top.items():
-        if isinstance(value, dict) and isinstance(out.get(key), dict):
-            out[key] = deep_merge(out[key], value)
+        current = out.get(key)
+        if isinstance(value, dict) and isinstance(current, dict):
+            out[key] = deep_merge(current, value)
         else:
             out[key] = value
     return out

@@ -15,14 +15,16 @@ from __future__ import annotations
 import types
 import typing
 import unicodedata
-from typing import Any
+from typing import Any, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
+
+_V = TypeVar("_V")
 
 SETTINGS_CONFIG = ConfigDict(extra="forbid", validate_assignment=True, frozen=False, allow_inf_nan=False)
 
 
-def is_int_field(annotation: Any) -> bool:
+def is_int_field(annotation: object) -> bool:
     """``int`` or ``int | None`` (not bool, not a union with other types)."""
     if annotation is int:
         return True
@@ -32,7 +34,7 @@ def is_int_field(annotation: Any) -> bool:
     return False
 
 
-def control_character(value: Any, where: str = "") -> tuple[str, str] | None:
+def control_character(value: object, where: str = "") -> tuple[str, str] | None:
     """(the first control character in `value`, where: "" or " in item 0" / " in key 'k'"), else None.
 
     Looks into strings inside lists, tuples and dicts (keys and values); sections validate their own.
@@ -40,7 +42,7 @@ def control_character(value: Any, where: str = "") -> tuple[str, str] | None:
     if isinstance(value, str):
         found = next((c for c in value if unicodedata.category(c) == "Cc"), None)
         return (found, where) if found is not None else None
-    items: list[tuple[Any, str]] = []
+    items: list[tuple[object, str]] = []
     if isinstance(value, list | tuple):
         items = [(v, f"{where} in item {i}") for i, v in enumerate(value)]
     elif isinstance(value, dict):
@@ -48,7 +50,7 @@ def control_character(value: Any, where: str = "") -> tuple[str, str] | None:
     return next((hit for v, w in items if (hit := control_character(v, w)) is not None), None)
 
 
-def reject_control_characters(value: Any) -> Any:
+def reject_control_characters(value: _V) -> _V:
     hit = control_character(value)
     if hit is not None:
         char, where = hit
@@ -66,12 +68,12 @@ class Section(BaseModel):
 
     @field_validator("*", mode="after")
     @classmethod
-    def _printable(cls, value: Any) -> Any:
+    def _printable(cls, value: object) -> object:
         return reject_control_characters(value)
 
     @field_validator("*", mode="before")
     @classmethod
-    def _whole_numbers_stay_numbers(cls, value: Any, info: ValidationInfo) -> Any:
+    def _whole_numbers_stay_numbers(cls, value: object, info: ValidationInfo) -> object:
         """An integer field takes an integer: not ``"100"`` (a TOML string) nor ``8.0`` (a float),
         which would otherwise be converted silently (environment variables are parsed before this)."""
         if info.field_name is None or not is_int_field(cls.model_fields[info.field_name].annotation):

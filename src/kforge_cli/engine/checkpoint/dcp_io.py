@@ -19,7 +19,7 @@ import dataclasses
 import fnmatch
 import logging
 import warnings
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from pathlib import Path
@@ -28,10 +28,11 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed import ProcessGroup
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.filesystem import FileSystemWriter
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
-from torch.distributed.checkpoint.planner import LoadPlan, LoadPlanner
+from torch.distributed.checkpoint.planner import LoadPlan, LoadPlanner, ReadItem
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_model_state_dict,
@@ -87,7 +88,7 @@ class ParallelReader(SafeFileSystemReader):
         n = min(self.threads, len(plan.items))
         if n <= 1:
             return super().read_data(plan, planner)
-        bins: list[list[Any]] = [[] for _ in range(n)]
+        bins: list[list[ReadItem]] = [[] for _ in range(n)]
         sizes = [0] * n
         for item in sorted(plan.items, key=lambda i: -self.storage_data[i.storage_index].length):
             idx = sizes.index(min(sizes))
@@ -123,10 +124,10 @@ def apply_training_state_dict(model: nn.Module, optimizer: torch.optim.Optimizer
     )
 
 
-def state_nbytes(state: dict[str, Any]) -> int:
+def state_nbytes(state: Mapping[str, object]) -> int:
     """Bytes of this rank's tensors in a (nested) state dict (local shards for DTensors)."""
     total = 0
-    stack: list[Any] = [state]
+    stack: list[object] = [state]
     while stack:
         item = stack.pop()
         if isinstance(item, dict):
@@ -159,7 +160,7 @@ def _check_shapes(state: dict[str, Any], md: Metadata, source: Path) -> None:
 
 
 def load_from_dirs(
-    state: dict[str, Any], dirs: Iterable[Path], group: Any = None, threads: int = _LOAD_THREADS
+    state: dict[str, Any], dirs: Iterable[Path], group: ProcessGroup | None = None, threads: int = _LOAD_THREADS
 ) -> set[str]:
     """Fill `state` in place from every DCP dir holding some of its keys; returns the DCP keys not found.
 
@@ -208,7 +209,9 @@ def _excluded(name: str, patterns: list[str]) -> bool:
     return any(fnmatch.fnmatchcase(name, p) or name.startswith(p.rstrip(".") + ".") or name == p for p in patterns)
 
 
-def load_model_weights(model: nn.Module, dirs: list[Path], exclude: list[str], group: Any = None) -> list[str]:
+def load_model_weights(
+    model: nn.Module, dirs: list[Path], exclude: list[str], group: ProcessGroup | None = None
+) -> list[str]:
     """Warm start: load the model's weights (not the optimizer) except names matching `exclude`.
 
     Patterns are fnmatch globs (``output.*``) or module prefixes (``layers.0``) on

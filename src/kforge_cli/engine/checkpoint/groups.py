@@ -11,12 +11,14 @@ thread and only while no save is in flight on this rank.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, cast
+from typing import TypeVar, cast
 
 import torch.distributed as dist
 from torch.distributed import ProcessGroup
 
 from kforge_cli.engine.runtime import RuntimeContext
+
+_T = TypeVar("_T")
 
 
 def _gloo_group(ranks: list[int] | None = None, *, backend: str = "gloo") -> ProcessGroup:
@@ -65,13 +67,13 @@ class CheckpointGroups:
             save=save,
         )
 
-    def broadcast(self, obj: Any) -> Any:
-        """Rank 0's `obj` on every rank."""
+    def broadcast(self, obj: _T | None) -> _T:
+        """Rank 0's `obj` on every rank (the others may pass None)."""
         if not self.distributed:
-            return obj
-        box = [obj]
+            return cast(_T, obj)  # one process: it is rank 0
+        box: list[object] = [obj]
         dist.broadcast_object_list(box, src=0, group=self.control)
-        return box[0]
+        return cast(_T, box[0])  # pickled by rank 0 from its `obj`
 
     def barrier(self) -> None:
         if self.distributed:
@@ -81,6 +83,6 @@ class CheckpointGroups:
         """True when `flag` holds on every rank."""
         if not self.distributed:
             return flag
-        box: list[Any] = [None] * self.world_size
+        box: list[object] = [None] * self.world_size
         dist.all_gather_object(box, flag, group=self.control)
         return all(box)

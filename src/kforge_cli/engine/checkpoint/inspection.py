@@ -10,14 +10,82 @@ from __future__ import annotations
 import math
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TypedDict
 
 import torch
 
 from kforge_cli.engine.checkpoint.reader import MODEL_PREFIX, CheckpointView, TensorEntry, batches, read_tensors
 
 
-def _totals(entries: list[TensorEntry]) -> dict[str, int]:
+class TensorRecord(TypedDict):
+    """One tensor of a checkpoint as ``inspect-ckpt`` shows it (``--json``: these keys)."""
+
+    name: str
+    shape: list[int]
+    dtype: str
+    numel: int
+    bytes: int
+    shards: int
+    dir: str
+
+
+class TensorStats(TensorRecord):
+    """``inspect-ckpt --tensor``: the record plus statistics over the finite values (None: none finite)."""
+
+    mean: float | None
+    std: float | None
+    min: float | None
+    max: float | None
+    norm: float | None
+    nan: int
+    inf: int
+    zeros: int
+
+
+class GroupTotals(TypedDict):
+    tensors: int
+    numel: int
+    bytes: int
+
+
+class Totals(TypedDict):
+    model: GroupTotals
+    optimizer: GroupTotals
+    other: GroupTotals
+    all: GroupTotals
+    files: int
+    file_bytes: int
+
+
+class CheckpointSummary(TypedDict):
+    """``inspect-ckpt``'s summary; the values copied from the checkpoint's JSON files stay ``object``
+    (whatever the file holds): readers check their types before formatting them."""
+
+    path: str
+    format: str
+    complete: bool
+    file_problems: list[str]
+    weights_only: bool
+    step: int | None
+    tokens_seen: object
+    reason: object
+    time: object
+    world_size: object
+    mesh: object
+    dcp_dirs: list[str]
+    profile: object
+    kforge_version: object
+    torch_version: object
+    fingerprint: object
+    model: dict[str, object] | None
+    vlm: dict[str, object] | None
+    metrics_run_ids: object
+    tensors: list[TensorRecord]
+    non_tensor_items: int
+    totals: Totals
+
+
+def _totals(entries: list[TensorEntry]) -> GroupTotals:
     return {"tensors": len(entries), "numel": sum(e.numel for e in entries), "bytes": sum(e.nbytes for e in entries)}
 
 
@@ -55,7 +123,7 @@ def shard_size_problems(view: CheckpointView) -> tuple[int, list[tuple[Path, str
     return files, problems
 
 
-def tensor_record(e: TensorEntry, view: CheckpointView) -> dict[str, Any]:
+def tensor_record(e: TensorEntry, view: CheckpointView) -> TensorRecord:
     source = str(e.source.relative_to(view.path)) if e.source != view.path else "."
     return {
         "name": e.key,
@@ -68,12 +136,13 @@ def tensor_record(e: TensorEntry, view: CheckpointView) -> dict[str, Any]:
     }
 
 
-def summarize(view: CheckpointView) -> dict[str, Any]:
+def summarize(view: CheckpointView) -> CheckpointSummary:
     """Step, tokens, config summary, run ids, every tensor (shape, dtype, size, shards) and totals."""
     entries = list(view.tensors.values())
     groups = {g: [e for e in entries if e.group == g] for g in ("model", "optimizer", "other")}
     files = storage_files(view)
-    shaping = view.train_state.get("shaping") or view.summary.get("model") or {}
+    found = view.train_state.get("shaping") or view.summary.get("model") or {}
+    shaping: dict[str, object] = found if isinstance(found, dict) else {}
     model_cfg = {k.removeprefix(MODEL_PREFIX): v for k, v in shaping.items() if k.startswith(MODEL_PREFIX)}
     return {
         "path": str(view.path),
@@ -101,7 +170,9 @@ def summarize(view: CheckpointView) -> dict[str, Any]:
         "tensors": [tensor_record(e, view) for e in entries],
         "non_tensor_items": len(view.byte_items),
         "totals": {
-            **{g: _totals(es) for g, es in groups.items()},
+            "model": _totals(groups["model"]),
+            "optimizer": _totals(groups["optimizer"]),
+            "other": _totals(groups["other"]),
             "all": _totals(entries),
             "files": len(files),
             "file_bytes": sum(max(s, 0) for s in files.values()),
@@ -109,7 +180,7 @@ def summarize(view: CheckpointView) -> dict[str, Any]:
     }
 
 
-def tensor_stats(view: CheckpointView, name: str) -> dict[str, Any]:
+def tensor_stats(view: CheckpointView, name: str) -> TensorStats:
     """Mean, std (population), min, max, L2 norm over the finite values, and NaN / inf counts, of one tensor."""
     e = view.entry(name)
     t = read_tensors(view, [e.key])[e.key]
@@ -117,16 +188,18 @@ def tensor_stats(view: CheckpointView, name: str) -> dict[str, Any]:
     nan = int(torch.isnan(values).sum())
     inf = int(torch.isinf(values).sum())
     finite = values[torch.isfinite(values)]
-    stats: dict[str, Any] = {"mean": None, "std": None, "min": None, "max": None, "norm": None}
-    if finite.numel():
-        stats = {
-            "mean": float(finite.mean()),
-            "std": float(finite.std(correction=0)),
-            "min": float(finite.min()),
-            "max": float(finite.max()),
-            "norm": float(finite.norm()),
-        }
-    return {**tensor_record(e, view), **stats, "nan": nan, "inf": inf, "zeros": int((values == 0).sum())}
+    any_finite = bool(finite.numel())
+    return {
+        **tensor_record(e, view),
+        "mean": float(finite.mean()) if any_finite else None,
+        "std": float(finite.std(correction=0)) if any_finite else None,
+        "min": float(finite.min()) if any_finite else None,
+        "max": float(finite.max()) if any_finite else None,
+        "norm": float(finite.norm()) if any_finite else None,
+        "nan": nan,
+        "inf": inf,
+        "zeros": int((values == 0).sum()),
+    }
 
 
 @dataclass
@@ -153,7 +226,7 @@ class DiffResult:
     def identical(self) -> bool:
         return not (self.differing or self.only_in_a or self.only_in_b or self.shape_mismatch)
 
-    def to_dict(self) -> dict[str, Any]:
+    def to_dict(self) -> dict[str, object]:
         return {**asdict(self), "identical": self.identical}
 
 

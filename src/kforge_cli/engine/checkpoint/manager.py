@@ -63,7 +63,7 @@ class SaveRecord:
     total_s: float | None = None  # from start until durable on this rank (rank 0: committed)
     waited_s: float = 0.0  # part of blocking_s spent waiting for this save's background write
 
-    def metrics(self) -> dict[str, Any]:
+    def metrics(self) -> dict[str, object]:
         """The ``metrics.jsonl`` record of this save (rank 0's bytes and times)."""
         seconds = self.total_s or 0.0
         return {
@@ -121,7 +121,7 @@ class CheckpointManager:
         if self.cfg.async_mode == "async_with_pinned_mem" and not torch.cuda.is_available():
             log.info("checkpoint.async_mode = async_with_pinned_mem without CUDA: staging in ordinary memory")
         self._stager: HostStager | None = None  # built at the first async save, reused after
-        self.report: Callable[[dict[str, Any]], None] | None = None  # receives SaveRecord.metrics() at commit
+        self.report: Callable[[dict[str, object]], None] | None = None  # receives SaveRecord.metrics() at commit
         if self.is_main:
             real_dir(self.root)  # never created or used through a planted link
 

@@ -74,14 +74,16 @@ class CheckpointView:
     byte_items: dict[str, Path]
     kforge: bool  # written by kforge (step dir with train_state.json / metadata.json)
     complete: bool  # kforge: the commit marker and every .metadata exist; plain DCP: .metadata exists
-    summary: dict[str, Any] = field(default_factory=dict)  # metadata.json
-    train_state: dict[str, Any] = field(default_factory=dict)  # train_state.json
+    summary: dict[str, object] = field(default_factory=dict)  # metadata.json (as read: check before use)
+    # train_state.json; TODO(types): dict[str, object] once engine/inference/evaluate.py narrows what it reads
+    train_state: dict[str, Any] = field(default_factory=dict)
 
     @property
     def step(self) -> int | None:
         for source in (self.summary, self.train_state):
-            if isinstance(source.get("step"), int):
-                return int(source["step"])
+            step = source.get("step")
+            if isinstance(step, int):
+                return int(step)
         return step_of(self.path)
 
     def model_entries(self) -> list[TensorEntry]:

@@ -12,6 +12,7 @@ that already holds complete checkpoints is refused (exit 2).
 from __future__ import annotations
 
 import logging
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal, Protocol
@@ -42,7 +43,7 @@ RestoreKind = Literal["resume", "warm_start", "warm_start_hf"]
 class Stateful(Protocol):
     """Anything whose state a checkpoint carries as JSON (train state, NaN guard, data loader)."""
 
-    def state_dict(self) -> dict[str, Any]: ...
+    def state_dict(self) -> Mapping[str, object]: ...
 
     def load_state_dict(self, state: dict[str, Any]) -> None: ...
 
@@ -63,7 +64,7 @@ class RestoreDecision:
             raise (UnsafeCheckpointError if self.unsafe else CheckpointError)(self.error)
 
 
-def _own_checkpoint(root: Path, load_path: str | None) -> tuple[Path, dict[str, Any]] | None:
+def _own_checkpoint(root: Path, load_path: str | None) -> tuple[Path, dict[str, object]] | None:
     """Newest complete checkpoint under `root` that belongs to this lineage (same load_path)."""
     for _, path in reversed(list_step_dirs(root)):
         if not is_complete(path):
@@ -125,14 +126,14 @@ def decide_restore(cfg: CheckpointSettings, root: Path) -> RestoreDecision:
     return RestoreDecision()
 
 
-def freeze_config(settings: JobSettings) -> dict[str, Any] | None:
+def freeze_config(settings: JobSettings) -> dict[str, object] | None:
     vlm = settings.vlm
     if vlm is None:
         return None
     return {"freeze": list(vlm.freeze), "freeze_schedule": [s.model_dump(mode="json") for s in vlm.freeze_schedule]}
 
 
-def data_phase(settings: JobSettings, step: int) -> dict[str, Any] | None:
+def data_phase(settings: JobSettings, step: int) -> dict[str, int] | None:
     """The data phase in force at `step` (index in start order and its start), None before the first."""
     current = None
     for i, phase in enumerate(sorted(settings.data.phases, key=lambda p: p.start_step)):
@@ -142,7 +143,7 @@ def data_phase(settings: JobSettings, step: int) -> dict[str, Any] | None:
 
 
 def check_compatible(
-    state: dict[str, Any], path: Path, fingerprint: str, shaping: dict[str, Any], settings: JobSettings
+    state: dict[str, Any], path: Path, fingerprint: str, shaping: dict[str, object], settings: JobSettings
 ) -> None:
     """Refuse to resume a checkpoint of another model shape or (VLM) another freeze plan."""
     if state.get("format") != FORMAT:

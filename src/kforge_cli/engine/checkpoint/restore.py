@@ -64,7 +64,7 @@ class CheckpointedState:
     groups: CheckpointGroups
     root: Path
     fingerprint: str
-    shaping: dict[str, Any]
+    shaping: dict[str, object]
     parts: RunParts
     hf_loader: HFLoader | None = None
 
@@ -150,7 +150,7 @@ def _resume(manager: CheckpointedState, decision: RestoreDecision, path: Path) -
     return Restored(kind="resume", path=path, step=step, metrics_run_ids=dict(state.get("metrics_run_ids") or {}))
 
 
-def _reapply_schedule(scheduler: Any, optimizer: torch.optim.Optimizer) -> None:
+def _reapply_schedule(scheduler: torch.optim.lr_scheduler.LRScheduler, optimizer: torch.optim.Optimizer) -> None:
     """Set each group's LR from the rebuilt schedule at the restored step.
 
     The optimizer state carries the LR the old schedule chose; recomputing it

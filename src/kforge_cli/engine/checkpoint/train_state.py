@@ -14,6 +14,7 @@ import os
 import pickle
 import random
 import re
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -41,15 +42,15 @@ TRAIN_STATE_SCHEMA: dict[str, type] = {
 _RNG_TENSORS = ("torch_cpu", "numpy_keys")
 
 
-def capture_rng() -> tuple[dict[str, Any], dict[str, Any]]:
+def capture_rng() -> tuple[dict[str, object], dict[str, torch.Tensor | list[torch.Tensor]]]:
     """(JSON part, tensor part) of this process's python, numpy, torch CPU and CUDA generators."""
     version, internal, gauss = random.getstate()
     name, keys, pos, has_gauss, cached = np.random.get_state(legacy=True)  # type: ignore[misc]
-    json_part = {
+    json_part: dict[str, object] = {
         "python": {"version": version, "state": list(internal), "gauss_next": gauss},
         "numpy": {"name": name, "pos": int(pos), "has_gauss": int(has_gauss), "cached_gaussian": float(cached)},
     }
-    tensors: dict[str, Any] = {
+    tensors: dict[str, torch.Tensor | list[torch.Tensor]] = {
         "torch_cpu": torch.get_rng_state(),
         "numpy_keys": torch.from_numpy(np.asarray(keys, dtype=np.int64).copy()),
     }
@@ -94,7 +95,7 @@ def write_rank_state(step_dir: Path, rank: int) -> None:
     atomic_write_json(json_path, {"format": FORMAT, "rank": rank, "rng": json_part})
 
 
-def load_tensor_file(path: Path) -> Any:
+def load_tensor_file(path: Path) -> object:
     """``torch.load(weights_only=True)``: a file with anything but tensors and containers is refused."""
     try:
         return torch.load(path, map_location="cpu", weights_only=True)
@@ -107,7 +108,7 @@ def load_tensor_file(path: Path) -> Any:
         raise CheckpointError(f"{path} is not readable ({type(exc).__name__}: {exc})") from None
 
 
-def train_state_problems(state: dict[str, Any], path: Path) -> list[str]:
+def train_state_problems(state: Mapping[str, object], path: Path) -> list[str]:
     """What `train_state.json` lacks for a resume (a missing or mistyped key), empty when usable."""
     problems = []
     for key, kind in TRAIN_STATE_SCHEMA.items():
@@ -118,7 +119,7 @@ def train_state_problems(state: dict[str, Any], path: Path) -> list[str]:
     return problems
 
 
-def _rng_problem(record: dict[str, Any], tensors: Any, json_path: Path, pt_path: Path) -> str | None:
+def _rng_problem(record: Mapping[str, object], tensors: object, json_path: Path, pt_path: Path) -> str | None:
     rng = record.get("rng")
     if not isinstance(rng, dict) or not isinstance(rng.get("python"), dict) or not isinstance(rng.get("numpy"), dict):
         return f"{json_path} does not hold kforge RNG state (no rng.python / rng.numpy)"
@@ -137,6 +138,7 @@ def read_rank_state(step_dir: Path, rank: int) -> tuple[dict[str, Any], dict[str
     problem = _rng_problem(record, tensors, json_path, pt_path)
     if problem:
         raise CheckpointError(problem)
+    assert isinstance(tensors, dict)  # _rng_problem checked it
     return record["rng"], tensors
 
 

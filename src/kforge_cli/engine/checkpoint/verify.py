@@ -11,9 +11,9 @@ NaN or inf are reported as warnings: readable, but probably not what you want.
 from __future__ import annotations
 
 import logging
+from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
 
 import torch
 
@@ -45,11 +45,11 @@ class VerifyReport:
     def ok(self) -> bool:
         return not self.problems
 
-    def to_dict(self) -> dict[str, Any]:
+    def to_dict(self) -> dict[str, object]:
         return {**asdict(self), "ok": self.ok}
 
 
-def _weights_only(state: dict[str, Any]) -> bool:
+def _weights_only(state: Mapping[str, object]) -> bool:
     """convert-mot's output (and any weights-only checkpoint): complete without optimizer or RNG state."""
     return bool(state.get("weights_only")) or state.get("kind") == "convert-mot"
 
@@ -61,7 +61,7 @@ def kforge_file_problems(step_dir: Path, *, strict: bool = False) -> list[str]:
     """
     _, problem = commit_problem(step_dir)
     problems = [problem] if problem else []
-    state: dict[str, Any] = {}
+    state: dict[str, object] = {}
     for name in (TRAIN_STATE_FILE, SUMMARY_FILE):
         try:
             data = read_json(step_dir / name)

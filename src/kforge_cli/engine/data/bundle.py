@@ -12,12 +12,13 @@ from __future__ import annotations
 
 import hashlib
 import logging
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Protocol
 
 import numpy as np
+import torch
 
 from kforge_cli.engine.data.builtin_corpus import builtin_tokens
 from kforge_cli.engine.data.loader import BatchFetcher, StatefulLoader, training_loader
@@ -37,7 +38,7 @@ BUILTIN_NAME = "builtin"
 class EvalBatches(Protocol):
     """Deterministic validation batches of one data-parallel rank."""
 
-    def iter_batches(self, num_batches: int, batch_size: int) -> Iterator[dict[str, Any]]: ...
+    def iter_batches(self, num_batches: int, batch_size: int) -> Iterator[dict[str, torch.Tensor]]: ...
 
 
 class TrainData(Protocol):
@@ -64,7 +65,7 @@ class Source:
     origin: str
     train: TokenStream
     val: TokenStream | None
-    tokenizer: dict[str, Any]
+    tokenizer: Mapping[str, object]  # metadata.json's tokenizer identity (or the byte tokenizer's)
     root: Path | None = None
     top_shard: tuple[int, str] = (-1, "")  # (largest token id, the shard holding it): checked against the model
 
@@ -92,7 +93,7 @@ class ValData:
         self.eos_id, self.document_masking = eos_id, document_masking
         self.dp_rank, self.dp_size = dp_rank, dp_size
 
-    def iter_batches(self, num_batches: int, batch_size: int) -> Iterator[dict[str, Any]]:
+    def iter_batches(self, num_batches: int, batch_size: int) -> Iterator[dict[str, torch.Tensor]]:
         """``num_batches`` micro-batches of ``batch_size`` sequences (dataset_ids index dataset_names)."""
         for b in range(num_batches):
             which = b % len(self.windows)

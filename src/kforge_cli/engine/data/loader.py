@@ -11,9 +11,8 @@ not consumed before a checkpoint are therefore simply produced again after a res
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterator, Sequence
-from dataclasses import asdict
-from typing import Any, Protocol
+from collections.abc import Iterator, Mapping, Sequence
+from typing import Protocol, TypedDict, TypeVar
 
 import numpy as np
 import torch
@@ -23,6 +22,7 @@ from kforge_cli.engine.data.mixture import MixtureSchedule
 from kforge_cli.engine.data.sampler import BatchPlan, Cursor, SampleOrder
 from kforge_cli.engine.data.tokens import Windows, make_batch
 from kforge_cli.errors import KforgeError
+from kforge_cli.json_values import int_of
 from kforge_cli.settings import JobSettings
 
 log = logging.getLogger(__name__)
@@ -37,7 +37,7 @@ class DataStateError(KforgeError):
 class Fetch(Protocol):
     """Builds the batch dict of the samples a plan names (the text `BatchFetcher`, the VLM caption batcher)."""
 
-    def __call__(self, dataset_ids: np.ndarray, indices: np.ndarray, /) -> dict[str, Any]: ...
+    def __call__(self, dataset_ids: np.ndarray, indices: np.ndarray, /) -> dict[str, torch.Tensor]: ...
 
 
 class BatchFetcher:
@@ -48,7 +48,7 @@ class BatchFetcher:
         self.eos_id = eos_id
         self.document_masking = document_masking
 
-    def __call__(self, dataset_ids: np.ndarray, window_ids: np.ndarray) -> dict[str, Any]:
+    def __call__(self, dataset_ids: np.ndarray, window_ids: np.ndarray) -> dict[str, torch.Tensor]:
         rows = np.empty((len(window_ids), self.windows[0].seq_len + 1), dtype=np.int64)
         for d in np.unique(dataset_ids).tolist():
             sel = dataset_ids == d
@@ -70,22 +70,42 @@ class _PlanStream:
             yield plan
 
 
-class _FetchDataset(Dataset[tuple[dict[str, Any], Cursor]]):
+class _FetchDataset(Dataset[tuple[dict[str, torch.Tensor], Cursor]]):
     def __init__(self, fetch: Fetch) -> None:
         self.fetch = fetch
 
-    def __getitem__(self, plan: BatchPlan) -> tuple[dict[str, Any], Cursor]:  # type: ignore[override]
+    def __getitem__(self, plan: BatchPlan) -> tuple[dict[str, torch.Tensor], Cursor]:  # type: ignore[override]
         return self.fetch(plan.dataset_ids, plan.windows), plan.after
 
 
-def _as_is(item: Any) -> Any:
+_T = TypeVar("_T")
+
+
+def _as_is(item: _T) -> _T:
     return item
 
 
-def pin_batch(batch: dict[str, Any]) -> dict[str, Any]:
+def pin_batch(batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """The batch with its tensors in page-locked memory, so ``.to(cuda, non_blocking=True)`` is really
     asynchronous (from pageable memory the copy waits for the host buffer to be staged)."""
     return {k: v.pin_memory() if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
+
+
+class LoaderState(TypedDict):
+    """``StatefulLoader.state_dict()``: the position (a ``Cursor``) and the facts a resume checks."""
+
+    version: int
+    batch: int
+    sample: int
+    counts: list[int]
+    epochs: list[int]
+    dataset_names: list[str]
+    dataset_windows: list[int]
+    seq_len: int
+    data_seed: int
+    batch_size: int
+    dp_size: int
+    grad_accum_steps: int
 
 
 class StatefulLoader:
@@ -111,7 +131,7 @@ class StatefulLoader:
         """Optimizer step of the next micro-batch."""
         return self.order.step_of(self.cursor)
 
-    def __iter__(self) -> Iterator[dict[str, Any]]:
+    def __iter__(self) -> Iterator[dict[str, torch.Tensor]]:
         if self.num_workers == 0:
             while True:
                 plan = self.order.next_batch(self.cursor)
@@ -131,12 +151,13 @@ class StatefulLoader:
             self.cursor = after
             yield batch
 
-    def state_dict(self) -> dict[str, Any]:
+    def state_dict(self) -> LoaderState:
         """JSON-serialisable position plus the facts a resume must agree with."""
         o = self.order
         return {
             "version": STATE_VERSION,
-            **asdict(self.cursor),
+            "batch": self.cursor.batch,
+            "sample": self.cursor.sample,
             "counts": list(self.cursor.counts),
             "epochs": [c // n for c, n in zip(self.cursor.counts, o.num_windows, strict=True)],
             "dataset_names": list(o.names),
@@ -148,7 +169,7 @@ class StatefulLoader:
             "grad_accum_steps": o.grad_accum_steps,
         }
 
-    def load_state_dict(self, state: dict[str, Any]) -> None:
+    def load_state_dict(self, state: Mapping[str, object]) -> None:
         """Continue from ``state``; call before iterating. Refuses a state for other data."""
         o = self.order
         if not isinstance(state, dict) or state.get("version") != STATE_VERSION:
@@ -166,8 +187,8 @@ class StatefulLoader:
                     "the data order cannot continue exactly. Restore the original data settings, or start "
                     "from the weights only (checkpoint.init_from) to begin a fresh data order."
                 )
-        batch = int(state["batch"])
-        old_accum = int(state["grad_accum_steps"])
+        batch = int_of(state["batch"])
+        old_accum = int_of(state["grad_accum_steps"])
         if old_accum != o.grad_accum_steps:
             if batch % old_accum:
                 raise DataStateError(
@@ -184,7 +205,10 @@ class StatefulLoader:
                 o.batch_size,
                 state["sample"],
             )
-        self.cursor = Cursor(batch, int(state["sample"]), tuple(int(c) for c in state["counts"]))
+        counts = state["counts"]
+        if not isinstance(counts, list | tuple):
+            raise TypeError(f"data loader state: counts is {counts!r}, not a list")
+        self.cursor = Cursor(batch, int_of(state["sample"]), tuple(int_of(c) for c in counts))
 
 
 def training_loader(

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import logging
 from pathlib import Path
-from typing import Any
 
 from kforge_cli.engine.data.shards import load_prepared
 from kforge_cli.engine.data.tokenizer import ByteTokenizer, HFTokenizer, load_tokenizer
@@ -25,13 +24,14 @@ from kforge_cli.settings.data import DataSettings
 log = logging.getLogger("kforge")
 
 
-def _prepared_dir(data: DataSettings | dict[str, Any]) -> str | None:
+def _prepared_dir(data: DataSettings | dict[str, object]) -> str | None:
     """The first prepared directory named by a data section (datasets share one tokenizer)."""
     if isinstance(data, DataSettings):
         return data.datasets[0].path if data.datasets else data.path
-    datasets = data.get("datasets") or []
-    if datasets and isinstance(datasets[0], dict) and isinstance(datasets[0].get("path"), str):
-        return datasets[0]["path"]
+    datasets = data.get("datasets")
+    first = datasets[0] if isinstance(datasets, list) and datasets else None
+    if isinstance(first, dict) and isinstance(first.get("path"), str):
+        return first["path"]
     path = data.get("path")
     return path if isinstance(path, str) else None
 

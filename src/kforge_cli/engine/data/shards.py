@@ -18,11 +18,12 @@ import os
 import struct
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, BinaryIO
+from typing import BinaryIO, TypedDict
 
 import numpy as np
 
 from kforge_cli.errors import InvalidInputError
+from kforge_cli.json_values import int_of
 
 METADATA = "metadata.json"
 FORMAT = "kforge-tokens"
@@ -30,11 +31,27 @@ FORMAT_VERSION = 1
 _HEADER_BYTES = 128  # multiple of 64, room for any 1-D shape
 
 
+class ShardEntry(TypedDict):
+    """One shard as metadata.json lists it."""
+
+    file: str
+    tokens: int
+    max_id: int  # largest token id in the shard (-1 when empty)
+
+
+class SplitSummary(TypedDict):
+    """One split as metadata.json records it (prepare-data adds its per-kind counts)."""
+
+    tokens: int
+    documents: int
+    shards: list[ShardEntry]
+
+
 def shard_name(split: str, index: int) -> str:
     return f"{split}-{index:05d}.npy"
 
 
-def _npy_header(dtype: np.dtype[Any], length: int) -> bytes:
+def _npy_header(dtype: np.dtype[np.generic], length: int) -> bytes:
     body = repr({"descr": np.lib.format.dtype_to_descr(dtype), "fortran_order": False, "shape": (length,)})
     magic = b"\x93NUMPY\x01\x00"
     pad = _HEADER_BYTES - len(magic) - 2 - len(body) - 1
@@ -57,7 +74,7 @@ def copy_range(src_fd: int, src_offset: int, dst_fd: int, nbytes: int) -> None:
 class NpyStreamWriter:
     """Append 1-D chunks to a `.npy` file whose final length is unknown up front."""
 
-    def __init__(self, path: Path, dtype: np.dtype[Any]) -> None:
+    def __init__(self, path: Path, dtype: np.dtype[np.generic]) -> None:
         self.path = path
         self.dtype = dtype
         self.length = 0
@@ -82,10 +99,10 @@ class NpyStreamWriter:
 class SplitWriter:
     """Writes one split as shards of at most ``shard_tokens`` tokens; counts documents (EOS ids)."""
 
-    def __init__(self, root: Path, split: str, dtype: np.dtype[Any], shard_tokens: int, eos_id: int) -> None:
+    def __init__(self, root: Path, split: str, dtype: np.dtype[np.generic], shard_tokens: int, eos_id: int) -> None:
         self.root, self.split, self.dtype = root, split, dtype
         self.shard_tokens, self.eos_id = shard_tokens, eos_id
-        self.shards: list[dict[str, Any]] = []
+        self.shards: list[ShardEntry] = []
         self.tokens = 0
         self.documents = 0
         self._cur: NpyStreamWriter | None = None
@@ -127,7 +144,7 @@ class SplitWriter:
         self.shards.append({"file": self._cur.path.name, "tokens": self._cur.length, "max_id": top})
         self._cur = None
 
-    def close(self) -> dict[str, Any]:
+    def close(self) -> SplitSummary:
         if self._cur is not None:
             self._finish_shard()
         return {"tokens": self.tokens, "documents": self.documents, "shards": self.shards}
@@ -145,12 +162,12 @@ class PreparedMeta:
     """metadata.json of a prepared directory, checked against the shards on disk."""
 
     root: Path
-    tokenizer: dict[str, Any]
+    tokenizer: dict[str, object]  # as metadata.json holds it: read with isinstance checks
     vocab_size: int
     eos_id: int
-    dtype: np.dtype[Any]
+    dtype: np.dtype[np.generic]
     splits: dict[str, list[ShardInfo]]
-    raw: dict[str, Any]
+    raw: dict[str, object]
 
     def split_tokens(self, split: str) -> int:
         return sum(s.tokens for s in self.splits.get(split, []))
@@ -160,7 +177,7 @@ def _bad(root: Path, what: str) -> InvalidInputError:
     return InvalidInputError(f"prepared data directory {root}: {what}; re-run `kforge prepare-data` to rebuild it")
 
 
-def read_metadata(root: Path) -> dict[str, Any]:
+def read_metadata(root: Path) -> dict[str, object]:
     """Parse DIR/metadata.json, or fail saying the directory is not prepared data."""
     path = root / METADATA
     if not root.is_dir():
@@ -168,7 +185,7 @@ def read_metadata(root: Path) -> dict[str, Any]:
     if not path.is_file():
         raise InvalidInputError(f"{root} has no {METADATA}: it is not a directory made by `kforge prepare-data`")
     try:
-        meta = json.loads(path.read_text(encoding="utf-8"))
+        meta: object = json.loads(path.read_text(encoding="utf-8"))
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
         raise _bad(root, f"{METADATA} is unreadable ({exc})") from exc
     if not isinstance(meta, dict) or meta.get("format") != FORMAT:
@@ -178,7 +195,7 @@ def read_metadata(root: Path) -> dict[str, Any]:
     return meta
 
 
-def _shard_path(root: Path, entry: Any) -> tuple[Path, int, int | None]:
+def _shard_path(root: Path, entry: object) -> tuple[Path, int, int | None]:
     """(path, tokens, cached max id) of one ``shards`` entry; its file must be a plain name inside `root`."""
     if not isinstance(entry, dict):
         raise _bad(root, f"a shard entry in {METADATA} is {entry!r}, not an object")
@@ -203,7 +220,9 @@ def shard_max_id(arr: np.ndarray, chunk: int = 1 << 24) -> int:
     return top
 
 
-def _check_shard(root: Path, path: Path, tokens: int, max_id: int | None, dtype: np.dtype[Any], vocab: int) -> int:
+def _check_shard(
+    root: Path, path: Path, tokens: int, max_id: int | None, dtype: np.dtype[np.generic], vocab: int
+) -> int:
     if not path.is_file():
         raise _bad(root, f"shard {path.name} listed in {METADATA} is missing")
     try:
@@ -218,15 +237,21 @@ def _check_shard(root: Path, path: Path, tokens: int, max_id: int | None, dtype:
     return top
 
 
+def _dtype_name(value: object) -> str:
+    if isinstance(value, str):
+        return value
+    raise TypeError(f"dtype {value!r} is not a dtype name")
+
+
 def load_prepared(root: str | Path) -> PreparedMeta:
     """Read metadata.json and check every shard: a plain name inside DIR, its dtype, length and token range."""
     root = Path(root).expanduser().resolve()
     meta = read_metadata(root)
     try:
-        vocab, eos = int(meta["vocab_size"]), int(meta["eos_id"])
-        dtype = np.dtype(meta["dtype"])
-        split_meta: dict[str, Any] = meta["splits"]
-        tokenizer: dict[str, Any] = meta["tokenizer"]
+        vocab, eos = int_of(meta["vocab_size"]), int_of(meta["eos_id"])
+        dtype = np.dtype(_dtype_name(meta["dtype"]))
+        split_meta = meta["splits"]
+        tokenizer = meta["tokenizer"]
     except (KeyError, TypeError, ValueError) as exc:
         raise _bad(root, f"{METADATA} lacks or has a bad field: {exc}") from exc
     if not isinstance(split_meta, dict) or not isinstance(tokenizer, dict):

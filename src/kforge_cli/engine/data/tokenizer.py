@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import hashlib
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Protocol
 
 import numpy as np
 
@@ -30,15 +30,15 @@ class Tokenizer(Protocol):
 
     def decode(self, ids: list[int]) -> str: ...
 
-    def encode_bytes(self, data: bytes, dtype: np.dtype[Any]) -> np.ndarray:
+    def encode_bytes(self, data: bytes, dtype: np.dtype[np.generic]) -> np.ndarray:
         """Tokenize UTF-8 ``data`` (already validated) straight into an array of ``dtype``."""
         ...
 
-    def encode_batch(self, texts: list[str], dtype: np.dtype[Any]) -> list[np.ndarray]:
+    def encode_batch(self, texts: list[str], dtype: np.dtype[np.generic]) -> list[np.ndarray]:
         """Tokenize several documents (JSONL records) into arrays of ``dtype``."""
         ...
 
-    def describe(self) -> dict[str, Any]:
+    def describe(self) -> dict[str, object]:
         """JSON-able identity written to metadata.json (kind, checksum, sizes)."""
         ...
 
@@ -56,14 +56,14 @@ class ByteTokenizer:
     def decode(self, ids: list[int]) -> str:
         return bytes(i for i in ids if 0 <= i < 256).decode("utf-8", errors="replace")
 
-    def encode_bytes(self, data: bytes, dtype: np.dtype[Any]) -> np.ndarray:
+    def encode_bytes(self, data: bytes, dtype: np.dtype[np.generic]) -> np.ndarray:
         # UTF-8 bytes are the ids: a widening copy, no Python loop.
         return np.frombuffer(data, dtype=np.uint8).astype(dtype)
 
-    def encode_batch(self, texts: list[str], dtype: np.dtype[Any]) -> list[np.ndarray]:
+    def encode_batch(self, texts: list[str], dtype: np.dtype[np.generic]) -> list[np.ndarray]:
         return [self.encode_bytes(t.encode("utf-8"), dtype) for t in texts]
 
-    def describe(self) -> dict[str, Any]:
+    def describe(self) -> dict[str, object]:
         return {"kind": "byte", "vocab_size": self.vocab_size, "eos_id": self.eos_id}
 
 
@@ -110,13 +110,13 @@ class HFTokenizer:
     def decode(self, ids: list[int]) -> str:
         return self._tok.decode([i for i in ids if i != self.eos_id or self.eos_token is not None])
 
-    def encode_bytes(self, data: bytes, dtype: np.dtype[Any]) -> np.ndarray:
+    def encode_bytes(self, data: bytes, dtype: np.dtype[np.generic]) -> np.ndarray:
         return np.asarray(self.encode(data.decode("utf-8")), dtype=dtype)
 
-    def encode_batch(self, texts: list[str], dtype: np.dtype[Any]) -> list[np.ndarray]:
+    def encode_batch(self, texts: list[str], dtype: np.dtype[np.generic]) -> list[np.ndarray]:
         return [np.asarray(e.ids, dtype=dtype) for e in self._tok.encode_batch(texts, add_special_tokens=False)]
 
-    def describe(self) -> dict[str, Any]:
+    def describe(self) -> dict[str, object]:
         return {
             "kind": "hf",
             "file": self.name,
@@ -134,7 +134,7 @@ def load_tokenizer(spec: str | Path) -> ByteTokenizer | HFTokenizer:
     return HFTokenizer(spec)
 
 
-def token_dtype(vocab_size: int) -> np.dtype[Any]:
+def token_dtype(vocab_size: int) -> np.dtype[np.generic]:
     """The smallest unsigned dtype holding every id below ``vocab_size``."""
     for dt in (np.uint8, np.uint16, np.uint32):
         if vocab_size - 1 <= np.iinfo(dt).max:

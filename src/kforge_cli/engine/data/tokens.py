@@ -8,7 +8,7 @@ covers tokens ``[i*seq_len, i*seq_len + seq_len + 1)``: inputs are the first
 from __future__ import annotations
 
 import os
-from typing import Any, Protocol
+from typing import Protocol
 
 import numpy as np
 import torch
@@ -56,7 +56,7 @@ class ShardedTokens:
     def __len__(self) -> int:
         return int(self.offsets[-1])
 
-    def __getstate__(self) -> dict[str, Any]:
+    def __getstate__(self) -> dict[str, object]:
         return {**self.__dict__, "_maps": None, "_pid": -1}
 
     def _arrays(self) -> list[np.ndarray]:
@@ -126,10 +126,12 @@ def document_fields(inputs: np.ndarray, eos_id: int) -> tuple[np.ndarray, np.nda
     return doc_ids, positions, is_eos
 
 
-def make_batch(rows: np.ndarray, dataset_ids: np.ndarray, eos_id: int, document_masking: bool) -> dict[str, Any]:
+def make_batch(
+    rows: np.ndarray, dataset_ids: np.ndarray, eos_id: int, document_masking: bool
+) -> dict[str, torch.Tensor]:
     """Rows [B, T+1] -> the batch dict the training loop consumes (CPU tensors)."""
     inputs, labels = rows[:, :-1], rows[:, 1:].copy()
-    batch: dict[str, Any] = {"input_ids": torch.from_numpy(np.ascontiguousarray(inputs))}
+    batch: dict[str, torch.Tensor] = {"input_ids": torch.from_numpy(np.ascontiguousarray(inputs))}
     if document_masking:
         doc_ids, positions, boundary = document_fields(inputs, eos_id)
         labels[boundary] = IGNORE_INDEX

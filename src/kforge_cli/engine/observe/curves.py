@@ -17,15 +17,18 @@ bits per UTF-8 byte of text, so runs with different tokenizers compare.
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING
 
 from kforge_cli.engine.observe.metrics_file import count_lines, iter_metrics, sample_records
 from kforge_cli.errors import InvalidInputError
 from kforge_cli.files import atomic_write_via
 from kforge_cli.rundir.layout import RunDir
+
+if TYPE_CHECKING:
+    from matplotlib.figure import Figure
 
 DEFAULT_METRICS = ("loss", "eval_loss", "lr", "grad_norm", "tokens_per_sec")
 X_AXES = ("step", "tokens", "time")
@@ -51,7 +54,7 @@ class RunCurves:
     resumes: list[float] = field(default_factory=list)
 
 
-def si(value: float, _pos: Any = None) -> str:
+def si(value: float, _pos: object = None) -> str:
     """A short tick label: ``0``, ``750``, ``1.5k``, ``20M``, ``1.2B`` (also negative and small values)."""
     if value == 0:
         return "0"
@@ -61,13 +64,13 @@ def si(value: float, _pos: Any = None) -> str:
     return f"{value:.3g}"
 
 
-def _number(value: Any) -> float | None:
+def _number(value: object) -> float | None:
     if isinstance(value, bool) or not isinstance(value, int | float):
         return None
     return float(value) if math.isfinite(value) else None
 
 
-def last_per_step(records: Sequence[dict[str, Any]], metric: str) -> dict[int, float]:
+def last_per_step(records: Sequence[dict[str, object]], metric: str) -> dict[int, float]:
     """``step -> value`` of `metric`, the last record of a step winning (requeues repeat steps)."""
     out: dict[int, float] = {}
     for record in records:
@@ -92,7 +95,7 @@ MAX_POINTS = 20_000  # per curve: more than a PNG panel can show; longer runs ar
 FULL_READ_BYTES = 16 << 20  # a larger metrics.jsonl is sampled by byte offset instead of read whole
 
 
-def _sampled_records(path: Path, wanted: Sequence[str]) -> list[dict[str, Any]]:
+def _sampled_records(path: Path, wanted: Sequence[str]) -> list[dict[str, object]]:
     """The records of `path` reduced to step + `wanted` keys, at most about ``MAX_POINTS`` of them.
 
     Up to ``FULL_READ_BYTES`` the file is streamed and every k-th step kept (requeued steps:
@@ -102,13 +105,13 @@ def _sampled_records(path: Path, wanted: Sequence[str]) -> list[dict[str, Any]]:
     """
     size = path.stat().st_size
     if size > FULL_READ_BYTES:
-        records: Iterable[dict[str, Any]] = sample_records(path, MAX_POINTS)
+        records: Iterable[dict[str, object]] = sample_records(path, MAX_POINTS)
         stride = 1
     else:
         records = iter_metrics(path)
         stride = max(1, math.ceil(count_lines(path) / MAX_POINTS))
-    keep: list[dict[str, Any]] = []
-    last: dict[str, Any] | None = None
+    keep: list[dict[str, object]] = []
+    last: dict[str, object] | None = None
     for record in records:
         step = record.get("step")
         if not isinstance(step, int):
@@ -123,7 +126,7 @@ def _sampled_records(path: Path, wanted: Sequence[str]) -> list[dict[str, Any]]:
     return keep
 
 
-def _tokens_at(records: Sequence[dict[str, Any]]) -> Any:
+def _tokens_at(records: Sequence[dict[str, object]]) -> Callable[[int], float | None]:
     """``step -> tokens seen``: exact at logged steps, else the step times the tokens per step
     of the nearest logged step before it (eval records carry no token count)."""
     known = last_per_step(records, "tokens_seen")
@@ -138,7 +141,7 @@ def _tokens_at(records: Sequence[dict[str, Any]]) -> Any:
     return at
 
 
-def _elapsed(records: Sequence[dict[str, Any]]) -> list[float | None]:
+def _elapsed(records: Sequence[dict[str, object]]) -> list[float | None]:
     """Per record, seconds of training when it was written: wall-clock time since the run started,
     less the gaps between jobs (each resumed job continues the clock where the previous one stopped)."""
     out: list[float | None] = []
@@ -159,7 +162,7 @@ def _elapsed(records: Sequence[dict[str, Any]]) -> list[float | None]:
     return out
 
 
-def _last_records(records: Sequence[dict[str, Any]], metric: str) -> dict[int, tuple[float, int]]:
+def _last_records(records: Sequence[dict[str, object]], metric: str) -> dict[int, tuple[float, int]]:
     """``step -> (value, index of its record)``, the last record of a step winning."""
     out: dict[int, tuple[float, int]] = {}
     for i, record in enumerate(records):
@@ -206,7 +209,7 @@ def load_run(
                 ys.append(value / LN2 / scale[_split_of(metric, scale)] if scale and is_loss(metric) else value)
         if xs:
             series[metric] = Series(run_dir.name, metric, xs, ys)
-    marks = [x_of(r["step"], i) for i, r in enumerate(records) if r.get(RESUMED) and isinstance(r.get("step"), int)]
+    marks = [x_of(step, i) for i, r in enumerate(records) if r.get(RESUMED) and isinstance(step := r.get("step"), int)]
     return RunCurves(run_dir.name, series, [m for m in marks if m is not None])
 
 
@@ -253,7 +256,7 @@ def plot_runs(
     smooth: float = 0.0,
     log_y: bool = False,
     bytes_per_token: Sequence[Mapping[str, float]] | None = None,
-) -> Any:
+) -> Figure:
     """Write the PNG; returns the matplotlib Figure (tests read its axes).
 
     ``bytes_per_token``: one mapping per run (engine.inference.bits_per_byte) to draw losses in

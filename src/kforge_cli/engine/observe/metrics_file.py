@@ -15,12 +15,12 @@ import time
 from collections.abc import Iterator, Mapping
 from pathlib import Path
 from types import TracebackType
-from typing import IO, Any
+from typing import IO
 
 from kforge_cli.files import open_append, open_regular, real_dir
 
 
-def _to_json_value(value: Any) -> Any:
+def _to_json_value(value: object) -> object:
     """A JSON-safe copy of ``value``: non-finite floats become ``None``.
 
     Scalars with an ``item()`` method (a 0-d tensor or a numpy number) are unwrapped,
@@ -53,7 +53,7 @@ class MetricsFile:
             self._file.write("\n")
             self._file.flush()
 
-    def write(self, record: Mapping[str, Any]) -> None:
+    def write(self, record: Mapping[str, object]) -> None:
         """Append ``record`` as one line, adding ``"time"`` (unix seconds) when absent."""
         if self._file is None:
             raise RuntimeError(f"MetricsFile {self.path} is closed")
@@ -87,7 +87,7 @@ def _ends_with_newline(path: Path) -> bool:
 MAX_LINE_BYTES = 1 << 16  # a kforge record is well under 4 KB; a longer line is not one (skipped unread)
 
 
-def iter_metrics(path: Path) -> Iterator[dict[str, Any]]:
+def iter_metrics(path: Path) -> Iterator[dict[str, object]]:
     """The records of a metrics file, in order, one line in memory at a time.
 
     Blank lines and a line that does not parse (a write torn by a killed process, bytes
@@ -111,19 +111,19 @@ def iter_metrics(path: Path) -> Iterator[dict[str, Any]]:
                 yield record
 
 
-def _record(line: bytes) -> dict[str, Any] | None:
+def _record(line: bytes) -> dict[str, object] | None:
     """One line as a record; None for a blank, over-long or damaged line (not JSON, not UTF-8, nested too
     deep, a number too long to convert: JSONDecodeError and UnicodeDecodeError are ValueErrors)."""
     if len(line) > MAX_LINE_BYTES or not line.strip():
         return None
     try:
-        value = json.loads(line)
+        value: object = json.loads(line)
     except (ValueError, RecursionError):
         return None
     return value if isinstance(value, dict) else None
 
 
-def tail_records(path: Path, max_bytes: int = 8 << 20) -> Iterator[dict[str, Any]]:
+def tail_records(path: Path, max_bytes: int = 8 << 20) -> Iterator[dict[str, object]]:
     """The records in the last `max_bytes` of the file, newest first (a reader of the latest values
     costs the same for a 100 KB and a 100 GB file)."""
     with open_regular(path) as f:
@@ -139,7 +139,7 @@ def tail_records(path: Path, max_bytes: int = 8 << 20) -> Iterator[dict[str, Any
             yield record
 
 
-def sample_records(path: Path, points: int) -> Iterator[dict[str, Any]]:
+def sample_records(path: Path, points: int) -> Iterator[dict[str, object]]:
     """About `points` records spread evenly over the file by byte offset, in order, then its last record.
 
     For files too large to read whole: each sample seeks and reads one line, so time and
@@ -168,6 +168,6 @@ def count_lines(path: Path) -> int:
     return n
 
 
-def read_metrics(path: Path) -> list[dict[str, Any]]:
+def read_metrics(path: Path) -> list[dict[str, object]]:
     """All records of a metrics file, in order (see :func:`iter_metrics`)."""
     return list(iter_metrics(path))

@@ -23,7 +23,7 @@ import os
 import re
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 from urllib.parse import urlsplit
 
 from kforge_cli.errors import InvalidInputError
@@ -57,7 +57,7 @@ _HTTP_DEFAULTS = {
 }
 
 
-def param_value(value: Any) -> str:
+def param_value(value: object) -> str:
     """A param's text: strings as they are, anything else as JSON; cut to MLflow's limit."""
     text = value if isinstance(value, str) else json.dumps(value)
     if len(text) > MAX_PARAM_VALUE_LENGTH:
@@ -65,7 +65,7 @@ def param_value(value: Any) -> str:
     return text
 
 
-def flatten_params(config: Mapping[str, Any], prefix: str = "") -> dict[str, str]:
+def flatten_params(config: Mapping[str, object], prefix: str = "") -> dict[str, str]:
     """``{"train": {"lr": 0.1}}`` -> ``{"train.lr": "0.1"}`` (lists and empty tables as JSON)."""
     params: dict[str, str] = {}
     for key, value in config.items():

@@ -17,10 +17,9 @@ import time
 from collections.abc import Callable, Mapping
 from datetime import timedelta
 from types import TracebackType
-from typing import Any
 
 from rich.console import Console
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TaskID, TextColumn
 
 _MODES = ("auto", "on", "off")
 
@@ -31,23 +30,28 @@ def _format_eta(seconds: float | None) -> str | None:
     return str(timedelta(seconds=round(max(seconds, 0.0))))
 
 
-def format_metrics(metrics: Mapping[str, Any], eta_s: float | None) -> str:
+def _number(metrics: Mapping[str, object], key: str) -> float | int | None:
+    value = metrics.get(key)
+    return value if isinstance(value, float | int) else None
+
+
+def format_metrics(metrics: Mapping[str, object], eta_s: float | None) -> str:
     """``loss 2.3456 | lr 3.0e-03 | grad_norm 0.812 | 12,345 tok/s | mfu 41.2% | eta 0:01:02``.
 
     Keys that are missing (or ``None``) are left out, so the same line serves steps
     with and without MFU.
     """
     parts: list[str] = []
-    if metrics.get("loss") is not None:
-        parts.append(f"loss {metrics['loss']:.4f}")
-    if metrics.get("lr") is not None:
-        parts.append(f"lr {metrics['lr']:.1e}")
-    if metrics.get("grad_norm") is not None:
-        parts.append(f"grad_norm {metrics['grad_norm']:.3f}")
-    if metrics.get("tokens_per_sec") is not None:
-        parts.append(f"{metrics['tokens_per_sec']:,.0f} tok/s")
-    if metrics.get("mfu") is not None:
-        parts.append(f"mfu {100 * metrics['mfu']:.1f}%")
+    if (loss := _number(metrics, "loss")) is not None:
+        parts.append(f"loss {loss:.4f}")
+    if (lr := _number(metrics, "lr")) is not None:
+        parts.append(f"lr {lr:.1e}")
+    if (grad_norm := _number(metrics, "grad_norm")) is not None:
+        parts.append(f"grad_norm {grad_norm:.3f}")
+    if (tps := _number(metrics, "tokens_per_sec")) is not None:
+        parts.append(f"{tps:,.0f} tok/s")
+    if (util := _number(metrics, "mfu")) is not None:
+        parts.append(f"mfu {100 * util:.1f}%")
     eta = _format_eta(eta_s)
     if eta is not None:
         parts.append(f"eta {eta}")
@@ -82,7 +86,7 @@ class ProgressReporter:
         self._t_start = clock()
         self._first_update: tuple[int, float] | None = None
         self._progress: Progress | None = None
-        self._task_id: Any = None
+        self._task_id: TaskID | None = None
         use_bar = mode == "on" or (mode == "auto" and _stderr_is_tty())
         if enabled and use_bar:
             self._progress = Progress(
@@ -115,7 +119,7 @@ class ProgressReporter:
             return None
         return (now - ref_time) / done * max(self.total_steps - step, 0)
 
-    def update(self, step: int, metrics: Mapping[str, Any]) -> None:
+    def update(self, step: int, metrics: Mapping[str, object]) -> None:
         """Report that optimizer step ``step`` finished with these metrics."""
         if not self.enabled:
             return
@@ -124,7 +128,7 @@ class ProgressReporter:
             self._first_update = (step, self._clock())
         info = format_metrics(metrics, eta)
         line = f"step {step}/{self.total_steps} | {info}" if info else f"step {step}/{self.total_steps}"
-        if self._progress is not None:
+        if self._progress is not None and self._task_id is not None:
             self._progress.update(self._task_id, completed=step, info=info)
         # A permanent line every metrics.log_interval steps, also with the bar (printed above it):
         # the scrollback keeps the loss history, the bar shows where the run is now.

@@ -12,13 +12,15 @@ backend starts.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from kforge_cli.errors import InvalidInputError
 from kforge_cli.files import real_dir
 from kforge_cli.rundir.names import TENSORBOARD_DIR
 
 if TYPE_CHECKING:
+    from torch.utils.tensorboard import SummaryWriter
+
     from kforge_cli.engine.observe.tracking_types import CheckpointMark, MetricPoints, RunInfo, TrackerStatus
 
 LOG_SUBDIR = TENSORBOARD_DIR
@@ -57,8 +59,8 @@ class TensorboardBackend:
         self.purge = purge  # False: only add points (kforge eval logging at an old step must not purge)
         self.logdir = info.run_dir / LOG_SUBDIR
         self.run_id: str | None = run_id or LOG_SUBDIR
-        self._writer: Any = None
-        self._writer_cls: Any = None
+        self._writer: SummaryWriter | None = None
+        self._writer_cls: type[SummaryWriter] | None = None
 
     def start(self) -> None:
         try:
@@ -72,8 +74,9 @@ class TensorboardBackend:
             raise InvalidInputError(f"{self.logdir} is a symlink; kforge does not write through links in a run dir")
         self._writer_cls = SummaryWriter
 
-    def _open(self, first_step: int) -> Any:
+    def _open(self, first_step: int) -> SummaryWriter:
         if self._writer is None:
+            assert self._writer_cls is not None, "start() first"
             real_dir(self.logdir)  # a link planted since start() is refused too
             purge_step = first_step if self.purge else None
             self._writer = self._writer_cls(log_dir=str(self.logdir), purge_step=purge_step, flush_secs=30)

@@ -40,6 +40,7 @@ from kforge_cli.engine.observe.tracking_types import (
     TrackerStatus,
 )
 from kforge_cli.engine.observe.wandb_backend import WandbBackend
+from kforge_cli.json_values import int_of
 from kforge_cli.rundir.layout import RunDir
 from kforge_cli.settings import JobSettings
 
@@ -49,7 +50,7 @@ _NOT_METRICS = frozenset({"step", "time"})
 _BATCH_POINTS = 1000  # MLflow's log_batch limit: one backend call per batch, never a partial one
 
 
-def _as_float(value: Any) -> float | None:
+def _as_float(value: object) -> float | None:
     if isinstance(value, bool) or value is None or isinstance(value, str):
         return None
     if isinstance(value, (int, float)):
@@ -60,7 +61,7 @@ def _as_float(value: Any) -> float | None:
     return None
 
 
-def metric_points(record: Mapping[str, Any], now: float) -> MetricPoints | None:
+def metric_points(record: Mapping[str, object], now: float) -> MetricPoints | None:
     """The numeric values of ``record`` as points at ``record["step"]`` (None: nothing to send).
 
     Strings, booleans and ``None`` are not metrics; NaN and Inf are kept (both trackers
@@ -78,7 +79,9 @@ def metric_points(record: Mapping[str, Any], now: float) -> MetricPoints | None:
     if not values:
         return None
     t = _as_float(record.get("time"))
-    return MetricPoints(step=int(record["step"]), values=values, time=t if t is not None and math.isfinite(t) else now)
+    return MetricPoints(
+        step=int_of(record["step"]), values=values, time=t if t is not None and math.isfinite(t) else now
+    )
 
 
 def git_commit(directory: Path) -> str | None:
@@ -251,7 +254,7 @@ class Tracker:
         for d in self._deliveries:
             d.attempt(force=True)
 
-    def write(self, record: Mapping[str, Any]) -> None:
+    def write(self, record: Mapping[str, object]) -> None:
         """Append ``record`` to metrics.jsonl, then hand its numbers to every backend."""
         row = dict(record)
         row.setdefault("time", time.time())

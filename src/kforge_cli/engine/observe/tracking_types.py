@@ -6,7 +6,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal, Protocol, get_args
+from typing import Literal, Protocol, get_args
 
 TrackerStatus = Literal["completed", "stopped", "failed"]
 TRACKER_STATUSES: tuple[str, ...] = get_args(TrackerStatus)
@@ -40,7 +40,7 @@ class RunInfo:
     world_size: int
     git_commit: str | None
     run_dir: Path
-    config: dict[str, Any]  # the resolved settings, JSON-compatible
+    config: dict[str, object]  # the resolved settings, JSON-compatible
     config_path: Path  # RUN_DIR/config.toml
 
 

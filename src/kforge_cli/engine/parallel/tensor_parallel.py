@@ -38,15 +38,17 @@ through the differentiable ``wait_tensor`` op, so every block receives a plain t
 
 from __future__ import annotations
 
-from typing import Any, cast
+from typing import TYPE_CHECKING, cast
 
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed import ProcessGroup
 from torch.distributed._functional_collectives import AsyncCollectiveTensor, wait_tensor
 from torch.distributed.tensor import DTensor, Placement, Replicate, Shard
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
+    ParallelStyle,
     PrepareModuleInput,
     PrepareModuleInputOutput,
     RowwiseParallel,
@@ -56,6 +58,9 @@ from torch.distributed.tensor.parallel import (
 
 from kforge_cli.engine.data.tokens import IGNORE_INDEX
 from kforge_cli.engine.model.moe import MoEFeedForward
+
+if TYPE_CHECKING:
+    from torch.distributed.device_mesh import DeviceMesh
 
 # Linear layers of a block by how TP splits them (block_plan; float8 eligibility reads the same split).
 COLWISE_LINEARS = ("wq", "wk", "wv", "w1", "w3")  # output features split over the TP ranks
@@ -81,11 +86,13 @@ def _styles(float8_recipe: str | None) -> tuple[type, type, type]:
     return ColwiseParallel, RowwiseParallel, PrepareModuleInput
 
 
-def block_plan(block: nn.Module, *, sequence_parallel: bool, float8_recipe: str | None = None) -> dict[str, Any]:
+def block_plan(
+    block: nn.Module, *, sequence_parallel: bool, float8_recipe: str | None = None
+) -> dict[str, ParallelStyle]:
     """The parallelize_module plan of one TransformerBlock (``float8_recipe`` None: no float8)."""
     colwise, rowwise, prepare_input = _styles(float8_recipe)
     stream = Shard(1) if sequence_parallel else Replicate()
-    plan: dict[str, Any] = {
+    plan: dict[str, ParallelStyle] = {
         "attention": prepare_input(
             input_layouts=(stream, None, None, None), desired_input_layouts=(Replicate(), None, None, None)
         ),
@@ -115,7 +122,7 @@ def block_plan(block: nn.Module, *, sequence_parallel: bool, float8_recipe: str 
 
 def moe_plan(
     layer: MoEFeedForward, stream: Placement, colwise: type, rowwise: type, prepare_input: type
-) -> dict[str, Any]:
+) -> dict[str, ParallelStyle]:
     """The plan of an MoE feed-forward (see module docstring): TP over the shared experts only.
 
     The layer gets a plain, all-gathered tensor (the router needs every token of the
@@ -125,7 +132,7 @@ def moe_plan(
     ``Replicate`` DTensor once, whose ``Partial`` gradient (``w1`` and ``w3`` summed) is
     all-reduced once on the way back to the plain tensor.
     """
-    plan: dict[str, Any] = {
+    plan: dict[str, ParallelStyle] = {
         "feed_forward": PrepareModuleInputOutput(
             input_layouts=(stream,),
             desired_input_layouts=(Replicate(),),
@@ -146,9 +153,9 @@ def moe_plan(
     return plan
 
 
-def _root_plan(model: nn.Module, *, sequence_parallel: bool, loss_parallel_on: bool) -> dict[str, Any]:
+def _root_plan(model: nn.Module, *, sequence_parallel: bool, loss_parallel_on: bool) -> dict[str, ParallelStyle]:
     stream = Shard(1) if sequence_parallel else Replicate()
-    plan: dict[str, Any] = {}
+    plan: dict[str, ParallelStyle] = {}
     if getattr(model, "tok_embeddings", None) is not None:
         plan["tok_embeddings"] = RowwiseParallel(input_layouts=Replicate(), output_layouts=stream)
     if getattr(model, "norm", None) is not None and sequence_parallel:
@@ -162,7 +169,9 @@ def _root_plan(model: nn.Module, *, sequence_parallel: bool, loss_parallel_on: b
     return plan
 
 
-def _inject_positions(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+def _inject_positions(
+    module: nn.Module, args: tuple[torch.Tensor, ...], kwargs: dict[str, object]
+) -> tuple[tuple[torch.Tensor, ...], dict[str, object]] | None:
     """Pass explicit RoPE positions when the input is token ids (see module docstring)."""
     del module
     if kwargs.get("positions") is None and args and args[0].dim() == 2:
@@ -172,7 +181,7 @@ def _inject_positions(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str
     return None
 
 
-def _wait_on_output(module: nn.Module, args: Any, output: torch.Tensor) -> torch.Tensor:
+def _wait_on_output(module: nn.Module, args: tuple[object, ...], output: torch.Tensor) -> torch.Tensor:
     """A plain tensor for the blocks (see module docstring); ``wait_tensor``'s gradient is the identity."""
     del module, args
     return wait_tensor(output) if isinstance(output, AsyncCollectiveTensor) else output
@@ -180,7 +189,7 @@ def _wait_on_output(module: nn.Module, args: Any, output: torch.Tensor) -> torch
 
 def apply_tensor_parallel(
     model: nn.Module,
-    tp_mesh: Any,
+    tp_mesh: DeviceMesh,
     *,
     sequence_parallel: bool,
     loss_parallel_on: bool,
@@ -209,13 +218,13 @@ class _SumOverGroup(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, group: Any) -> torch.Tensor:  # type: ignore[override]
+    def forward(ctx: object, x: torch.Tensor, group: ProcessGroup | None) -> torch.Tensor:  # type: ignore[override]
         out = x.clone()
         dist.all_reduce(out, op=dist.ReduceOp.SUM, group=group)
         return out
 
     @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:  # type: ignore[override]
+    def backward(ctx: object, grad: torch.Tensor) -> tuple[torch.Tensor, None]:  # type: ignore[override]
         return grad, None
 
 

@@ -44,12 +44,13 @@ import threading
 import time
 import traceback
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from types import FrameType
-from typing import Any
+from typing import TypedDict
 
 from kforge_cli.errors import EXIT_HANG
+from kforge_cli.json_values import int_of
 from kforge_cli.rundir import names
 
 log = logging.getLogger("kforge")
@@ -223,7 +224,7 @@ class HangWatchdog:
         )
         self._summarise()
 
-    def report(self, phase: str, idle: float, limit: float) -> tuple[dict[str, Any], str]:
+    def report(self, phase: str, idle: float, limit: float) -> tuple[RankReport, str]:
         """(facts for the summary, the text of rank_N.txt) of this rank now."""
         frames = sys._current_frames()
         main = threading.main_thread()
@@ -231,7 +232,7 @@ class HangWatchdog:
         where, in_collective, collective_frame = describe_frame(main_frame)
         fr = flight_recorder_entries()
         last = last_collectives(fr) if fr is not None else {}
-        facts: dict[str, Any] = {
+        facts: RankReport = {
             "rank": self.rank,
             "world_size": self.world_size,
             "host": socket.gethostname(),
@@ -285,6 +286,33 @@ class HangWatchdog:
         _wait_for(summary, 5.0)
 
 
+class CollectiveMark(TypedDict):
+    """The last collective a rank entered in one process group (from the flight recorder)."""
+
+    seq: int
+    op: str
+    state: str
+
+
+class RankReport(TypedDict):
+    """``rank_N.json``: one rank's facts when the watchdog fired (the summary reads every rank's)."""
+
+    rank: int
+    world_size: int
+    host: str
+    pid: int
+    step: int
+    phase: str
+    idle_s: float
+    limit_s: float
+    time: str
+    where: str
+    in_collective: bool
+    collective_frame: str | None
+    last_collectives: dict[str, CollectiveMark]
+    flight_recorder: bool
+
+
 # ---- the stack and the flight recorder -----------------------------------------------------
 
 
@@ -325,7 +353,7 @@ def flight_recorder_dump() -> bytes | None:
     return None
 
 
-def flight_recorder_entries() -> list[dict[str, Any]] | None:
+def flight_recorder_entries() -> list[dict[str, object]] | None:
     """The flight recorder's entries (our own process's dump), or None when it has none."""
     raw = flight_recorder_dump()
     if raw is None:
@@ -337,14 +365,14 @@ def flight_recorder_entries() -> list[dict[str, Any]] | None:
     return entries or None
 
 
-def last_collectives(entries: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
+def last_collectives(entries: list[dict[str, object]]) -> dict[str, CollectiveMark]:
     """Per process group: the last collective entered (sequence number, op, state)."""
-    out: dict[str, dict[str, Any]] = {}
+    out: dict[str, CollectiveMark] = {}
     for e in entries:
         pg = e.get("process_group") or ("?", "?")
         key = f"pg {pg[0]} ({pg[1]})" if isinstance(pg, list | tuple) and len(pg) == 2 else str(pg)
         p2p = bool(e.get("is_p2p"))
-        seq = int(e.get("p2p_seq_id" if p2p else "collective_seq_id") or 0)
+        seq = int_of(e.get("p2p_seq_id" if p2p else "collective_seq_id") or 0)
         if p2p:
             key += " p2p"
         if key not in out or seq >= out[key]["seq"]:
@@ -355,13 +383,27 @@ def last_collectives(entries: list[dict[str, Any]]) -> dict[str, dict[str, Any]]
 # ---- the summary ----------------------------------------------------------------------------
 
 
-def _read_reports(directory: Path, world_size: int) -> dict[int, dict[str, Any]]:
-    reports = {}
+def _read_reports(directory: Path, world_size: int) -> dict[int, dict[str, object]]:
+    """The rank reports that parse as JSON objects (read back from disk: each field is checked where used)."""
+    reports: dict[int, dict[str, object]] = {}
     for r in range(world_size):
         path = directory / f"rank_{r}.json"
         with contextlib.suppress(OSError, ValueError):
-            reports[r] = json.loads(path.read_text())
+            report: object = json.loads(path.read_text())
+            if isinstance(report, dict):
+                reports[r] = report
     return reports
+
+
+def _collectives(report: Mapping[str, object]) -> dict[str, CollectiveMark]:
+    """A report's ``last_collectives``; an entry without an integer ``seq`` is left out."""
+    found = report.get("last_collectives")
+    out: dict[str, CollectiveMark] = {}
+    if isinstance(found, dict):
+        for pg, c in found.items():
+            if isinstance(c, dict) and isinstance(seq := c.get("seq"), int):
+                out[str(pg)] = {"seq": seq, "op": str(c.get("op", "?")), "state": str(c.get("state", "?"))}
+    return out
 
 
 def _short(where: str) -> str:
@@ -373,7 +415,7 @@ def _short(where: str) -> str:
     return where
 
 
-def stopped_ranks(reports: dict[int, dict[str, Any]], world_size: int) -> tuple[list[int], dict[int, str]]:
+def stopped_ranks(reports: Mapping[int, Mapping[str, object]], world_size: int) -> tuple[list[int], dict[int, str]]:
     """(the ranks that stopped, why each) from the reports: no report at all; or not inside a
     collective while behind the others' sequence number in some process group; else either."""
     why: dict[int, str] = {}
@@ -381,9 +423,9 @@ def stopped_ranks(reports: dict[int, dict[str, Any]], world_size: int) -> tuple[
     for r in missing:
         why[r] = "wrote no report (exited, killed, or stuck holding the GIL)"
     behind: dict[int, str] = {}
-    groups: dict[str, dict[int, dict[str, Any]]] = {}
+    groups: dict[str, dict[int, CollectiveMark]] = {}
     for r, rep in reports.items():
-        for pg, c in (rep.get("last_collectives") or {}).items():
+        for pg, c in _collectives(rep).items():
             groups.setdefault(pg, {})[r] = c
     for pg, per_rank in groups.items():
         if len(per_rank) < 2:
@@ -398,7 +440,9 @@ def stopped_ranks(reports: dict[int, dict[str, Any]], world_size: int) -> tuple[
     for r in chosen:
         parts = []
         if r in idle:
-            parts.append(f"not in a collective: {reports[r].get('phase')} at {_short(reports[r].get('where', '?'))}")
+            parts.append(
+                f"not in a collective: {reports[r].get('phase')} at {_short(str(reports[r].get('where', '?')))}"
+            )
         if r in behind:
             parts.append(behind[r])
         why[r] = "; ".join(parts)
@@ -409,8 +453,10 @@ def summarise(directory: Path, world_size: int, note: str = "") -> str:
     """The one-screen summary of the rank reports in ``directory``."""
     reports = _read_reports(directory, world_size)
     stopped, why = stopped_ranks(reports, world_size)
-    steps = sorted({rep.get("step", -1) for rep in reports.values()})
-    idle = max((rep.get("idle_s", 0.0) for rep in reports.values()), default=0.0)
+    steps = sorted({step if isinstance(step := rep.get("step", -1), int) else -1 for rep in reports.values()})
+    idle = max(
+        (s if isinstance(s := rep.get("idle_s", 0.0), int | float) else 0.0 for rep in reports.values()), default=0.0
+    )
     lines = [
         f"kforge hang: no progress for {idle:.0f} s at step {'/'.join(map(str, steps)) or '?'}; "
         f"{len(reports)} of {world_size} ranks reported.",
@@ -433,10 +479,10 @@ def summarise(directory: Path, world_size: int, note: str = "") -> str:
     rows = [r for r in sorted(reports) if r in stopped] + [r for r in sorted(reports) if r not in stopped]
     for r in rows[:12]:
         rep = reports[r]
-        last = rep.get("last_collectives") or {}
+        last = _collectives(rep)
         newest = max(last.values(), key=lambda c: c["seq"], default=None) if last else None
         coll = f"{newest['op']} #{newest['seq']}" if newest else "-"
-        where = _short(rep.get("collective_frame") or rep.get("where") or "?")
+        where = _short(str(rep.get("collective_frame") or rep.get("where") or "?"))
         lines.append(
             f"{r:>4}  {str(rep.get('host', '?'))[:16]:<16} {rep.get('step', '?'):>6}  "
             f"{str(rep.get('phase', '?'))[:17]:<17} {coll[:36]:<36} {where}"

@@ -23,10 +23,11 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Literal
 
 import torch
 
+from kforge_cli.json_values import float_of, int_of, list_of
 from kforge_cli.settings.infrastructure import ResilienceSettings
 
 # Tally slots: spikes since the last settle, the first one's step, loss and threshold.
@@ -42,7 +43,7 @@ class SpikeEvent:
     threshold: float
     count: int  # spiking steps since the previous settle
 
-    def record(self) -> dict[str, Any]:
+    def record(self) -> dict[str, float | int]:
         return {
             "spike/step": self.step,
             "spike/loss": self.loss,
@@ -70,7 +71,7 @@ class SpikeGuard:
         self._filled: torch.Tensor | None = None  # [window] bool
         self._next: torch.Tensor | None = None  # int64 scalar: clean losses seen (the ring position)
         self._tally: torch.Tensor | None = None
-        self._loaded: dict[str, Any] | None = None  # a checkpoint's state, put on the device at the next step
+        self._loaded: dict[str, object] | None = None  # a checkpoint's state, put on the device at the next step
 
     @classmethod
     def from_settings(cls, cfg: ResilienceSettings) -> SpikeGuard:
@@ -86,12 +87,12 @@ class SpikeGuard:
 
     def _allocate(self, device: torch.device) -> None:
         state = self._loaded or {}
-        hist = [float(v) for v in state.get("history", [])][: self.window]
-        filled = [bool(v) for v in state.get("filled", [])][: self.window]
+        hist = [float_of(v) for v in list_of(state.get("history", []), "history")][: self.window]
+        filled = [bool(v) for v in list_of(state.get("filled", []), "filled")][: self.window]
         pad = self.window - len(hist)
         self._hist = torch.tensor(hist + [0.0] * pad, dtype=torch.float64, device=device)
         self._filled = torch.tensor((filled + [False] * self.window)[: self.window], device=device)
-        self._next = torch.tensor(int(state.get("next", 0)), dtype=torch.int64, device=device)
+        self._next = torch.tensor(int_of(state.get("next", 0)), dtype=torch.int64, device=device)
         self._loaded = None
 
     def observe(self, step: int, loss: torch.Tensor) -> None:
@@ -135,14 +136,16 @@ class SpikeGuard:
         self.detected += int(count)
         return SpikeEvent(step=int(step), loss=loss, threshold=threshold, count=int(count))
 
-    def state_dict(self) -> dict[str, Any]:
+    def state_dict(self) -> dict[str, object]:
         """JSON: the history (a host read, on saves only) and the counters."""
         history: list[float]
+        filled: list[object]
+        nxt: object
         if self._hist is None or self._filled is None or self._next is None:
             loaded = self._loaded or {}
             history, filled, nxt = (
-                list(loaded.get("history", [])),
-                list(loaded.get("filled", [])),
+                [float_of(v) for v in list_of(loaded.get("history", []), "history")],
+                list(list_of(loaded.get("filled", []), "filled")),
                 loaded.get("next", 0),
             )
         else:
@@ -150,9 +153,9 @@ class SpikeGuard:
         history = [v if math.isfinite(v) else 0.0 for v in history]
         return {"history": history, "filled": filled, "next": nxt, "rewinds": self.rewinds, "detected": self.detected}
 
-    def load_state_dict(self, state: dict[str, Any]) -> None:
+    def load_state_dict(self, state: dict[str, object]) -> None:
         self._loaded = {k: state.get(k) for k in ("history", "filled", "next")}
         self._loaded = {k: v for k, v in self._loaded.items() if v is not None}
         self._hist = self._filled = self._next = self._tally = None
-        self.rewinds = int(state.get("rewinds", 0))
-        self.detected = int(state.get("detected", 0))
+        self.rewinds = int_of(state.get("rewinds", 0))
+        self.detected = int_of(state.get("detected", 0))

@@ -24,7 +24,6 @@ import logging
 import socket
 import statistics
 import time
-from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -44,30 +43,33 @@ class StragglerMonitor:
         self.ratio, self.windows, self.local_params = ratio, windows, local_params
         self.cuda = device.type == "cuda"
         self._samples: list[float] = []  # seconds of local work per step, this window
-        self._pending: list[tuple[float, Any, Any]] = []  # CUDA: (data seconds, start event, end event)
-        self._spare: list[Any] = []
+        self._pending: list[
+            tuple[float, torch.cuda.Event, torch.cuda.Event]
+        ] = []  # CUDA: (data seconds, start event, end event)
+        self._spare: list[torch.cuda.Event] = []
         self.streak = 0
         self.streak_rank: int | None = None
         self.hosts: list[str] | None = None
 
     # ---- every step -------------------------------------------------------------------------
 
-    def begin_update(self) -> Any:
+    def begin_update(self) -> float | torch.cuda.Event:
         if not self.cuda:
             return time.perf_counter()
         start = self._event()
         start.record()
         return start
 
-    def end_update(self, token: Any, data_s: float) -> None:
-        if not self.cuda:
+    def end_update(self, token: float | torch.cuda.Event, data_s: float) -> None:
+        """``token``: what ``begin_update`` returned (a clock reading on CPU, a recorded event on CUDA)."""
+        if not isinstance(token, torch.cuda.Event):
             self._samples.append(data_s + time.perf_counter() - token)
             return
         end = self._event()
         end.record()
         self._pending.append((data_s, token, end))
 
-    def _event(self) -> Any:
+    def _event(self) -> torch.cuda.Event:
         return self._spare.pop() if self._spare else torch.cuda.Event(enable_timing=True)
 
     def reset(self) -> None:
@@ -80,7 +82,7 @@ class StragglerMonitor:
 
     def _take(self) -> float:
         """This window's median local work per step (seconds); CUDA events not yet done wait for the next window."""
-        still: list[tuple[float, Any, Any]] = []
+        still: list[tuple[float, torch.cuda.Event, torch.cuda.Event]] = []
         for data_s, start, end in self._pending:
             if end.query():
                 self._samples.append(data_s + start.elapsed_time(end) / 1000.0)
@@ -92,10 +94,10 @@ class StragglerMonitor:
         self._samples.clear()
         return value
 
-    def report(self, step: int) -> dict[str, Any]:
+    def report(self, step: int) -> dict[str, float | int | str]:
         """Share this window's numbers (one all-gather) and return the metrics record's straggler fields."""
         if self.hosts is None:
-            hosts: list[Any] = [None] * self.world_size
+            hosts: list[object] = [None] * self.world_size
             dist.all_gather_object(hosts, socket.gethostname())
             self.hosts = [str(h) for h in hosts]
         mine = torch.tensor([self._take(), float(self.local_params)], dtype=torch.float64, device=self.device)

@@ -6,7 +6,6 @@ import os
 import random
 from dataclasses import dataclass, field
 from datetime import timedelta
-from typing import Any
 
 import numpy as np
 import torch
@@ -31,7 +30,7 @@ class RuntimeContext:
     mesh: DeviceMesh | None = None  # dims named pp/dp_replicate/dp_shard(_mod_ep, ep)/cp/tp (engine.runtime.mesh)
     owns_process_group: bool = False  # init_runtime created the process group, so teardown destroys it
     threads: ThreadChoice | None = None  # the CPU thread count chosen for this process, and why (logged once)
-    extra: dict[str, Any] = field(default_factory=dict)
+    extra: dict[str, object] = field(default_factory=dict)
 
     @property
     def rank(self) -> int:
@@ -121,7 +120,7 @@ class RuntimeContext:
 
     def expert_fsdp_mesh(self) -> DeviceMesh | None:
         """The mesh FSDP2 shards routed experts over under EP ((dp_replicate,) dp_shard_mod_ep); None without EP."""
-        return None if self.ep_mesh() is None else expert_fsdp_mesh(self.mesh)
+        return None if self.ep_mesh() is None or self.mesh is None else expert_fsdp_mesh(self.mesh)
 
     def fsdp_mesh(self) -> DeviceMesh | None:
         """The mesh FSDP2 shards over (2-D for HSDP), None in a single process."""
@@ -249,14 +248,14 @@ def device_wait(device: torch.device) -> None:
         torch.accelerator.synchronize(device)
 
 
-def all_reduce_sum(value: torch.Tensor, group: Any = None) -> torch.Tensor:
+def all_reduce_sum(value: torch.Tensor, group: ProcessGroup | None = None) -> torch.Tensor:
     """Sum a tensor over `group` in place (a no-op in a single process)."""
     if dist.is_available() and dist.is_initialized():
         dist.all_reduce(value, op=dist.ReduceOp.SUM, group=group)
     return value
 
 
-def all_reduce_max(value: torch.Tensor, group: Any = None) -> torch.Tensor:
+def all_reduce_max(value: torch.Tensor, group: ProcessGroup | None = None) -> torch.Tensor:
     if dist.is_available() and dist.is_initialized():
         dist.all_reduce(value, op=dist.ReduceOp.MAX, group=group)
     return value

@@ -27,11 +27,14 @@ and for checkpoints. Other dims appear only when larger than 1.
 from __future__ import annotations
 
 import warnings
-from typing import Any
+from typing import TYPE_CHECKING
 
 import torch
 
 from kforge_cli.settings import ParallelDims
+
+if TYPE_CHECKING:
+    from torch.distributed.device_mesh import DeviceMesh
 
 MESH_ORDER = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
 
@@ -47,7 +50,7 @@ def mesh_shape(dims: ParallelDims) -> list[tuple[str, int]]:
     return shape
 
 
-def build_mesh(device: torch.device, dims: ParallelDims) -> Any:
+def build_mesh(device: torch.device, dims: ParallelDims) -> DeviceMesh:
     """A DeviceMesh over ``mesh_shape(dims)``, plus flattened dims: ``dp`` when both dp dims exist;
     with ``cp``, ``dp_shard_cp`` (FSDP's shard dim) and, with ``dp_replicate``, ``dp_cp``; with
     ``ep``, ``dp_shard`` (over ``dp_shard_mod_ep x ep``)."""
@@ -69,11 +72,11 @@ def build_mesh(device: torch.device, dims: ParallelDims) -> Any:
     return mesh
 
 
-def has_dim(mesh: Any, name: str) -> bool:
+def has_dim(mesh: DeviceMesh | None, name: str) -> bool:
     return mesh is not None and name in (mesh.mesh_dim_names or ())
 
 
-def _flat(mesh: Any, *names: str) -> Any:
+def _flat(mesh: DeviceMesh, *names: str) -> DeviceMesh:
     """``mesh[names]`` where a name is a flattened dim: torch 2.13 warns that slicing one from the
     root mesh "will be deprecated"; it still works, and kforge's helpers are the only place it happens."""
     with warnings.catch_warnings():
@@ -81,7 +84,7 @@ def _flat(mesh: Any, *names: str) -> Any:
         return mesh[names[0]] if len(names) == 1 else mesh[names]
 
 
-def dp_mesh(mesh: Any) -> Any:
+def dp_mesh(mesh: DeviceMesh) -> DeviceMesh:
     """The sub-mesh FSDP2 shards over: 2-D (dp_replicate, dp_shard) = HSDP, else 1-D dp_shard;
     with context parallelism, dp_shard_cp in place of dp_shard (CP ranks share parameter shards)."""
     shard = "dp_shard_cp" if has_dim(mesh, "cp") else "dp_shard"
@@ -90,27 +93,27 @@ def dp_mesh(mesh: Any) -> Any:
     return _flat(mesh, shard)
 
 
-def flat_dp_mesh(mesh: Any) -> Any:
+def flat_dp_mesh(mesh: DeviceMesh) -> DeviceMesh:
     """A 1-D mesh over every data-parallel rank (the flattened dp dims)."""
     if has_dim(mesh, "dp_replicate"):
         return _flat(mesh, "dp")
     return _flat(mesh, "dp_shard")
 
 
-def expert_fsdp_mesh(mesh: Any) -> Any:
+def expert_fsdp_mesh(mesh: DeviceMesh) -> DeviceMesh:
     """The mesh FSDP2 shards routed experts over under EP: (dp_replicate,) dp_shard_mod_ep."""
     if has_dim(mesh, "dp_replicate"):
         return mesh["dp_replicate", "dp_shard_mod_ep"]
     return mesh["dp_shard_mod_ep"]
 
 
-def loss_mesh(mesh: Any) -> Any:
+def loss_mesh(mesh: DeviceMesh) -> DeviceMesh:
     """A 1-D mesh over every rank whose loss tokens differ (dp x cp): token counts and loss sums."""
     if not has_dim(mesh, "cp"):
         return flat_dp_mesh(mesh)
     return _flat(mesh, "dp_cp" if has_dim(mesh, "dp_replicate") else "dp_shard_cp")
 
 
-def sub_mesh(mesh: Any, name: str) -> Any:
+def sub_mesh(mesh: DeviceMesh | None, name: str) -> DeviceMesh | None:
     """The 1-D sub-mesh of dim ``name``, or None when the mesh does not have it (size 1)."""
-    return mesh[name] if has_dim(mesh, name) else None
+    return mesh[name] if mesh is not None and has_dim(mesh, name) else None

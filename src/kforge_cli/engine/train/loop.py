@@ -12,7 +12,7 @@ import logging
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal
+from typing import Literal
 
 import torch
 
@@ -80,7 +80,7 @@ class _Meter:
         return tps, step_time
 
 
-def _to_device(batch: dict[str, Any], device: torch.device) -> Batch:
+def _to_device(batch: Batch, device: torch.device) -> Batch:
     return {k: v.to(device, non_blocking=True) for k, v in batch.items() if isinstance(v, torch.Tensor)}
 
 
@@ -88,7 +88,7 @@ def _log_step(session: TrainingSession, info: StepInfo, meter: _Meter, straggler
     """One metrics record: the step's numbers are read from the device here (one transfer)."""
     session.nan_guard.settle()  # every rank, the same steps: the abort decision stays agreed
     tps, step_time = meter.take()
-    record: dict[str, Any] = {
+    record: dict[str, object] = {
         "step": info.step,
         "loss": info.loss,
         "lr": info.lr,
@@ -243,7 +243,7 @@ def _train(session: TrainingSession, watchdog: HangWatchdog | NullWatchdog) -> T
         session.optimizer.zero_grad(set_to_none=True)
         session.scheduler.step()  # also on skipped steps: the schedule never drifts from the step
         session.step_fn.after_update(session)
-        if straggler is not None:
+        if straggler is not None and timing is not None:
             straggler.end_update(timing, data_s)
         state.step = step
         state.tokens_seen += session.tokens_per_step

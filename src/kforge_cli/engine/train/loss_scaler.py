@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import math
 import warnings
-from typing import Any
 
 import torch
 
@@ -53,10 +52,10 @@ class LossScaler:
         """Read on logging steps only."""
         return {"scaler/scale": float(self.scaler.get_scale()), "scaler/skipped_steps": float(self.skipped)}
 
-    def state_dict(self) -> dict[str, Any]:
+    def state_dict(self) -> dict[str, object]:
         return {**self.scaler.state_dict(), "skipped_steps": int(self.skipped)}
 
-    def load_state_dict(self, state: Any) -> None:
+    def load_state_dict(self, state: object) -> None:
         """A checkpoint's scaler state, checked before use (it is read from disk)."""
         problems = []
         if not isinstance(state, dict):

@@ -22,16 +22,19 @@ from __future__ import annotations
 import json
 import logging
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
+import torch
 import torch.distributed as dist
 
 from kforge_cli.engine.resilience.spike import SpikeEvent
+from kforge_cli.json_values import dict_of, int_of
 from kforge_cli.rundir import names
 from kforge_cli.rundir.checkpoints import atomic_write_json, read_json
 
 if TYPE_CHECKING:
     from kforge_cli.engine.checkpoint import CheckpointManager
+    from kforge_cli.engine.data.loader import StatefulLoader
     from kforge_cli.engine.train.session import TrainingSession
     from kforge_cli.engine.train.train_state import TrainState
 
@@ -46,7 +49,7 @@ def settle_spikes(session: TrainingSession) -> SpikeEvent | None:
     if not guard.enabled:
         return None
 
-    def from_rank_0(tally: Any) -> Any:
+    def from_rank_0(tally: torch.Tensor) -> torch.Tensor:
         dist.broadcast(tally, src=0)
         return tally
 
@@ -56,7 +59,7 @@ def settle_spikes(session: TrainingSession) -> SpikeEvent | None:
 def handle_spike(session: TrainingSession, event: SpikeEvent) -> bool:
     """Report ``event``; rewind when the policy says so. True when the run was rewound."""
     guard, step = session.spike_guard, session.state.step
-    record: dict[str, Any] = {"step": step, **event.record(), "spike/detected_total": guard.detected}
+    record: dict[str, object] = {"step": step, **event.record(), "spike/detected_total": guard.detected}
     rewinding = guard.may_rewind
     what = "rewinding to the last checkpoint" if rewinding else "reporting only"
     if guard.policy == "rewind" and not rewinding:
@@ -123,14 +126,14 @@ def rewind(session: TrainingSession, event: SpikeEvent) -> int | None:
     return restored.step
 
 
-def _journal_append(root: Path, entry: dict[str, Any]) -> None:
+def _journal_append(root: Path, entry: dict[str, object]) -> None:
     path = root / JOURNAL
     entries = _journal(path)
     entries.append(entry)
     atomic_write_json(path, {"format": 1, "entries": entries})
 
 
-def _journal(path: Path) -> list[dict[str, Any]]:
+def _journal(path: Path) -> list[dict[str, object]]:
     if not path.is_file():
         return []
     try:
@@ -141,11 +144,11 @@ def _journal(path: Path) -> list[dict[str, Any]]:
     return [e for e in entries if isinstance(e, dict)] if isinstance(entries, list) else []
 
 
-def _canonical(value: Any) -> Any:
+def _canonical(value: object) -> object:
     return json.loads(json.dumps(value))
 
 
-def apply_recorded_skips(checkpointer: CheckpointManager, loader: Any, state: TrainState) -> None:
+def apply_recorded_skips(checkpointer: CheckpointManager, loader: StatefulLoader, state: TrainState) -> None:
     """After a resume: when a rewind went back to this very checkpoint (same step, same data position)
     and skipped data from there, skip it again (the journal is read on rank 0 and broadcast)."""
     restored = checkpointer.restored
@@ -158,8 +161,8 @@ def apply_recorded_skips(checkpointer: CheckpointManager, loader: Any, state: Tr
     if not matching:
         return
     entry = matching[-1]  # a later rewind to the same checkpoint skipped further
-    loader.load_state_dict(entry["data_after"])
-    skip = {k: int(entry[k]) for k in ("spike_step", "detected_at", "rewound_to", "skipped_steps")}
+    loader.load_state_dict(dict_of(entry["data_after"], "data_after"))
+    skip = {k: int_of(entry[k]) for k in ("spike_step", "detected_at", "rewound_to", "skipped_steps")}
     if skip not in state.data_skips:
         state.data_skips.append(skip)
     log.warning(

@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+
+from kforge_cli.json_values import dict_of, int_of, list_of
 
 
 @dataclass
@@ -15,13 +16,14 @@ class TrainState:
     # Data windows skipped by loss-spike rewinds: {"spike_step", "detected_at", "rewound_to", "skipped_steps"}.
     data_skips: list[dict[str, int]] = field(default_factory=list)
 
-    def state_dict(self) -> dict[str, Any]:
-        state: dict[str, Any] = {"step": self.step, "tokens_seen": self.tokens_seen}
+    def state_dict(self) -> dict[str, object]:
+        state: dict[str, object] = {"step": self.step, "tokens_seen": self.tokens_seen}
         if self.data_skips:
             state["data_skips"] = [dict(s) for s in self.data_skips]
         return state
 
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.step = int(state["step"])
-        self.tokens_seen = int(state["tokens_seen"])
-        self.data_skips = [{k: int(v) for k, v in s.items()} for s in state.get("data_skips") or []]
+    def load_state_dict(self, state: dict[str, object]) -> None:
+        self.step = int_of(state["step"])
+        self.tokens_seen = int_of(state["tokens_seen"])
+        skips = list_of(state.get("data_skips") or [], "data_skips")
+        self.data_skips = [{k: int_of(v) for k, v in dict_of(s, "a data skip").items()} for s in skips]

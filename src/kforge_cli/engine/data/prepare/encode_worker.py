@@ -15,7 +15,6 @@ from __future__ import annotations
 import json
 import os
 from dataclasses import dataclass, field
-from typing import Any
 
 import numpy as np
 
@@ -113,7 +112,7 @@ def _records(raw: bytes, offset: int, text_field: str, bad: _Bad) -> list[str]:
         if not line.strip():
             continue
         try:
-            record: Any = json.loads(line)
+            record: object = json.loads(line)
         except UnicodeDecodeError:
             bad(at, "invalid UTF-8", "fix the encoding or pass --skip-bad-records")
             continue
@@ -153,7 +152,7 @@ def _encodable(text: str) -> bool:
 
 
 def _segment_tokens(
-    unit: WorkUnit, raw: bytes, offset: int, bad: _Bad, dtype: np.dtype[Any]
+    unit: WorkUnit, raw: bytes, offset: int, bad: _Bad, dtype: np.dtype[np.generic]
 ) -> tuple[np.ndarray, int, int]:
     """(tokens, JSONL records, UTF-8 bytes of the text) of one segment."""
     tok = _TOKENIZER
@@ -191,7 +190,7 @@ def _dataset_texts(records: hf_source.Records, field: str, bad: _Bad) -> list[st
     return texts
 
 
-def _encode_records(unit: WorkUnit, dtype: np.dtype[Any], part: str) -> UnitResult:
+def _encode_records(unit: WorkUnit, dtype: np.dtype[np.generic], part: str) -> UnitResult:
     """A Hugging Face dataset unit: one SegmentResult per piece of records within one segment."""
     tok, ds = _TOKENIZER, unit.file.hf
     assert tok is not None and ds is not None, "init_worker was not called, or not a dataset unit"

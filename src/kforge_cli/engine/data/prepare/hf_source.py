@@ -38,7 +38,7 @@ from dataclasses import dataclass
 from functools import cached_property
 from pathlib import Path
 from types import ModuleType
-from typing import Any, Literal, NamedTuple
+from typing import Any, Literal, NamedTuple, TypedDict
 
 from kforge_cli.errors import InvalidInputError
 
@@ -91,9 +91,18 @@ class HFDataset:
         files = [[str(f.path), f.size, f.mtime_ns, f.rows] for f in self.files]
         return json.dumps([self.layout, self.split, files])
 
-    def describe(self) -> dict[str, Any]:
+    def describe(self) -> HFSourceInfo:
         """What metadata.json records about this source besides path, bytes and checksum."""
         return {"format": self.layout, "split": self.split, "records": self.rows, "files": len(self.files)}
+
+
+class HFSourceInfo(TypedDict):
+    """What metadata.json records about a dataset input besides its path, bytes and checksum."""
+
+    format: str
+    split: str | None
+    records: int
+    files: int
 
 
 class Records(NamedTuple):
@@ -101,7 +110,7 @@ class Records(NamedTuple):
 
     start: int
     stop: int
-    values: list[Any] | None
+    values: list[object] | None  # Arrow column values: the text column is checked record by record
     columns: tuple[str, ...]
 
 

@@ -29,7 +29,6 @@ from concurrent.futures import Future, ProcessPoolExecutor, ThreadPoolExecutor
 from dataclasses import dataclass
 from itertools import islice
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 
@@ -37,10 +36,11 @@ from kforge_cli.engine.data.prepare import hf_source
 from kforge_cli.engine.data.prepare.encode_worker import SegmentResult, UnitResult, encode_unit, init_worker
 from kforge_cli.engine.data.prepare.inputs import InputFile, WorkUnit, collect_inputs, plan_units
 from kforge_cli.engine.data.prepare.output_dir import check_out, fsync_tree, replace_dir, sigterm_cleans_up
-from kforge_cli.engine.data.shards import FORMAT, FORMAT_VERSION, METADATA, SplitWriter, load_prepared
+from kforge_cli.engine.data.shards import FORMAT, FORMAT_VERSION, METADATA, SplitSummary, SplitWriter, load_prepared
 from kforge_cli.engine.data.tokenizer import ByteTokenizer, HFTokenizer, load_tokenizer, token_dtype
 from kforge_cli.errors import InvalidInputError
 from kforge_cli.files import fsync_dir
+from kforge_cli.json_values import dict_of, int_of
 from kforge_cli.prepare_defaults import (
     PREPARE_SHARD_TOKENS,
     PREPARE_TEXT_FIELD,
@@ -92,7 +92,7 @@ class _Assembler:
     counted per split and kind as they are closed: the counts equal the EOS ids written.
     """
 
-    def __init__(self, writers: dict[str, SplitWriter], eos_id: int, dtype: np.dtype[Any]) -> None:
+    def __init__(self, writers: dict[str, SplitWriter], eos_id: int, dtype: np.dtype[np.generic]) -> None:
         self.writers, self.eos = writers, np.array([eos_id], dtype=dtype)
         self.open_doc: dict[str, int | None] = dict.fromkeys(writers)
         self.last_split: str | None = None
@@ -149,7 +149,14 @@ def _source_sha256(f: InputFile) -> str:
     return hf_source.sha256(f.hf) if f.hf else _sha256(f.path)
 
 
-def _inputs_key(files: list[InputFile], tokenizer: dict[str, Any], options: dict[str, Any]) -> str:
+class SplitRecord(SplitSummary):
+    """One split in metadata.json: the writer's summary plus what the assembler counted."""
+
+    documents_by_kind: dict[str, int]
+    text_bytes: int
+
+
+def _inputs_key(files: list[InputFile], tokenizer: dict[str, object], options: dict[str, object]) -> str:
     ident = {
         "format_version": FORMAT_VERSION,
         "files": [[str(f.path), f.size, f.mtime_ns, f.kind] + ([f.hf.key] if f.hf else []) for f in files],
@@ -234,7 +241,7 @@ def prepare_data(
     tok = load_tokenizer(tokenizer)
     dtype = token_dtype(tok.vocab_size)
     files, skipped_files = collect_inputs(list(inputs), skip_bad_records, exclude=out, hf_split=hf_split)
-    options = {
+    options: dict[str, object] = {
         "val_fraction": val_fraction,
         "shard_tokens": shard_tokens,
         "text_field": text_field,
@@ -248,20 +255,24 @@ def prepare_data(
     )
     workers = min(workers, len(units))
     if _up_to_date(out, key):
-        meta = load_prepared(out).raw
-        splits = meta["splits"]
+        prepared = load_prepared(out)
+        meta = prepared.raw
+        recorded = dict_of(meta["splits"], "splits")  # load_prepared checked each split's token count
+        skipped_list = meta["skipped_files"]
+        if not isinstance(skipped_list, list):
+            raise TypeError(f"{METADATA}: skipped_files is {skipped_list!r}, not a list")
         return PrepareResult(
             out,
             True,
-            {s: v["tokens"] for s, v in splits.items()},
-            {s: v["documents"] for s, v in splits.items()},
+            {s: prepared.split_tokens(s) for s in recorded},
+            {s: int_of(dict_of(v, s)["documents"]) for s, v in recorded.items()},
             total,
             time.perf_counter() - start,
             0,
-            meta["skipped_records"],
-            len(meta["skipped_files"]),
-            meta["dtype"],
-            meta["vocab_size"],
+            int_of(meta["skipped_records"]),
+            len(skipped_list),
+            prepared.dtype.name,
+            prepared.vocab_size,
         )
     check_out(out)
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -288,8 +299,8 @@ def prepare_data(
                 if on_progress:
                     on_progress(done, total)
             asm.finish()
-            splits: dict[str, dict[str, Any]] = {
-                s: w.close() | {"documents_by_kind": asm.by_kind[s], "text_bytes": asm.text_bytes[s]}
+            splits: dict[str, SplitRecord] = {
+                s: SplitRecord(**w.close(), documents_by_kind=asm.by_kind[s], text_bytes=asm.text_bytes[s])
                 for s, w in writers.items()
             }
             parts.rmdir()

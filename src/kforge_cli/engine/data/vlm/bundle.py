@@ -23,7 +23,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Protocol
 
 import numpy as np
 import torch
@@ -86,7 +86,7 @@ class CaptionBatcher:
                 log.warning("skipping a bad sample (%d so far): %s", self.skipped, exc)
         raise InvalidInputError("no sample of the data set can be read")
 
-    def __call__(self, dataset_ids: np.ndarray, indices: np.ndarray) -> dict[str, Any]:
+    def __call__(self, dataset_ids: np.ndarray, indices: np.ndarray) -> dict[str, torch.Tensor]:
         first, *_ = self._load(int(indices[0]))
         bsz, (_, c, h, w) = len(indices), first.shape
         pixels = np.zeros((bsz, self.frames, c, h, w), dtype=np.float32)
@@ -114,7 +114,7 @@ class VLMValData:
     def __init__(self, batcher: CaptionBatcher, dp_rank: int, dp_size: int) -> None:
         self.batcher, self.dp_rank, self.dp_size = batcher, dp_rank, dp_size
 
-    def iter_batches(self, num_batches: int, batch_size: int) -> Iterator[dict[str, Any]]:
+    def iter_batches(self, num_batches: int, batch_size: int) -> Iterator[dict[str, torch.Tensor]]:
         n = len(self.batcher.source)
         for k in range(num_batches):
             start = (k * self.dp_size + self.dp_rank) * batch_size

@@ -26,10 +26,10 @@ from __future__ import annotations
 
 import fnmatch
 from collections.abc import Iterable, Mapping, Sequence
-from typing import Any
 
 from kforge_cli.engine.model.names import clean_param_name
 from kforge_cli.errors import InvalidInputError
+from kforge_cli.json_values import dict_of, int_of, list_of
 from kforge_cli.settings.vlm import VLMSettings
 
 ALIASES: dict[str, tuple[str, ...]] = {
@@ -64,26 +64,37 @@ def matches(name: str, spec: str) -> bool:
     return False
 
 
-def stages_of(freeze: Sequence[str], schedule: Iterable[Mapping[str, Any]]) -> list[tuple[int, tuple[str, ...]]]:
+def stages_of(freeze: Sequence[str], schedule: Iterable[Mapping[str, object]]) -> list[tuple[int, tuple[str, ...]]]:
     """(start step, sorted specs frozen from then on) for a plain freeze list and schedule stages."""
     base = set(freeze)
     out = [(0, tuple(sorted(base)))]
-    for stage in sorted(schedule, key=lambda s: int(s["start_step"])):
-        start = int(stage["start_step"])
-        specs = tuple(sorted(base | set(stage.get("freeze", []))))
+    for stage in sorted(schedule, key=lambda s: int_of(s["start_step"])):
+        start = int_of(stage["start_step"])
+        specs = tuple(sorted(base | set(_specs(stage.get("freeze", [])))))
         out = [s for s in out if s[0] != start] + [(start, specs)]
     return out
 
 
-def _config_stages(cfg: VLMSettings | Mapping[str, Any] | None) -> list[tuple[int, tuple[str, ...]]]:
+def _specs(value: object) -> list[str]:
+    """A freeze list as a checkpoint recorded it (JSON): a list of spec strings."""
+    specs = list_of(value, "freeze")
+    if not all(isinstance(s, str) for s in specs):
+        raise TypeError(f"freeze is {value!r}, not a list of names")
+    return [str(s) for s in specs]
+
+
+def _config_stages(cfg: VLMSettings | Mapping[str, object] | None) -> list[tuple[int, tuple[str, ...]]]:
     if cfg is None:
         return [(0, ())]
     if isinstance(cfg, VLMSettings):
         return stages_of(cfg.freeze, [s.model_dump() for s in cfg.freeze_schedule])
-    return stages_of(cfg.get("freeze", []), cfg.get("freeze_schedule", []))
+    schedule = [
+        dict_of(s, "a freeze_schedule stage") for s in list_of(cfg.get("freeze_schedule", []), "freeze_schedule")
+    ]
+    return stages_of(_specs(cfg.get("freeze", [])), schedule)
 
 
-def frozen_specs_at(cfg: VLMSettings | Mapping[str, Any] | None, step: int) -> tuple[str, ...]:
+def frozen_specs_at(cfg: VLMSettings | Mapping[str, object] | None, step: int) -> tuple[str, ...]:
     """Specs frozen for the update after ``step`` completed steps (see the module docstring)."""
     current: tuple[str, ...] = ()
     for start, specs in _config_stages(cfg):
@@ -117,20 +128,20 @@ def frozen_names(names: Iterable[str], specs: Sequence[str]) -> set[str]:
     return {n for n in (clean_param_name(x) for x in names) if any(matches(n, s) for s in specs)}
 
 
-def freeze_record(cfg: VLMSettings | None, step: int) -> dict[str, Any] | None:
+def freeze_record(cfg: VLMSettings | None, step: int) -> dict[str, object] | None:
     """What a checkpoint records: the specs frozen for the update after ``step`` (None: not a VLM)."""
     if cfg is None:
         return None
     return {"step": step, "frozen": list(frozen_specs_at(cfg, step))}
 
 
-def freeze_mismatch(saved: Mapping[str, Any] | None, ours: VLMSettings, step: int) -> str | None:
+def freeze_mismatch(saved: Mapping[str, object] | None, ours: VLMSettings, step: int) -> str | None:
     """Why resuming at ``step`` with ``ours`` changes the effective freeze of the checkpoint's run, or None.
 
     Compares the specs frozen at ``step`` and at every later stage boundary of either
     configuration (the past is irrelevant to continuing), naming the modules that differ.
     """
-    saved_cfg: Mapping[str, Any] = saved or {}
+    saved_cfg: Mapping[str, object] = saved or {}
     starts = (
         {step}
         | {s for s, _ in _config_stages(saved_cfg) if s > step}

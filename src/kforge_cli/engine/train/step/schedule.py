@@ -19,7 +19,7 @@ attention gathers K/V over the CP group. The loss sums then span dp x cp
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -36,6 +36,7 @@ from kforge_cli.engine.train.step.core import (
 from kforge_cli.engine.train.step.result import StepResult
 
 if TYPE_CHECKING:
+    from kforge_cli.engine.train.loss import LossFn
     from kforge_cli.engine.train.session import TrainingSession
 
 
@@ -52,14 +53,14 @@ def _bundle(session: TrainingSession) -> PipelineBundle:
     return session.pipeline
 
 
-def stage_kwargs(session: TrainingSession, batch: Batch) -> dict[str, Any]:
+def stage_kwargs(session: TrainingSession, batch: Batch) -> dict[str, torch.Tensor | LossFn]:
     """Keyword inputs every stage needs: RoPE positions (always explicit), document ids, and for a
     chunked loss the labels and loss function (the last stage then returns the loss sum itself)."""
     tokens = batch["input_ids"]
     positions = batch.get("positions")
     if positions is None:
         positions = torch.arange(tokens.shape[1], device=tokens.device).expand(tokens.shape[0], -1)
-    out: dict[str, Any] = {"positions": positions}
+    out: dict[str, torch.Tensor | LossFn] = {"positions": positions}
     if "doc_ids" in batch:
         out["doc_ids"] = batch["doc_ids"]
     if model_computes_loss(session):
