@@ -103,7 +103,7 @@ class ValData:
             ids = np.full(batch_size, self.dataset_ids[which], dtype=np.int64)
             yield make_batch(win.rows(idx), ids, self.eos_id, self.document_masking)
 
-    def iter_split(self, batch_size: int) -> Iterator[dict[str, Any]]:
+    def iter_split(self, batch_size: int) -> Iterator[dict[str, torch.Tensor]]:
         """Every window of every val dataset exactly once, dataset by dataset, ``batch_size`` at a time.
 
         The last batch of a dataset holds what is left (it may be shorter). One process's view:

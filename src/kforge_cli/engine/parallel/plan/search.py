@@ -22,7 +22,7 @@ so a 70B model on 1024 GPUs is searched in seconds (bench/plan_search.py).
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
+from collections.abc import Hashable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -60,6 +60,8 @@ AC_MODES: tuple[tuple[str, str], ...] = (
     ("full", "block"),
 )
 MAX_STAGES_PER_RANK = 8
+
+CacheKey = tuple[Hashable, ...]  # a memo key: compared and hashed, never read back
 
 
 @dataclass(frozen=True)
@@ -99,7 +101,7 @@ class Layout:
             "ac_selective_mode": self.ac_selective_mode,
         }
 
-    def family(self) -> tuple[Any, ...]:
+    def family(self) -> tuple[int | str, ...]:
         """The mesh and schedule (what the report lists once, with its best stage split, micro-batch and AC)."""
         return (self.tp, self.cp, self.pp, self.pp_schedule, self.ep)
 
@@ -333,20 +335,20 @@ class _Memo:
     def __init__(self, settings: JobSettings, template: ShardTemplate, cbytes: int, cuda: bool) -> None:
         self.template, self.cbytes, self.cuda = template, cbytes, cuda
         self.state_slots = 1 if settings.optimizer.name in ("lion", "muon") else 2
-        self.builds: dict[tuple[Any, ...], MetaBuild] = {}
-        self.params: dict[tuple[Any, ...], list[MemoryItem]] = {}
-        self.acts: dict[tuple[Any, ...], list[MemoryItem]] = {}
-        self.places: dict[tuple[Any, ...], RankPlace] = {}
-        self.work: dict[tuple[Any, ...], RankWork] = {}
-        self.bounds: dict[tuple[Any, ...], float] = {}
+        self.builds: dict[CacheKey, MetaBuild] = {}
+        self.params: dict[CacheKey, list[MemoryItem]] = {}
+        self.acts: dict[CacheKey, list[MemoryItem]] = {}
+        self.places: dict[CacheKey, RankPlace] = {}
+        self.work: dict[CacheKey, RankWork] = {}
+        self.bounds: dict[CacheKey, float] = {}
         self.reshard_setting = settings.distributed.reshard_after_forward
 
     @staticmethod
-    def _pipeline_key(s: JobSettings, dims: ParallelDims, pp_rank: int) -> tuple[Any, ...]:
+    def _pipeline_key(s: JobSettings, dims: ParallelDims, pp_rank: int) -> CacheKey:
         d = s.distributed
         return (dims.pp, d.pp_stages_per_rank, d.pp_schedule, pp_rank) if dims.pp > 1 else (1, pp_rank)
 
-    def _shard_key(self, dims: ParallelDims) -> tuple[Any, ...]:
+    def _shard_key(self, dims: ParallelDims) -> CacheKey:
         return (dims.tp, dims.ep, dims.dp_shard, dims.cp, dims.world_size > 1)
 
     def held_bound(self, dims: ParallelDims) -> float:
@@ -539,7 +541,7 @@ def search_layouts(
     result.enumerated = len(predicted)
     predicted.sort(key=lambda p: (p[0], p[1]))
     found: list[Candidate] = []
-    done: set[tuple[Any, ...]] = set()
+    done: set[CacheKey] = set()
     for _, _, layout, dims, estimate in predicted:
         family = layout.family()
         if family in done:
