@@ -9,13 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from kforge_cli.engine.resilience.hang import (
-    HangWatchdog,
-    archive_previous,
-    step_limit_s,
-    stopped_ranks,
-    summarise,
-)
+from kforge_cli.engine.resilience.hang import HangWatchdog, step_limit_s
+from kforge_cli.engine.resilience.hang_report import archive_previous, stopped_ranks, summarise
 from kforge_cli.engine.runtime import process_group_timeout_s
 from kforge_cli.errors import EXIT_HANG
 from tests.helpers.tiny_run import tiny_settings
