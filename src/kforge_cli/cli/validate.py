@@ -93,7 +93,7 @@ def validate_config(
     """
     from kforge_cli.errors import InvalidInputError
     from kforge_cli.settings import resolve_dims
-    from kforge_cli.settings.explain import explain_key, to_toml, vision_param_counts
+    from kforge_cli.settings.explain import explain_key, to_toml
 
     resolved = resolve(profile, config, list(ctx.args), for_run=explain is None)  # data checks too
     s = resolved.settings
@@ -140,35 +140,42 @@ def validate_config(
         else:
             raise InvalidInputError(f"--format must be 'toml' or 'json' (got {fmt!r})")
     else:
-        m = s.model
-        tokens = s.train.tokens_per_step(dims.dp)
-        typer.echo(f"config is valid: profile {s.profile or '-'}, world size {n}")
-        cp = f" cp={dims.cp}" if dims.cp > 1 else ""
-        typer.echo(f"  mesh: pp={dims.pp} dp_replicate={dims.dp_replicate} dp_shard={dims.dp_shard}{cp} tp={dims.tp}")
-        text = s.model.param_count()
-        vision = vision_param_counts(s)
-        known = [v for v in vision.values() if v is not None]
-        total = text + sum(known)
-        typer.echo(
-            f"  model: {total / 1e6:,.1f}M parameters, dim {m.dim}, {m.n_layers} layers, "
-            f"{m.n_heads} heads ({m.kv_heads} kv), vocab {m.vocab_size}"
-        )
-        if vision:
-            names = {"vision_encoder": "vision encoder", "adapter": "adapter", "decoder": f"{s.vlm.arch} layers"}
-            shown = ", ".join(
-                f"{names[k]} {'(from its checkpoint, not counted)' if v is None else f'{v / 1e6:,.2f}M'}"
-                for k, v in vision.items()
-            )
-            typer.echo(f"    text decoder {text / 1e6:,.2f}M; the vision parts add: {shown}")
-        if m.moe is not None:
-            moe = m.moe
-            typer.echo(
-                f"  MoE: {m.param_count(active=True) / 1e6:,.1f}M active parameters per token, "
-                f"{moe.num_experts} experts (top {moe.top_k}, {moe.num_shared_experts} shared)"
-            )
-        typer.echo(f"  tokens per step: {tokens:,} (global batch {tokens // s.train.seq_len} x {s.train.seq_len})")
+        _print_summary(s, dims, n)
     if plan:
         _plan(s, n, rank, fmt, 0.4 if mfu is None else mfu)
+
+
+def _print_summary(s: Any, dims: Any, n: int) -> None:
+    """The valid configuration in a few lines: mesh, model size, MoE, tokens per step."""
+    from kforge_cli.settings.explain import vision_param_counts
+
+    m = s.model
+    tokens = s.train.tokens_per_step(dims.dp)
+    typer.echo(f"config is valid: profile {s.profile or '-'}, world size {n}")
+    cp = f" cp={dims.cp}" if dims.cp > 1 else ""
+    typer.echo(f"  mesh: pp={dims.pp} dp_replicate={dims.dp_replicate} dp_shard={dims.dp_shard}{cp} tp={dims.tp}")
+    text = s.model.param_count()
+    vision = vision_param_counts(s)
+    known = [v for v in vision.values() if v is not None]
+    total = text + sum(known)
+    typer.echo(
+        f"  model: {total / 1e6:,.1f}M parameters, dim {m.dim}, {m.n_layers} layers, "
+        f"{m.n_heads} heads ({m.kv_heads} kv), vocab {m.vocab_size}"
+    )
+    if vision:
+        names = {"vision_encoder": "vision encoder", "adapter": "adapter", "decoder": f"{s.vlm.arch} layers"}
+        shown = ", ".join(
+            f"{names[k]} {'(from its checkpoint, not counted)' if v is None else f'{v / 1e6:,.2f}M'}"
+            for k, v in vision.items()
+        )
+        typer.echo(f"    text decoder {text / 1e6:,.2f}M; the vision parts add: {shown}")
+    if m.moe is not None:
+        moe = m.moe
+        typer.echo(
+            f"  MoE: {m.param_count(active=True) / 1e6:,.1f}M active parameters per token, "
+            f"{moe.num_experts} experts (top {moe.top_k}, {moe.num_shared_experts} shared)"
+        )
+    typer.echo(f"  tokens per step: {tokens:,} (global batch {tokens // s.train.seq_len} x {s.train.seq_len})")
 
 
 def _plan(settings: Any, world_size: int, rank: int, fmt: str | None, mfu: float) -> None:
