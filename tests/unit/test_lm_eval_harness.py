@@ -15,6 +15,7 @@ import pytest
 
 from kforge_cli.engine.inference.lm_eval_adapter import make_adapter, task_config, task_manager
 from kforge_cli.engine.inference.source import open_for_inference
+from tests.helpers.tiny import model
 
 lm_eval = pytest.importorskip("lm_eval")
 pytest.importorskip("transformers")
@@ -22,11 +23,7 @@ pytest.importorskip("accelerate")  # the harness's hf backend needs it
 
 TASK = Path(__file__).resolve().parent.parent / "data" / "lm_eval" / "kforge_tiny_mc.yaml"
 TINY = [
-    "--model.dim=32",
-    "--model.n_layers=2",
-    "--model.n_heads=4",
-    "--model.n_kv_heads=2",
-    "--model.max_seq_len=64",
+    *model(32, 2, 4, 2, max_seq_len=64),
     "--train.seq_len=32",
     "--train.batch_size=4",
     "--train.max_steps=3",

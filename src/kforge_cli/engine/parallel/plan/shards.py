@@ -22,6 +22,7 @@ uneven shards.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 import torch
@@ -65,10 +66,7 @@ class ParamSpec:
 
     @property
     def numel(self) -> int:
-        n = 1
-        for s in self.shape:
-            n *= s
-        return n
+        return math.prod(self.shape)
 
     def shard(self, name: str, dims: ParallelDims, coords: dict[str, int]) -> ParamShard:
         """This parameter as the rank at ``coords`` (mesh coordinates; missing ones are 0) holds it."""
