@@ -156,3 +156,28 @@ def test_bad_rank_and_no_leftover_process_group() -> None:
         build_plan(s, 4, 0, mfu=0.0)
     build_plan(s, 4, 2)
     assert not dist.is_initialized()  # the fake process group is destroyed after the build
+
+
+def test_the_plans_muon_round_is_the_optimizers() -> None:
+    from kforge_cli.engine.parallel.plan.costs import MUON_ROUND_BYTES
+    from kforge_cli.engine.train.optim.muon_distributed import ROUND_BYTES
+
+    assert MUON_ROUND_BYTES == ROUND_BYTES
+
+
+def test_split_muon_plans_an_owners_round_and_the_gathered_path_each_matrix_whole() -> None:
+    from kforge_cli.engine.parallel.plan.costs import MUON_ROUND_BYTES, optimizer_step_temporaries
+    from kforge_cli.engine.parallel.plan.sharded_model import ParamShard
+
+    big = 8192 * 28672  # an 8B-class MLP matrix, fp32, over 8 ranks
+    params = [ParamShard(f"w{i}", big // 8, big, big, 4, 2, True, False) for i in range(4)]
+    largest, local = 4 * big, 4 * big // 8
+
+    def temporaries(*flags: str) -> int:
+        return optimizer_step_temporaries(params, _settings(None, "--optimizer.name=muon", *flags), True)
+
+    assert temporaries("--optimizer.muon_distributed=false") == 4 * largest + local
+    assert temporaries() == 2 * max(MUON_ROUND_BYTES, largest) + 3 * largest + local
+    small = [ParamShard("w", 64, 128, 128, 4, 2, True, False)]  # a tiny model: its share, not 64 MiB
+    s = _settings(None, "--optimizer.name=muon")
+    assert optimizer_step_temporaries(small, s, True) == 2 * (512 // 2 + 512) + 3 * 512 + 256

@@ -47,13 +47,17 @@ def optimizer_state_bytes(params: Iterable[ParamShard], optimizer: str) -> int:
     return total
 
 
+MUON_ROUND_BYTES = 64 * 2**20  # engine.train.optim.muon_distributed.ROUND_BYTES (a test keeps them equal)
+
+
 def optimizer_step_temporaries(params: list[ParamShard], settings: JobSettings, cuda: bool) -> int:
     """Transient bytes of one optimizer step (after the backward, so never on top of activations).
 
     foreach AdamW builds ``sqrt(exp_avg_sq)`` for every parameter at once; the fused
     kernel (CUDA) builds nothing. Lion's per-parameter ``lerp`` needs one parameter-sized
-    temporary. Muon gathers each sharded matrix and runs Newton-Schulz on the full
-    matrix (its input, the iterate, the Gram matrix and the polynomial).
+    temporary. Muon runs Newton-Schulz on full matrices: split over the ranks (an owner holds a
+    round of them), or, with ``optimizer.muon_distributed = false`` or unsharded matrices, each
+    gathered on every rank.
     """
     trainable = [p for p in params if p.trainable]
     if not trainable:
@@ -65,8 +69,18 @@ def optimizer_step_temporaries(params: list[ParamShard], settings: JobSettings, 
         return 0 if fused else sum(p.local_bytes for p in trainable)
     if opt.name == "lion":
         return largest_local
-    matrices = [p.full_numel * p.element_size for p in trainable if muon_managed(p)]
-    return 4 * max(matrices, default=0) + largest_local
+    managed = [p for p in trainable if muon_managed(p)]
+    largest = max((p.full_numel * p.element_size for p in managed), default=0)
+    if opt.muon_distributed and any(p.local_numel < p.full_numel for p in managed):
+        # split over the ranks (engine.train.optim.muon_distributed): an owner's round of full
+        # matrices and their results, 2 x B with B = max(round bytes, largest matrix) but no more
+        # than its share of all the matrices, then Newton-Schulz's iterate, Gram matrix and
+        # polynomial on one matrix
+        ranks = max(p.full_numel // max(p.local_numel, 1) for p in managed)
+        share = sum(p.full_numel * p.element_size for p in managed) // ranks + largest
+        round_bytes = min(max(MUON_ROUND_BYTES, largest), share)
+        return 2 * round_bytes + 3 * largest + largest_local
+    return 4 * largest + largest_local  # each matrix gathered whole: its input, the iterate, Gram, polynomial
 
 
 @dataclass(frozen=True)
