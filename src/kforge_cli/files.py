@@ -230,6 +230,7 @@ def read_text_capped(path: Path | str, max_bytes: int, what: str = "file") -> st
 
 
 MAX_TOML_BYTES = 4 << 20  # a settings file is KBs
+MAX_METADATA_BYTES = 64 << 20  # a prepared directory's metadata.json: KBs, MBs with many thousands of shards
 
 
 def read_toml_file(path: Path | str, what: str = "config") -> dict[str, object]:

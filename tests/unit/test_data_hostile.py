@@ -110,3 +110,23 @@ def test_lone_surrogates_and_deep_nesting_are_bad_records(tmp_path: Path) -> Non
     meta = _meta(tmp_path / "b")
     assert any("line 3: JSON nested too deeply" in e for e in meta["skipped_examples"])
     assert meta["splits"]["train"]["documents"] == 2
+
+
+def test_a_fifo_metadata_json_is_refused_never_read(prepared: Path) -> None:
+    """A planted FIFO would block every reader of the data directory forever (loader, validate-config,
+    the start banner, plot --bits-per-byte): each refuses it, naming the file."""
+    import os
+
+    from kforge_cli.engine.inference.bits_per_byte import _prepared
+    from kforge_cli.settings import load_settings
+    from kforge_cli.settings.data_check import data_issues
+
+    (prepared / "metadata.json").unlink()
+    os.mkfifo(prepared / "metadata.json")
+    with pytest.raises(InvalidInputError, match="metadata.json"):
+        load_prepared(prepared)
+    with pytest.raises(InvalidInputError, match="cannot read"):
+        _prepared(str(prepared), prepared, "data.path")
+    s = load_settings(overrides=[f"--data.path={prepared}"], use_env=False).settings
+    (issue,) = data_issues(s)
+    assert issue.path == "data.path" and "not a regular file" in issue.message, issue

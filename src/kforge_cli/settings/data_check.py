@@ -14,7 +14,8 @@ import hashlib
 import json
 from pathlib import Path
 
-from kforge_cli.errors import ConfigIssue
+from kforge_cli.errors import ConfigIssue, InvalidInputError
+from kforge_cli.files import MAX_METADATA_BYTES, read_text_capped
 from kforge_cli.json_values import dict_of, int_of
 from kforge_cli.rundir.names import TOKENIZER_FILE
 from kforge_cli.settings.job import JobSettings
@@ -69,10 +70,10 @@ def _read_metadata(key: str, root: Path) -> tuple[dict[str, object] | None, Conf
     if not root.is_dir():
         return None, ConfigIssue(key, f"{root} does not exist; create it with `kforge prepare-data FILES --out {root}`")
     try:
-        meta: object = json.loads((root / METADATA).read_text(encoding="utf-8"))
+        meta: object = json.loads(read_text_capped(root / METADATA, MAX_METADATA_BYTES, "metadata"))
     except FileNotFoundError:
         return None, ConfigIssue(key, f"{root} has no {METADATA}: it is not a directory made by `kforge prepare-data`")
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError, RecursionError, InvalidInputError) as exc:
         return None, ConfigIssue(key, f"{root / METADATA} is unreadable ({exc})")
     if not isinstance(meta, dict) or not isinstance(meta.get("tokenizer"), dict):
         return None, ConfigIssue(key, f"{root / METADATA} is not kforge token metadata")
@@ -149,8 +150,8 @@ def record_data_tokenizer(settings: JobSettings) -> None:
     for value in roots:
         root = Path(value).expanduser()
         try:
-            meta: object = json.loads((root / METADATA).read_text(encoding="utf-8"))
-        except (OSError, UnicodeDecodeError, json.JSONDecodeError):
+            meta: object = json.loads(read_text_capped(root / METADATA, MAX_METADATA_BYTES, "metadata"))
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError, RecursionError, InvalidInputError):
             return
         tokenizer = meta.get("tokenizer") if isinstance(meta, dict) else None
         if isinstance(tokenizer, dict) and tokenizer.get("kind") == "hf" and (root / TOKENIZER_FILE).is_file():

@@ -23,6 +23,7 @@ from typing import BinaryIO, TypedDict
 import numpy as np
 
 from kforge_cli.errors import InvalidInputError
+from kforge_cli.files import MAX_METADATA_BYTES, read_text_capped
 from kforge_cli.json_values import int_of
 
 METADATA = "metadata.json"
@@ -185,8 +186,8 @@ def read_metadata(root: Path) -> dict[str, object]:
     if not path.is_file():
         raise InvalidInputError(f"{root} has no {METADATA}: it is not a directory made by `kforge prepare-data`")
     try:
-        meta: object = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        meta: object = json.loads(read_text_capped(path, MAX_METADATA_BYTES, "metadata"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError, RecursionError, InvalidInputError) as exc:
         raise _bad(root, f"{METADATA} is unreadable ({exc})") from exc
     if not isinstance(meta, dict) or meta.get("format") != FORMAT:
         raise _bad(root, f"{METADATA} is not kforge token metadata (format != {FORMAT!r})")

@@ -10,12 +10,13 @@ token but the EOS after each document is one byte, so the figure follows from th
 from __future__ import annotations
 
 import json
-import tomllib
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from kforge_cli.errors import InvalidInputError
+from kforge_cli.errors import InvalidInputError, KforgeError
+from kforge_cli.files import MAX_METADATA_BYTES, read_text_capped
+from kforge_cli.rundir.saved_config import read_saved_config
 
 
 def _split_bytes(meta: Mapping[str, Any], split: str) -> tuple[int, int] | None:
@@ -35,8 +36,8 @@ def _split_bytes(meta: Mapping[str, Any], split: str) -> tuple[int, int] | None:
 def _prepared(path: str, run_dir: Path, key: str) -> Mapping[str, Any]:
     meta_path = Path(path).expanduser() / "metadata.json"
     try:
-        meta = json.loads(meta_path.read_text(encoding="utf-8"))
-    except (OSError, ValueError) as exc:
+        meta = json.loads(read_text_capped(meta_path, MAX_METADATA_BYTES, "metadata"))
+    except (OSError, ValueError, RecursionError, KforgeError) as exc:
         raise InvalidInputError(
             f"--bits-per-byte: cannot read {meta_path} ({key} of {run_dir}): {exc.__class__.__name__}"
         ) from None
@@ -61,10 +62,9 @@ def bytes_per_token(run_dir: Path) -> dict[str, float]:
     eval.path for the eval loss when set) and each prepared directory's metadata.json. A
     mixture's train figure weighs each dataset's by its sampling weight.
     """
-    try:
-        config = tomllib.loads((run_dir / "config.toml").read_text(encoding="utf-8"))
-    except (OSError, ValueError):
-        raise InvalidInputError(f"--bits-per-byte: {run_dir} has no readable config.toml to find its data") from None
+    config = read_saved_config(run_dir, missing_ok=True)  # capped, a FIFO refused; its accepted changes applied
+    if not config:
+        raise InvalidInputError(f"--bits-per-byte: {run_dir} has no readable config.toml to find its data")
     data = config.get("data") if isinstance(config.get("data"), dict) else {}
     assert isinstance(data, dict)
     out: dict[str, float] = {}

@@ -14,9 +14,11 @@ import os
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from kforge_cli import __version__
+from kforge_cli.version import __version__
 from kforge_cli.engine.observe.curves import RESUMED
 from kforge_cli.engine.runtime import RuntimeContext
+from kforge_cli.errors import KforgeError
+from kforge_cli.files import MAX_METADATA_BYTES, read_text_capped
 from kforge_cli.settings import JobSettings
 from kforge_cli.settings.explain import vision_param_counts
 
@@ -62,12 +64,12 @@ def step_line(settings: JobSettings, dp: int) -> str:
 def _prepared_tokens(path: str) -> tuple[str, int | None, int | None]:
     """(tokenizer, train tokens, val tokens) from a prepared directory's metadata.json."""
     try:
-        meta = json.loads((Path(path) / "metadata.json").read_text())
+        meta = json.loads(read_text_capped(Path(path) / "metadata.json", MAX_METADATA_BYTES, "metadata"))
         tok = meta.get("tokenizer", {})
         name = "byte" if tok.get("kind") == "byte" else str(tok.get("file") or "tokenizer.json")
         splits = meta.get("splits", {})
         return name, splits.get("train", {}).get("tokens"), splits.get("val", {}).get("tokens")
-    except (OSError, ValueError, AttributeError):
+    except (OSError, ValueError, AttributeError, RecursionError, KforgeError):
         return "?", None, None
 
 
