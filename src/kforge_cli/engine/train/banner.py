@@ -14,13 +14,13 @@ import os
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from kforge_cli.version import __version__
 from kforge_cli.engine.observe.curves import RESUMED
 from kforge_cli.engine.runtime import RuntimeContext
 from kforge_cli.errors import KforgeError
 from kforge_cli.files import MAX_METADATA_BYTES, read_text_capped
 from kforge_cli.settings import JobSettings
 from kforge_cli.settings.explain import vision_param_counts
+from kforge_cli.version import __version__
 
 if TYPE_CHECKING:
     from kforge_cli.engine.train.session import TrainingSession
