@@ -25,6 +25,7 @@ import numpy as np
 
 from kforge_cli.engine.data.vlm.media import IMAGE_SUFFIXES, BadSampleError, load_clip, load_image
 from kforge_cli.errors import InvalidInputError
+from kforge_cli.files import read_text_capped
 
 log = logging.getLogger("kforge")
 
@@ -37,11 +38,14 @@ class Record:
     where: str  # where the record was defined (manifest:line, or the caption file)
 
 
+MAX_MANIFEST_BYTES = 2 << 30  # a JSONL manifest of millions of records; the files it names hold the data
+
+
 def read_manifest(path: Path) -> list[Record]:
     """Records of a JSONL manifest (errors name the file and line)."""
     out: list[Record] = []
     try:
-        lines = path.read_text(encoding="utf-8").splitlines()
+        lines = read_text_capped(path, MAX_MANIFEST_BYTES, "manifest").splitlines()  # a FIFO is refused
     except (OSError, UnicodeDecodeError) as exc:
         raise InvalidInputError(f"cannot read manifest {path}: {exc}") from None
     for n, line in enumerate(lines, start=1):

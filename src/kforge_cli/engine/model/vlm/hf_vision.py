@@ -23,6 +23,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor, distribute_tensor
 
 from kforge_cli.errors import InvalidInputError
+from kforge_cli.files import read_text_capped
 from kforge_cli.settings.vlm import VisionEncoderSettings
 
 _SUPPORTED = {"siglip": "siglip", "siglip_vision_model": "siglip", "clip": "clip", "clip_vision_model": "clip"}
@@ -39,10 +40,13 @@ def _require_transformers() -> Any:
     return transformers
 
 
+MAX_CONFIG_BYTES = 64 << 20  # a Hugging Face config.json / preprocessor_config.json is KBs
+
+
 def _read_json(path: Path) -> dict[str, Any]:
     try:
-        data = json.loads(path.read_text())
-    except (OSError, ValueError) as exc:
+        data = json.loads(read_text_capped(path, MAX_CONFIG_BYTES, "config"))  # a FIFO or device is refused
+    except (OSError, ValueError, RecursionError) as exc:
         raise InvalidInputError(f"cannot read {path}: {exc}") from None
     if not isinstance(data, dict):
         raise InvalidInputError(f"{path} does not hold a JSON object")
