@@ -28,7 +28,7 @@ from typing import Any
 import typer
 
 from kforge_cli.errors import InvalidInputError
-from kforge_cli.files import atomic_write, output_dir, real_dir
+from kforge_cli.files import atomic_write, open_append, output_dir, real_dir
 
 TRIAL_OVERRIDES = [
     "--checkpoint.interval=0",
@@ -116,22 +116,17 @@ def _trial_env(index: int, slurm: bool) -> dict[str, str]:
 
 def read_measurements(metrics: Path, steps: int) -> dict[str, Any]:
     """Median step time and tokens/s over the timed steps, and the peak memory, from a run's metrics.jsonl."""
-    records = []
-    if metrics.is_file():
-        for line in metrics.read_text().splitlines():
-            try:
-                rec = json.loads(line)
-            except json.JSONDecodeError:
-                continue
-            if isinstance(rec, dict) and "step_time_s" in rec:
-                records.append(rec)
-    timed = [r for r in records if int(r.get("step", 0)) > warmup(steps)]
+    from kforge_cli.engine.observe.metrics_file import iter_metrics
+    from kforge_cli.json_values import float_of, int_of
+
+    records = [r for r in iter_metrics(metrics) if "step_time_s" in r] if metrics.is_file() else []
+    timed = [r for r in records if int_of(r.get("step", 0)) > warmup(steps)]
     if not timed:
         return {}
-    step = statistics.median(float(r["step_time_s"]) for r in timed)
-    tps = statistics.median(float(r["tokens_per_sec"]) for r in timed)
-    cuda = [float(r["peak_mem_gib"]) for r in records if "peak_mem_gib" in r]
-    rss = [float(r["peak_rss_gib"]) for r in records if "peak_rss_gib" in r]
+    step = statistics.median(float_of(r["step_time_s"]) for r in timed)
+    tps = statistics.median(float_of(r["tokens_per_sec"]) for r in timed)
+    cuda = [float_of(r["peak_mem_gib"]) for r in records if "peak_mem_gib" in r]
+    rss = [float_of(r["peak_rss_gib"]) for r in records if "peak_rss_gib" in r]
     peak, kind = (max(cuda), "GPU allocated") if cuda else ((max(rss), "RSS (rank 0)") if rss else (None, ""))
     return {
         "measured_step_s": step,
@@ -161,7 +156,7 @@ def run_trials(
         cmd = trial_command(profile, run_dir, steps, cand.dims.world_size, sl.nodes, sl.gpus_per_node, slurm=slurm)
         log = here / "train.log"
         typer.echo(f"trial {i}/{len(candidates)}: {cand.layout.describe()} ({'srun' if slurm else 'local'})", err=True)
-        with open(log, "wb") as f:  # a fresh directory made above: nothing planted
+        with open_append(log) as f:  # no-follow, like every write into a directory kforge made
             code = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT, env=_trial_env(i, slurm)).returncode
         e = cand.estimate
         trial = TrialResult(
