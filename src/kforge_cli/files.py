@@ -199,14 +199,19 @@ def swap_in(tmp: Path, out: Path) -> None:
     shutil.rmtree(old, ignore_errors=True)
 
 
-def open_regular(path: Path | str) -> IO[bytes]:
+def open_regular(path: Path | str, follow_links: bool = True) -> IO[bytes]:
     """`path` opened for reading in binary, only if it is a regular file.
 
     A FIFO (which would block forever), a device (``/dev/zero``: endless) or a directory
-    is refused (exit 2) before anything is read; the open itself never blocks.
+    is refused (exit 2) before anything is read; the open itself never blocks. With
+    ``follow_links=False`` a symbolic link at `path` is refused too (a file kforge wrote
+    itself in a run directory is never a link).
     """
     path = Path(path)
-    fd = os.open(path, os.O_RDONLY | _CLOEXEC | getattr(os, "O_NONBLOCK", 0))
+    if not follow_links:
+        fd = _open_read(path)
+    else:
+        fd = os.open(path, os.O_RDONLY | _CLOEXEC | getattr(os, "O_NONBLOCK", 0))
     try:
         if not stat.S_ISREG(os.fstat(fd).st_mode):
             raise InvalidInputError(f"{path} is not a regular file (a FIFO, device or directory); refusing to read it")
@@ -217,9 +222,10 @@ def open_regular(path: Path | str) -> IO[bytes]:
         raise
 
 
-def read_text_capped(path: Path | str, max_bytes: int, what: str = "file") -> str:
-    """The UTF-8 text of the regular file `path`, refused (exit 2) beyond `max_bytes` or when not UTF-8."""
-    with open_regular(path) as f:
+def read_text_capped(path: Path | str, max_bytes: int, what: str = "file", follow_links: bool = True) -> str:
+    """The UTF-8 text of the regular file `path`, refused (exit 2) beyond `max_bytes` or when not UTF-8
+    (and, with ``follow_links=False``, when `path` is a symbolic link)."""
+    with open_regular(path, follow_links=follow_links) as f:
         data = f.read(max_bytes + 1)
     if len(data) > max_bytes:
         raise InvalidInputError(f"{what} {path} is larger than {max_bytes} bytes: not a file kforge wrote")

@@ -174,3 +174,80 @@ def test_stragglers_are_compared_only_among_ranks_holding_as_many_parameters() -
     assert slowest == 3 and median == 0.004 and ratio == 3.0  # stage 2's slow rank, not stage 1's busier ones
     assert worst_group([[0.01, 100], [0.02, 60]]) is None  # nothing comparable
     assert worst_group([[0.01, 5], [0.01, 5]]) == (1.0, 0, 0.01)
+
+
+# ---- hostile run directories (links planted in logs/hang) ------------------------------------
+
+
+def _fire_once(directory: Path) -> _Exit:
+    exit_fn = _Exit()
+    wd = HangWatchdog(
+        rank=0, world_size=1, directory=directory, timeout_s=0.1, pg_timeout_s=600, exit_fn=exit_fn, gather_s=0.3
+    )
+    for step in range(1, 4):
+        wd.beat(step)
+    wd.start()
+    try:
+        wd.mark("forward/backward")
+        assert exit_fn.done.wait(10)
+    finally:
+        wd.stop()
+    return exit_fn
+
+
+def test_links_planted_at_the_reports_temporary_names_are_never_written_through(tmp_path: Path) -> None:
+    import os
+
+    hang = tmp_path / "run" / "logs" / "hang"
+    hang.mkdir(parents=True)
+    victim = tmp_path / "victim"
+    victim.write_text("precious\n")
+    for name in ("rank_0.txt", "rank_0.json", "rank_0.fr_trace.pkl", "summary.txt"):
+        (hang / f".{name}.{os.getpid()}.tmp").symlink_to(victim)  # the name the old writer used
+    assert _fire_once(hang).codes == [EXIT_HANG]
+    assert victim.read_text() == "precious\n"
+    assert json.loads((hang / "rank_0.json").read_text())["rank"] == 0
+    assert not (hang / "rank_0.json").is_symlink()
+
+
+def test_a_hang_directory_that_is_a_link_gets_no_report_and_the_process_still_exits_76(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    logs = tmp_path / "run" / "logs"
+    logs.mkdir(parents=True)
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    (logs / "hang").symlink_to(outside)
+    with caplog.at_level("ERROR", logger="kforge"):
+        assert _fire_once(logs / "hang").codes == [EXIT_HANG]
+    assert list(outside.iterdir()) == []
+    assert "symbolic link" in caplog.text and "Traceback" not in caplog.text
+
+
+def test_a_logs_directory_that_is_a_link_gets_no_report(tmp_path: Path) -> None:
+    run = tmp_path / "run"
+    run.mkdir()
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    (run / "logs").symlink_to(outside)
+    assert _fire_once(run / "logs" / "hang").codes == [EXIT_HANG]
+    assert list(outside.iterdir()) == []
+
+
+def test_a_summary_or_report_planted_as_a_link_is_never_read(tmp_path: Path) -> None:
+    from kforge_cli.engine.train.recipe import previous_hang_note
+
+    secret = tmp_path / "secret"
+    secret.write_text("PRIVATE-FIRST-LINE\n")
+    hang = tmp_path / "logs" / "hang"
+    hang.mkdir(parents=True)
+    (hang / "summary.txt").symlink_to(secret)
+    moved, first = previous_hang_note(tmp_path)
+    assert moved == tmp_path / "logs" / "hang.1"
+    assert "PRIVATE" not in first and "link" in first
+    leak = tmp_path / "leak.json"
+    leak.write_text(json.dumps(_report(0, in_collective=False, seq=1) | {"host": "PRIVATE-HOST"}))
+    other = tmp_path / "other"
+    other.mkdir()
+    (other / "rank_0.json").symlink_to(leak)
+    assert "PRIVATE-HOST" not in summarise(other, 1)

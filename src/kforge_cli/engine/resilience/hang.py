@@ -53,11 +53,12 @@ from kforge_cli.engine.resilience.hang_report import (
     flight_recorder_dump,
     flight_recorder_entries,
     last_collectives,
+    report_dir,
     summarise,
     wait_for_file,
     write_atomically,
 )
-from kforge_cli.errors import EXIT_HANG
+from kforge_cli.errors import EXIT_HANG, KforgeError
 from kforge_cli.rundir import names
 
 log = logging.getLogger("kforge")
@@ -201,6 +202,8 @@ class HangWatchdog:
                 self.fired.set()
                 try:
                     self._fire(phase, idle, limit)
+                except KforgeError as exc:  # e.g. logs/hang is a planted link: say why, write nothing
+                    log.error("hang watchdog: no report written: %s", exc)
                 except Exception:  # the report is best effort; the exit is not
                     log.exception("hang watchdog: writing the report failed")
                 finally:
@@ -210,7 +213,7 @@ class HangWatchdog:
     # ---- firing -------------------------------------------------------------------------
 
     def _fire(self, phase: str, idle: float, limit: float) -> None:
-        self.directory.mkdir(parents=True, exist_ok=True)
+        report_dir(self.directory)
         facts, text = self.report(phase, idle, limit)
         raw = flight_recorder_dump()
         if raw is not None:

@@ -18,7 +18,8 @@ from pathlib import Path
 from types import FrameType
 from typing import TypedDict
 
-from kforge_cli.errors import EXIT_HANG
+from kforge_cli.errors import EXIT_HANG, KforgeError
+from kforge_cli.files import atomic_write, read_text_capped, real_dir
 from kforge_cli.json_values import int_of
 
 _DIST_MARK = f"{os.sep}torch{os.sep}distributed{os.sep}"
@@ -121,13 +122,22 @@ def last_collectives(entries: list[dict[str, object]]) -> dict[str, CollectiveMa
 # ---- the summary ----------------------------------------------------------------------------
 
 
+MAX_REPORT_BYTES = 1 << 20  # a rank report is a few KB
+
+
+def read_own_file(path: Path, max_bytes: int = MAX_REPORT_BYTES) -> str:
+    """A file the watchdog wrote itself: a regular file, never through a link, capped (KforgeError/OSError if not)."""
+    return read_text_capped(path, max_bytes, "hang report", follow_links=False)
+
+
 def _read_reports(directory: Path, world_size: int) -> dict[int, dict[str, object]]:
-    """The rank reports that parse as JSON objects (read back from disk: each field is checked where used)."""
+    """The rank reports that parse as JSON objects (read back from disk: each field is checked where used;
+    a link, FIFO or oversized file at a report's name is skipped, never read)."""
     reports: dict[int, dict[str, object]] = {}
     for r in range(world_size):
         path = directory / f"rank_{r}.json"
-        with contextlib.suppress(OSError, ValueError):
-            report: object = json.loads(path.read_text())
+        with contextlib.suppress(OSError, ValueError, KforgeError):
+            report: object = json.loads(read_own_file(path))
             if isinstance(report, dict):
                 reports[r] = report
     return reports
@@ -238,8 +248,12 @@ def summarise(directory: Path, world_size: int, note: str = "") -> str:
 
 
 def archive_previous(directory: Path) -> Path | None:
-    """Move an earlier attempt's hang reports to ``hang.N`` (first free N); returns where, or None."""
-    if not directory.is_dir() or not any(directory.iterdir()):
+    """Move an earlier attempt's hang reports to ``hang.N`` (first free N); returns where, or None.
+
+    A link at ``logs/hang`` is left where it is (never followed, never moved): the watchdog refuses
+    to write through it when it fires.
+    """
+    if directory.is_symlink() or not directory.is_dir() or not any(directory.iterdir()):
         return None
     n = 1
     while directory.with_name(f"{directory.name}.{n}").exists():
@@ -252,10 +266,17 @@ def archive_previous(directory: Path) -> Path | None:
 # ---- files ----------------------------------------------------------------------------------
 
 
+def report_dir(directory: Path) -> Path:
+    """``RUN_DIR/logs/hang`` made (with ``logs``) as real directories: a link at either is refused
+    (SymlinkRefusedError), so no report or summary is ever written outside the run directory."""
+    real_dir(directory.parent)
+    return real_dir(directory)
+
+
 def write_atomically(path: Path, data: bytes) -> None:
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    tmp.write_bytes(data)
-    os.replace(tmp, path)
+    """A report file written all-or-nothing through an unpredictable, exclusively created temporary
+    name (``files.atomic_write``): a link planted in the directory is never written through."""
+    atomic_write(path, data)
 
 
 def claim_file(path: Path) -> bool:

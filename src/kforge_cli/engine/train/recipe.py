@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import os
 from collections.abc import Callable, Mapping, Sequence
 from contextlib import ExitStack
 from dataclasses import dataclass
@@ -71,6 +72,7 @@ from kforge_cli.engine.parallel import (
     precompute_scales_after_each_step,
 )
 from kforge_cli.engine.resilience import NanGuard, ShutdownHandler, SpikeGuard, archive_previous, hang_dir
+from kforge_cli.engine.resilience.hang_report import read_own_file
 from kforge_cli.engine.runtime import RuntimeContext, dtype_name, init_runtime, teardown_runtime
 from kforge_cli.engine.train.banner import announce_start, building_line
 from kforge_cli.engine.train.evaluation import eval_batches
@@ -86,6 +88,8 @@ from kforge_cli.engine.train.step import StepFeature, StepFn
 from kforge_cli.engine.train.step.schedule import bind_pipeline_loss
 from kforge_cli.engine.train.train_state import TrainState
 from kforge_cli.engine.train.update import build_loss_scaler
+from kforge_cli.errors import KforgeError
+from kforge_cli.rundir import names
 from kforge_cli.rundir.layout import RunDir
 from kforge_cli.settings import JobSettings
 
@@ -259,14 +263,36 @@ def assemble(
     return session
 
 
-def _archive_hang_report(run_dir: Path) -> None:
-    """Move the hang report of an earlier attempt of this run aside (logs/hang.N), and say so."""
+def previous_hang_note(run_dir: Path) -> tuple[Path | None, str]:
+    """Move the hang report of an earlier attempt of this run aside (logs/hang.N): (where, its first line).
+
+    The summary is read only as a regular file kforge wrote (never through a link, capped), since
+    its first line is printed to the terminal and the rank log.
+    """
     moved = archive_previous(hang_dir(run_dir))
     if moved is None:
-        return
-    summary = moved / "summary.txt"
-    first = summary.read_text().splitlines()[0] if summary.is_file() else "no summary was written"
-    log.warning("an earlier attempt of this run hung (%s); its report is now in %s", first, moved)
+        return None, ""
+    summary = moved / names.HANG_SUMMARY_FILE
+    if not os.path.lexists(summary):
+        return moved, "no summary was written"
+    try:
+        lines = read_own_file(summary).splitlines()
+    except (OSError, KforgeError) as exc:
+        return moved, f"its summary was not read: {exc}"
+    return moved, lines[0] if lines else "an empty summary"
+
+
+def _archive_hang_report(run_dir: Path) -> None:
+    """Move the hang report of an earlier attempt of this run aside (logs/hang.N), and say so."""
+    if hang_dir(run_dir).is_symlink():
+        log.warning(
+            "%s is a symbolic link: kforge never writes through it, so a hang of this run will leave no report; "
+            "remove the link",
+            hang_dir(run_dir),
+        )
+    moved, first = previous_hang_note(run_dir)
+    if moved is not None:
+        log.warning("an earlier attempt of this run hung (%s); its report is now in %s", first, moved)
 
 
 def run_training(
