@@ -1,0 +1,1 @@
+"""Layout trials and sweeps (layer 8, beside ``inference/``): they launch training runs."""
