@@ -58,7 +58,7 @@ def _worker(rank: int, world: int, port: int, overrides: list[str], documents: b
     from kforge_cli.engine.observe.memory import peak_memory_stats
     from kforge_cli.engine.parallel import build_parallel_model
     from kforge_cli.engine.parallel.context_parallel import shard_batch
-    from kforge_cli.engine.parallel.plan.planner import build_plan
+    from kforge_cli.engine.plan.planner import build_plan
     from kforge_cli.engine.runtime import init_runtime
     from kforge_cli.engine.train.loss import build_loss_fn
     from kforge_cli.settings import load_settings

@@ -28,8 +28,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from kforge_cli.engine.parallel.plan.search import predict_step
-from kforge_cli.engine.parallel.plan.shards import build_template
+from kforge_cli.engine.plan.search import predict_step
+from kforge_cli.engine.plan.shards import build_template
 from kforge_cli.settings import load_settings
 
 HERE = Path(__file__).resolve().parent

@@ -23,7 +23,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from kforge_cli.engine.parallel.plan.search import search_layouts
+from kforge_cli.engine.plan.search import search_layouts
 from kforge_cli.settings import load_settings
 
 HERE = Path(__file__).resolve().parent

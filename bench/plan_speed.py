@@ -22,7 +22,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from kforge_cli.engine.parallel.plan.planner import build_plan
+from kforge_cli.engine.plan.planner import build_plan
 from kforge_cli.settings import load_settings
 
 HERE = Path(__file__).resolve().parent

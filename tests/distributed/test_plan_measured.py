@@ -1,4 +1,4 @@
-"""The plan (engine.parallel.plan) against real runs of the same configurations.
+"""The plan (engine.plan) against real runs of the same configurations.
 
 Three small configurations run for real on CPU with 1, 2 and 4 gloo ranks (the 2- and
 4-rank ones in one launch each, ``measured_case`` the case every rank runs):
@@ -156,7 +156,7 @@ def measured(tmp_path_factory: pytest.TempPathFactory) -> dict[int, dict[str, li
 
 
 def _plan(overrides: list[str], world: int, rank: int) -> Any:
-    from kforge_cli.engine.parallel.plan.planner import build_plan
+    from kforge_cli.engine.plan.planner import build_plan
     from kforge_cli.settings import load_settings
 
     return build_plan(load_settings(overrides=overrides).settings, world, rank)

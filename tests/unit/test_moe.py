@@ -150,7 +150,7 @@ def test_moe_settings_errors_name_the_key() -> None:
 
 def test_flops_count_active_params_and_plan_reports_experts() -> None:
     from kforge_cli.engine.model import count_params, non_embedding_params
-    from kforge_cli.engine.parallel.plan.planner import build_plan
+    from kforge_cli.engine.plan.planner import build_plan
 
     s = load_settings("moe-debug", use_env=False).settings
     m = s.model
@@ -195,7 +195,7 @@ def test_expert_parallel_settings_errors_name_the_key() -> None:
 
 
 def test_expert_parallel_mesh_splits_dp_shard_and_plan_reports_ep() -> None:
-    from kforge_cli.engine.parallel.plan.planner import build_plan
+    from kforge_cli.engine.plan.planner import build_plan
     from kforge_cli.engine.runtime import mesh_shape
     from kforge_cli.settings import ParallelDims
 
@@ -242,7 +242,7 @@ def test_tensor_parallel_is_allowed_when_it_divides_the_shared_experts() -> None
 
 def test_plan_under_tensor_parallel_splits_the_shared_experts_only() -> None:
     """tp = 2: attention, dense MLP, shared experts, embedding and head halve; router and routed experts stay whole."""
-    from kforge_cli.engine.parallel.plan.planner import build_plan
+    from kforge_cli.engine.plan.planner import build_plan
     from kforge_cli.settings.moe import active_ffn_hidden
 
     s = load_settings("moe-debug", overrides=["--distributed.tp=2"], use_env=False).settings

@@ -13,8 +13,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from kforge_cli.engine.parallel.plan.planner import GIB, ParallelPlan, build_plan
-from kforge_cli.engine.parallel.plan.report import format_plan, plan_json
+from kforge_cli.engine.plan.planner import GIB, ParallelPlan, build_plan
+from kforge_cli.engine.plan.report import format_plan, plan_json
 from kforge_cli.errors import InvalidInputError
 from kforge_cli.settings import JobSettings, load_settings
 
@@ -159,15 +159,15 @@ def test_bad_rank_and_no_leftover_process_group() -> None:
 
 
 def test_the_plans_muon_round_is_the_optimizers() -> None:
-    from kforge_cli.engine.parallel.plan.costs import MUON_ROUND_BYTES
+    from kforge_cli.engine.plan.costs import MUON_ROUND_BYTES
     from kforge_cli.engine.train.optim.muon_distributed import ROUND_BYTES
 
     assert MUON_ROUND_BYTES == ROUND_BYTES
 
 
 def test_split_muon_plans_an_owners_round_and_the_gathered_path_each_matrix_whole() -> None:
-    from kforge_cli.engine.parallel.plan.costs import MUON_ROUND_BYTES, optimizer_step_temporaries
-    from kforge_cli.engine.parallel.plan.sharded_model import ParamShard
+    from kforge_cli.engine.plan.costs import MUON_ROUND_BYTES, optimizer_step_temporaries
+    from kforge_cli.engine.plan.sharded_model import ParamShard
 
     big = 8192 * 28672  # an 8B-class MLP matrix, fp32, over 8 ranks
     params = [ParamShard(f"w{i}", big // 8, big, big, 4, 2, True, False) for i in range(4)]

@@ -1,4 +1,4 @@
-"""The activation formula (engine.parallel.plan_activations) against what autograd really saves.
+"""The activation formula (engine.plan.activations) against what autograd really saves.
 
 The saved-tensor hooks see every tensor a block keeps for its backward; their storages,
 minus parameters and buffers (RoPE tables), must add up to ``block_full_bytes`` exactly.
@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from kforge_cli.engine.model import Transformer
-from kforge_cli.engine.parallel.plan.activations import (
+from kforge_cli.engine.plan.activations import (
     ActivationInputs,
     block_full_bytes,
     block_input_bytes,

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from kforge_cli.engine.parallel.plan.planner import build_plan
+from kforge_cli.engine.plan.planner import build_plan
 from kforge_cli.settings import load_settings, resolve_dims
 from kforge_cli.settings.rules import world_size_issues
 

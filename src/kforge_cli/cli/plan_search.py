@@ -29,7 +29,7 @@ def search_command(
     argv: list[str],
 ) -> None:
     """Search, print, then write the profile and run (or script) the trials the options ask for."""
-    from kforge_cli.engine.parallel.plan.search import format_search, search_layouts
+    from kforge_cli.engine.plan.search import format_search, search_layouts
 
     if trial < 0 or (trial and steps < 2):
         raise InvalidInputError(f"--trial needs K >= 1 and --steps N >= 2 (got --trial {trial} --steps {steps})")

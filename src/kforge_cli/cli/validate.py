@@ -180,8 +180,8 @@ def _print_summary(s: Any, dims: Any, n: int) -> None:
 
 def _plan(settings: Any, world_size: int, rank: int, fmt: str | None, mfu: float) -> None:
     """Build rank ``rank``'s plan (imports torch) and print it; exit 1 when it does not fit."""
-    from kforge_cli.engine.parallel.plan.planner import build_plan
-    from kforge_cli.engine.parallel.plan.report import format_plan, plan_json
+    from kforge_cli.engine.plan.planner import build_plan
+    from kforge_cli.engine.plan.report import format_plan, plan_json
 
     result = build_plan(settings, world_size, rank, mfu=mfu)
     typer.echo(plan_json(result) if fmt == "json" else "\n" + format_plan(result))

@@ -16,7 +16,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 
 from kforge_cli.engine.observe.mfu import peak_flops
-from kforge_cli.engine.parallel.plan.sharded_model import ParamShard
+from kforge_cli.engine.plan.sharded_model import ParamShard
 from kforge_cli.settings import JobSettings, ParallelDims
 from kforge_cli.settings.training import ModelSettings
 

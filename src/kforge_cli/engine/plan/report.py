@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import json
 
-from kforge_cli.engine.parallel.plan.planner import ParallelPlan
-from kforge_cli.engine.parallel.plan.sharded_model import StageLayout
+from kforge_cli.engine.plan.planner import ParallelPlan
+from kforge_cli.engine.plan.sharded_model import StageLayout
 
 GIB = 1024**3
 MAX_STAGE_LINES = 16

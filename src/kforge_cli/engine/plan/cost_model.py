@@ -35,9 +35,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from kforge_cli.engine.observe.mfu import match_device, peak_flops
-from kforge_cli.engine.parallel.plan.costs import kv_bytes
-from kforge_cli.engine.parallel.plan.moe import all_to_all_bytes
-from kforge_cli.engine.parallel.plan.shards import HEAD_NAME, ParamSpec, RankPlace, ShardTemplate
+from kforge_cli.engine.plan.costs import kv_bytes
+from kforge_cli.engine.plan.moe import all_to_all_bytes
+from kforge_cli.engine.plan.shards import HEAD_NAME, ParamSpec, RankPlace, ShardTemplate
 from kforge_cli.errors import InvalidInputError
 from kforge_cli.settings import JobSettings, ParallelDims
 from kforge_cli.settings.pipeline_schedules import schedule_facts

@@ -15,7 +15,7 @@ so it holds them unsplit and sends the same all-to-all volume as without TP.
 
 from __future__ import annotations
 
-from kforge_cli.engine.parallel.plan.sharded_model import ParamShard
+from kforge_cli.engine.plan.sharded_model import ParamShard
 from kforge_cli.settings import JobSettings
 from kforge_cli.settings.training import ModelSettings
 

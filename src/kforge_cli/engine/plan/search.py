@@ -28,8 +28,8 @@ from typing import Any
 
 from kforge_cli.engine.parallel.build import compute_dtype
 from kforge_cli.engine.parallel.fsdp import resolve_reshard_after_forward
-from kforge_cli.engine.parallel.plan.activations import pipeline_in_flight
-from kforge_cli.engine.parallel.plan.cost_model import (
+from kforge_cli.engine.plan.activations import pipeline_in_flight
+from kforge_cli.engine.plan.cost_model import (
     CostConstants,
     RankWork,
     StepEstimate,
@@ -38,7 +38,7 @@ from kforge_cli.engine.parallel.plan.cost_model import (
     estimate_step,
     rank_work,
 )
-from kforge_cli.engine.parallel.plan.layouts import (
+from kforge_cli.engine.plan.layouts import (
     Layout,
     cluster_shape,
     global_batch_of,
@@ -46,7 +46,7 @@ from kforge_cli.engine.parallel.plan.layouts import (
     layouts,
     with_layout,
 )
-from kforge_cli.engine.parallel.plan.planner import (
+from kforge_cli.engine.plan.planner import (
     GIB,
     TIGHT_FRACTION,
     MemoryItem,
@@ -54,8 +54,8 @@ from kforge_cli.engine.parallel.plan.planner import (
     param_items,
     peak_of,
 )
-from kforge_cli.engine.parallel.plan.sharded_model import MetaBuild, target_device
-from kforge_cli.engine.parallel.plan.shards import RankPlace, ShardTemplate, build_template, rank_place
+from kforge_cli.engine.plan.sharded_model import MetaBuild, target_device
+from kforge_cli.engine.plan.shards import RankPlace, ShardTemplate, build_template, rank_place
 from kforge_cli.engine.runtime.dtypes import dtype_name
 from kforge_cli.errors import InvalidInputError
 from kforge_cli.settings import JobSettings, ParallelDims, config_issues, resolve_dims, world_size_issues

@@ -29,7 +29,7 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor, Shard
 
-from kforge_cli.engine.parallel.plan.sharded_model import (
+from kforge_cli.engine.plan.sharded_model import (
     HEAD_NAME,
     MetaBuild,
     ParamShard,

@@ -1,10 +1,10 @@
 """`build_plan`: will this job fit, and how is it laid out, answered in seconds without a GPU.
 
-The plan builds rank R's model exactly as training would (engine.parallel.plan_build:
+The plan builds rank R's model exactly as training would (sharded_model:
 the same ``parallelize`` on the meta device, under a fake process group of the job's
 world size), so parameter, gradient and optimizer bytes come from the real sharded
 DTensors. Activation memory, communication buffers and optimizer-step temporaries are
-estimates from the shapes (plan_activations, plan_costs). The peak of a rank is
+estimates from the shapes (activations, costs). The peak of a rank is
 
     parameters + gradients + optimizer state + runtime allowance
       + max(activations + communication buffers, optimizer-step temporaries)
@@ -24,14 +24,14 @@ import torch
 from kforge_cli.engine.model.attention_mask import resolve_backend
 from kforge_cli.engine.parallel.build import compute_dtype
 from kforge_cli.engine.parallel.fsdp import resolve_reshard_after_forward
-from kforge_cli.engine.parallel.plan.activations import (
+from kforge_cli.engine.plan.activations import (
     ActivationEstimate,
     ActivationInputs,
     bubble_fraction,
     estimate_activations,
     pipeline_in_flight,
 )
-from kforge_cli.engine.parallel.plan.costs import (
+from kforge_cli.engine.plan.costs import (
     Throughput,
     fsdp_buffers,
     kv_gather_bytes,
@@ -40,8 +40,8 @@ from kforge_cli.engine.parallel.plan.costs import (
     throughput,
     transit_buffers,
 )
-from kforge_cli.engine.parallel.plan.moe import moe_notes
-from kforge_cli.engine.parallel.plan.sharded_model import (
+from kforge_cli.engine.plan.moe import moe_notes
+from kforge_cli.engine.plan.sharded_model import (
     MetaBuild,
     StageLayout,
     build_meta,
