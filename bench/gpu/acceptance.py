@@ -9,7 +9,9 @@ abort. ``--plan`` prints this schedule without running anything (no CUDA needed)
 1. an 8B-shaped model at bf16 + compile: Llama-3-8B's block (dim 4096, GQA 32/8, FFN
    14336) with 16 of its 32 blocks and half its vocabulary, so the output head's share of
    the training FLOPs is the full 8B's (6.5% at 2k tokens; 4 blocks with the full
-   vocabulary would put 36% there and its MFU would not represent an 8B);
+   vocabulary would put 36% there and its MFU would not represent an 8B). On a GPU under
+   100 GiB (an H100: kforge's planner puts the 16 blocks at ~87 GiB) 8 blocks and a quarter
+   of the vocabulary, the same FLOP mix, the row says so;
 2. the same model at float8 + compile;
 3. async checkpoint saves with pinned staging (~1B model, eager): the loop's blocked time
    per save against the step time, save MB/s against a ``dd`` of the same size on the same
@@ -61,6 +63,7 @@ TESTS_STOP_S = 25.0  # the tests row's pytest stops starting tests this long bef
 LLAMA3_8B = {"dim": 4096, "n_layers": 32, "n_heads": 32, "n_kv_heads": 8, "ffn_hidden_dim": 14336}
 LLAMA3_8B_VOCAB = 128256
 EIGHT_B_LAYERS = 16
+BIG_GPU_GIB = 100.0  # an H200 (141 GB) holds the 16-block 8B shape; an H100 (80 GB) runs 8 blocks (fitted_overrides)
 EIGHT_B_SHAPED = [  # Llama-3-8B's block; 16 of 32 blocks and half the vocabulary: the full 8B's FLOP mix
     "--model.dim=4096",
     f"--model.n_layers={EIGHT_B_LAYERS}",
@@ -219,6 +222,18 @@ def head_flop_share(model: Any, seq_len: int) -> float:
 # ---------------------------------------------------------------- one case (worker side)
 
 
+def fitted_overrides(case: Case, gpu_gib: float) -> tuple[list[str], str | None]:
+    """The 8B-shaped cases on a GPU under ``BIG_GPU_GIB`` (an H100's 80 GB): 8 of Llama-3-8B's 32 blocks
+    and a quarter of its vocabulary, the same FLOP mix (head 6.5%). kforge's planner puts the 16-block
+    shape at 86.6 GiB on one GPU (AdamW, no activation checkpointing), the 8-block one at 44.3 GiB."""
+    if not case.name.startswith(EIGHT_B) or gpu_gib >= BIG_GPU_GIB:
+        return case.overrides, None
+    layers = EIGHT_B_LAYERS // 2
+    vocab = LLAMA3_8B_VOCAB * layers // LLAMA3_8B["n_layers"]
+    note = f"{layers} of 32 blocks, vocab {vocab}: 16 need ~87 GiB, this GPU has {gpu_gib:.0f}"
+    return [*case.overrides, f"--model.n_layers={layers}", f"--model.vocab_size={vocab}"], note
+
+
 def train_case(case: Case, steps: int = 12, warmup: int = 6) -> dict[str, Any]:
     """tokens/s (median step after warm-up), MFU over every GPU's bf16 peak, steady-state peak memory."""
     import torch
@@ -243,9 +258,10 @@ def train_case(case: Case, steps: int = 12, warmup: int = 6) -> dict[str, Any]:
             self.times.append(time.perf_counter())
             self.loss = info.loss
 
+    overrides, note = fitted_overrides(case, torch.cuda.get_device_properties(0).total_memory / 2**30)
     with tempfile.TemporaryDirectory() as tmp:
         run = [f"--train.max_steps={steps}", f"--train.run_dir={tmp}"]
-        s = load_settings(case.profile, overrides=[*case.overrides, *run]).settings
+        s = load_settings(case.profile, overrides=[*overrides, *run]).settings
         clock = Clock()
         run_training(s, hooks=[clock])  # kforge resets the peak-memory window after step 1
     world = dist.get_world_size() if dist.is_initialized() else int(os.environ.get("WORLD_SIZE", "1"))
@@ -263,6 +279,8 @@ def train_case(case: Case, steps: int = 12, warmup: int = 6) -> dict[str, Any]:
         "final_loss": clock.loss,
         "head_flop_share": head_flop_share(s.model, s.train.seq_len),
         "gpus": world,
+        "n_layers": s.model.n_layers,
+        "note": note,
     }
 
 
@@ -697,6 +715,8 @@ def format_table(rows: list[dict[str, Any]]) -> str:
             status += f" (flex/dense = {r['flex_over_dense']:.2f}x, dense {_fmt(r.get('dense_tokens_per_s'), ',.0f')})"
         if r.get("head_flop_share") is not None:
             status += f" (head {r['head_flop_share']:.1%} of FLOPs)"
+        if r.get("note"):
+            status += f" [{r['note']}]"
         if r.get("blocked_over_step") is not None:
             status += (
                 f" (blocked {r['blocked_s']:.2f} s/save = {r['blocked_over_step']:.2f} steps;"

@@ -226,6 +226,21 @@ def test_the_8b_shaped_case_has_a_full_8b_flop_mix(bench: ModuleType) -> None:
     assert (s.model.dim, s.model.n_heads, s.model.n_kv_heads, s.model.ffn_hidden_dim) == (4096, 32, 8, 14336)
 
 
+def test_the_8b_shaped_case_fits_an_80_gb_gpu_with_the_same_flop_mix(bench: ModuleType) -> None:
+    """kforge's planner: 16 blocks need ~87 GiB on one GPU (over an H100's 80 GB); 8 blocks with a
+    quarter of the vocabulary keep the full 8B's head share of the FLOPs."""
+    case = bench.cases()[1]
+    assert bench.fitted_overrides(case, 139.8) == (case.overrides, None)  # an H200: as it is
+    overrides, note = bench.fitted_overrides(case, 79.1)  # an H100
+    s = load_settings(None, overrides=[*overrides, "--train.max_steps=12"]).settings
+    assert (s.model.n_layers, s.model.vocab_size, s.train.float8) == (8, 32064, True)
+    assert bench.head_flop_share(s.model, 2048) == pytest.approx(0.0653, abs=5e-4)
+    assert note == "8 of 32 blocks, vocab 32064: 16 need ~87 GiB, this GPU has 79"
+    assert 1.9e9 < s.model.param_count() < 2.1e9  # 16 bytes/param of states: 32 GB, not 64
+    assert bench.fitted_overrides(bench.cases()[2], 79.1)[1] is None  # only the 8B-shaped cases change
+    assert "[8 of 32 blocks" in bench.format_table([{"case": "8B", "status": "ok", "note": note}])
+
+
 def test_failures_and_timeouts_are_rows(bench: ModuleType, tmp_path: Path) -> None:
     py = sys.executable
     hang = bench.run_subprocess([py, "-c", "import time; time.sleep(30)"], 0.5, tmp_path / "r.json", tmp_path / "a.log")
