@@ -41,6 +41,7 @@ import itertools
 import json
 import os
 import re
+import shutil
 import statistics
 import subprocess
 import sys
@@ -669,6 +670,23 @@ def run_all(
         return result
 
     run_one = run_case or subprocess_case
+    try:
+        rows = _run_cases(deadline, gpus, run_one, clock, work, logs, junit)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)  # the cases' logs are in logs.txt by now
+    write_results(rows, out_dir / "results.json", {"device": device, "gpus": gpus})
+    return rows
+
+
+def _run_cases(
+    deadline: float,
+    gpus: int,
+    run_one: Callable[[Case, float, Path, Path], dict[str, Any]],
+    clock: Callable[[], float],
+    work: Path,
+    logs: Path,
+    junit: Path,
+) -> list[dict[str, Any]]:
     rows: list[dict[str, Any]] = []
     start = clock()
     for i, case in enumerate(cases()):
@@ -685,7 +703,6 @@ def run_all(
                 f.write(log.read_text(errors="replace")[-40_000:] if log.is_file() else "")
         rows.append(row)
         print(f"[{clock() - start:5.0f} s] {case.name}: {row['status']}", flush=True)
-    write_results(rows, out_dir / "results.json", {"device": device, "gpus": gpus})
     return rows
 
 
