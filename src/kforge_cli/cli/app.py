@@ -102,7 +102,8 @@ def _not_a_bug(exc: Exception) -> bool:
         typer.echo(
             f"error: out of device memory ({first}). `kforge validate-config --plan` estimates the memory per GPU; "
             "lower train.batch_size (raise train.grad_accum_steps to keep the batch), turn on "
-            'train.activation_checkpointing = "full", or shard more (distributed.dp_shard, tp, pp)',
+            'train.activation_checkpointing = "full", or shard more (distributed.dp_shard, tp, pp)'
+            + _oom_snapshot_note(),
             err=True,
         )
         return True
@@ -117,6 +118,15 @@ def _not_a_bug(exc: Exception) -> bool:
         )
         return True
     return False
+
+
+def _oom_snapshot_note() -> str:
+    """Where training wrote the allocator's state at the error (engine/observe/memory_snapshot.py), if it did."""
+    module = sys.modules.get("kforge_cli.engine.observe.memory_snapshot")  # loaded only by a training run
+    path = module.oom_snapshot_path() if module is not None else None
+    if path is None:
+        return ""
+    return f". The allocator's state at the error: {path} (open it at https://pytorch.org/memory_viz)"
 
 
 def _bug(exc: BaseException, hint: str) -> None:

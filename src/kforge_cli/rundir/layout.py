@@ -99,6 +99,10 @@ class RunDir:
         return self.path / names.PROFILE_DIR
 
     @property
+    def memory_dir(self) -> Path:
+        return self.path / names.MEMORY_DIR
+
+    @property
     def tensorboard_dir(self) -> Path:
         return self.path / names.TENSORBOARD_DIR
 

@@ -12,6 +12,8 @@
       slurm_jobs.jsonl         the job ids --submit submitted, one JSON line each
       eval/step_N.json         `kforge eval` results
       profile/, tensorboard/   torch.profiler traces, TensorBoard event files
+      memory/                  CUDA memory snapshots: rankR_stepsA-B.pickle (profiling.memory_snapshot_steps),
+                               rankR_oom.pickle (the allocator at an out-of-memory error)
       .kforge-lock             held by the live run (pid, host, SLURM job)
 
     step_N/
@@ -39,6 +41,9 @@ SLURM_JOBS_FILE = "slurm_jobs.jsonl"
 EVAL_DIR = "eval"
 PROFILE_DIR = "profile"
 TENSORBOARD_DIR = "tensorboard"
+MEMORY_DIR = "memory"
+MEMORY_STEPS_FILE = "rank{rank}_steps{first}-{last}.pickle"  # inside memory/: str.format(rank=, first=, last=)
+MEMORY_OOM_FILE = "rank{rank}_oom.pickle"  # inside memory/: str.format(rank=)
 LOCK_FILE = ".kforge-lock"
 
 COMMIT_FILE = "kforge_commit.json"

@@ -140,6 +140,15 @@ class ProfilingSettings(Section):
     record_shapes: bool = field(False, "Record operator input shapes.")
     profile_memory: bool = field(False, "Record memory allocations.")
     with_stack: bool = field(False, "Record Python stacks.")
+    memory_snapshot_steps: int = field(
+        0,
+        "CUDA only: record the allocator's history (every allocation with its stack) for the first N steps and "
+        "write RUN_DIR/memory/rank<R>_steps<A>-<B>.pickle, for https://pytorch.org/memory_viz (0 = off).",
+        ge=0,
+    )
+    memory_snapshot_max_entries: int = field(
+        100_000, "Most allocation events the memory history keeps (older ones are dropped).", gt=0
+    )
 
 
 class ResilienceSettings(Section):

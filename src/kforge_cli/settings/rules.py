@@ -33,6 +33,12 @@ FLEX_CPU = (
 )
 
 
+MEMORY_SNAPSHOT_CPU = (
+    "records the CUDA allocator's history, and train.device is cpu: set it to 0, or train on a GPU "
+    "(--train.device=cuda)"
+)
+
+
 def config_issues(s: JobSettings) -> list[ConfigIssue]:
     """Cross-field and cross-section rules that need only the config."""
     out: list[ConfigIssue] = []
@@ -80,6 +86,8 @@ def config_issues(s: JobSettings) -> list[ConfigIssue]:
     out += moe_issues(m) + expert_parallel_issues(m, s.distributed.ep, s.distributed.dp_shard)
     if m.attention == "flex" and t.device == "cpu":
         out.append(ConfigIssue("model.attention", FLEX_CPU))
+    if s.profiling.memory_snapshot_steps and t.device == "cpu":
+        out.append(ConfigIssue("profiling.memory_snapshot_steps", MEMORY_SNAPSHOT_CPU))
     if m.moe is not None and s.distributed.cp > 1 and s.distributed.ep > 1:
         out.append(
             ConfigIssue(

@@ -147,12 +147,24 @@ class WindowProfiler(TrainProfiler):
         self._done = True
 
 
-def build_profiler(cfg: ProfilingSettings, run_dir: Path, rank: int, *, first_step: int = 1) -> TrainProfiler:
-    """The profiler for this rank: a :class:`WindowProfiler` when enabled, else a no-op.
+def build_profiler(
+    cfg: ProfilingSettings, run_dir: Path, rank: int, *, first_step: int = 1, device: torch.device | None = None
+) -> TrainProfiler:
+    """The profiler for this rank: a :class:`WindowProfiler` when enabled, else a no-op; on a CUDA
+    `device`, wrapped with the memory snapshots (memory_snapshot.py: the first steps' history when
+    ``memory_snapshot_steps`` is set, the allocator's state at an out-of-memory error always).
 
     ``first_step`` is the optimizer step the loop will run first (a resumed run's
     restored step + 1); it decides whether the window has already begun or passed.
     """
+    from kforge_cli.engine.observe.memory_snapshot import with_memory_snapshots
+
+    profiler = _window_profiler(cfg, run_dir, rank, first_step)
+    memory = RunDir(run_dir).memory_dir
+    return with_memory_snapshots(profiler, cfg, memory, rank, first_step=first_step, device=device)
+
+
+def _window_profiler(cfg: ProfilingSettings, run_dir: Path, rank: int, first_step: int) -> TrainProfiler:
     if not cfg.enabled:
         return TrainProfiler()
     trace_dir = Path(cfg.trace_dir) if cfg.trace_dir is not None else RunDir(run_dir).profile_dir

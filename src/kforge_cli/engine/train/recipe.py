@@ -220,7 +220,9 @@ def assemble(
         maybe_mot_warm_start(settings, model, restored, checkpointer.groups.save)  # fresh runs only
     metrics = recipe.tracker(settings, runtime, run_dir, checkpointer.restored_metrics_run_ids)
     stack.enter_context(metrics)  # on an exception: the tracked run is marked failed (Ctrl-C: stopped)
-    profiler = build_profiler(settings.profiling, run_dir, runtime.rank, first_step=state.step + 1)
+    profiler = build_profiler(
+        settings.profiling, run_dir, runtime.rank, first_step=state.step + 1, device=runtime.device
+    )
     stack.callback(profiler.close)
     progress = ProgressReporter(
         total_steps=settings.train.max_steps,
