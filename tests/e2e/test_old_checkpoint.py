@@ -31,4 +31,5 @@ def test_the_old_checkpoint_resumes_to_the_recorded_losses(kforge, tmp_path: Pat
     }
     assert got == want  # floats compared exactly: the loss scale and spike history came back too
     saved = json.loads((run / "checkpoints" / "step_6" / "train_state.json").read_text())
-    assert saved["step"] == 6
+    assert saved["step"] == 6 and saved["parts"]["update"]["loss_scale"]["scale"] == 2.0**16
+    assert len(saved["parts"]["loss_spike"]["history"]) == 4 and "spike_guard" not in saved  # the new names
