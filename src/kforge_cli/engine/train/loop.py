@@ -21,7 +21,7 @@ from pathlib import Path
 
 import torch
 
-from kforge_cli.engine.observe import mfu, peak_memory_stats
+from kforge_cli.engine.observe import peak_memory_stats
 from kforge_cli.engine.runtime import device_wait
 from kforge_cli.engine.train.components import Rewind, Status, Stop
 from kforge_cli.engine.train.session import StepInfo, TrainingSession
@@ -90,9 +90,6 @@ def _log_step(session: TrainingSession, info: StepInfo, meter: _Meter) -> None:
         "tokens_per_sec": tps,
         "step_time_s": step_time,
     }
-    util = mfu(session.flops_per_token, tps, session.runtime.world_size, session.peak_flops)
-    if util is not None:
-        record["mfu"] = util
     record.update(peak_memory_stats(session.runtime.device))
     record.update(info.extra)  # e.g. per-dataset losses from the step function
     record.update(session.update.metrics())  # fp16: the loss scale
@@ -101,9 +98,8 @@ def _log_step(session: TrainingSession, info: StepInfo, meter: _Meter) -> None:
         counts = session.data.train.state_dict()["counts"]
         for name, samples in zip(names, counts, strict=True):
             record[f"tokens/{name}"] = int(samples) * session.settings.train.seq_len
-    session.components.on_log(session, record)  # NaN count, straggler report, ...
+    session.components.on_log(session, record)  # MFU, NaN count, straggler report, the progress line
     session.metrics.write(record)
-    session.progress.update(info.step, record)
 
 
 def _save(session: TrainingSession, reason: str | None, *, blocking: bool = False) -> bool:

@@ -20,7 +20,7 @@ hooks         a tuple of `TrainHook` observers                 ()
 
 `assemble` builds the session from a recipe in this order: loss -> model -> optimizer ->
 scheduler -> data -> components (the user's hooks first) and the update -> checkpointer
-(holding every named part) -> restore -> tracker -> progress -> features and step -> session. `run_training` wraps it: runtime -> run directory and logs -> assemble
+(holding every named part) -> restore -> tracker -> features and step -> session. `run_training` wraps it: runtime -> run directory and logs -> assemble
 -> loop -> teardown. Tests assemble sessions the same way (tests/helpers/tiny_run.py), so
 there is one recipe, not a copy.
 
@@ -55,12 +55,9 @@ from kforge_cli.engine.data import TrainData, build_data
 from kforge_cli.engine.data.vlm import build_vlm_data
 from kforge_cli.engine.interop.hf_import import load_hf_weights
 from kforge_cli.engine.interop.mot_convert import maybe_mot_warm_start
-from kforge_cli.engine.model import flops_per_token
 from kforge_cli.engine.observe import (
-    ProgressReporter,
     Tracker,
     build_tracker,
-    device_peak_flops,
     reset_peak_memory,
     setup_logging,
 )
@@ -73,7 +70,7 @@ from kforge_cli.engine.parallel import (
 )
 from kforge_cli.engine.resilience import ShutdownHandler, archive_previous, hang_dir
 from kforge_cli.engine.resilience.hang_report import read_own_file
-from kforge_cli.engine.runtime import RuntimeContext, dtype_name, init_runtime, teardown_runtime
+from kforge_cli.engine.runtime import RuntimeContext, init_runtime, teardown_runtime
 from kforge_cli.engine.train.banner import announce_start, building_line
 from kforge_cli.engine.train.components import Components, LoopComponent
 from kforge_cli.engine.train.components.nan_policy import NanPolicy
@@ -230,14 +227,6 @@ def assemble(
         maybe_mot_warm_start(settings, model, restored, checkpointer.groups.save)  # fresh runs only
     metrics = recipe.tracker(settings, runtime, run_dir, checkpointer.restored_metrics_run_ids)
     stack.enter_context(metrics)  # on an exception: the tracked run is marked failed (Ctrl-C: stopped)
-    progress = ProgressReporter(
-        total_steps=settings.train.max_steps,
-        start_step=state.step,
-        mode=settings.metrics.progress_bar,
-        enabled=runtime.is_main,
-        logger=log,
-    )
-    stack.callback(progress.close)
     session = TrainingSession(
         settings=settings,
         runtime=runtime,
@@ -251,13 +240,10 @@ def assemble(
         data=data,
         components=components,
         metrics=metrics,
-        progress=progress,
         shutdown=shutdown,
         checkpointer=checkpointer,
         step_fn=recipe.step(settings, recipe.features(settings)),
         compute_dtype=dtype,
-        flops_per_token=flops_per_token(settings.model, settings.train.seq_len),
-        peak_flops=device_peak_flops(runtime.device, dtype_name(dtype), settings.metrics.peak_tflops),
         state=state,
     )
     checkpointer.report = metrics.write  # one metrics.jsonl record per save (bytes, seconds, MB/s, blocked)

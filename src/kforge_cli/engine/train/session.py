@@ -48,7 +48,7 @@ from torch import nn
 
 from kforge_cli.engine.checkpoint import CheckpointManager
 from kforge_cli.engine.data import TrainData
-from kforge_cli.engine.observe import ProgressReporter, Tracker
+from kforge_cli.engine.observe import Tracker
 from kforge_cli.engine.parallel import PipelineBundle
 from kforge_cli.engine.resilience import NanGuard, ShutdownHandler
 from kforge_cli.engine.runtime import RuntimeContext
@@ -305,13 +305,10 @@ class TrainingSession:
     data: TrainData
     components: Components  # what acts around the step, user hooks included (engine.train.components)
     metrics: Tracker  # rank 0: metrics.jsonl and the experiment trackers; other ranks: the null tracker
-    progress: ProgressReporter
     shutdown: ShutdownHandler  # a hook may set its signal_name to ask the run to stop (with a checkpoint)
     checkpointer: CheckpointManager
     step_fn: StepFn  # an executor with its features (engine.train.features.build_step)
     compute_dtype: torch.dtype
-    flops_per_token: float
-    peak_flops: float | None
     state: TrainState = field(default_factory=TrainState)
 
     @property

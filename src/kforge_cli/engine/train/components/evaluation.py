@@ -43,6 +43,5 @@ class InLoopEval(LoopComponent):
         if eval_loss is None:
             return None
         session.metrics.write({"step": step, "eval_loss": eval_loss})
-        session.progress.log_eval(step, eval_loss)
         session.components.on_eval_end(session, step, eval_loss)
         return eval_loss

@@ -14,6 +14,7 @@ from kforge_cli.engine.train.components.hang_watch import HangWatch
 from kforge_cli.engine.train.components.loss_spike import LossSpike
 from kforge_cli.engine.train.components.nan_policy import NanPolicy
 from kforge_cli.engine.train.components.profiling import Profiling
+from kforge_cli.engine.train.components.reporting import ProgressLine, Throughput
 from kforge_cli.engine.train.components.stop_vote import StopOnSignal
 from kforge_cli.engine.train.components.straggler import StragglerReport
 from kforge_cli.settings import JobSettings
@@ -26,7 +27,7 @@ def components_for(settings: JobSettings, world_size: int = 1) -> list[LoopCompo
     components: list[LoopComponent] = []
     if r.hang_timeout_s != 0:
         components.append(HangWatch())
-    components += [StopOnSignal(), NanPolicy(r)]
+    components += [StopOnSignal(), NanPolicy(r), Throughput()]
     if r.straggler_ratio != 0 and world_size > 1:
         components.append(StragglerReport())
     if settings.profiling.enabled:
@@ -35,4 +36,4 @@ def components_for(settings: JobSettings, world_size: int = 1) -> list[LoopCompo
         components.append(LossSpike(r))
     if settings.eval.interval:
         components.append(InLoopEval(settings.eval.interval))
-    return components
+    return [*components, ProgressLine()]  # last: it shows what the others added to a record
