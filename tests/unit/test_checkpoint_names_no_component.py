@@ -38,3 +38,21 @@ def test_engine_checkpoint_names_no_guard_monitor_or_hook() -> None:
         if pattern.search(line)
     ]
     assert found == []
+
+
+def test_component_names_are_unique_and_update_is_the_updates(tmp_path: Path) -> None:
+    import pytest
+
+    from kforge_cli.engine.train import run_training
+    from kforge_cli.engine.train.components import Components, LoopComponent
+    from tests.helpers.tiny_run import tiny_settings
+
+    class Named(LoopComponent):
+        def __init__(self, name: str) -> None:
+            self.name = name
+
+    with pytest.raises(ValueError, match="share a name"):
+        Components([Named("a"), Named("a")])
+    settings = tiny_settings("--model.vocab_size=320", "--train.max_steps=1", f"--train.run_dir={tmp_path / 'run'}")
+    with pytest.raises(ValueError, match="may not be named 'update'"):  # it would replace the loss scale's state
+        run_training(settings, hooks=[Named("update")])

@@ -214,6 +214,8 @@ def assemble(
     update = Update(
         nan.guard if nan is not None else NanPolicy(settings.resilience).guard, build_loss_scaler(dtype, runtime)
     )
+    if "update" in components.named():
+        raise ValueError("a loop component may not be named 'update' (the optimizer update's part of a checkpoint)")
     named = {"update": update, **components.named()}
     checkpointer = recipe.checkpointer(
         settings, runtime, run_dir, RunParts(model, optimizer, scheduler, state, data.train, named)
