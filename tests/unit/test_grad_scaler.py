@@ -83,7 +83,9 @@ def test_fp16_run_stopped_and_resumed_is_bit_exact_with_the_scaler_state(tmp_pat
     run_training(tiny_settings(*args, f"--train.run_dir={ref}"), hooks=[OverflowAt(2)])
     stopped = run_training(tiny_settings(*args, f"--train.run_dir={run}"), hooks=[OverflowAt(2, stop=3)])
     assert stopped.status == "stopped" and stopped.step == 3
-    saved = json.loads((run / "checkpoints" / "step_3" / "train_state.json").read_text())["grad_scaler"]
+    saved = json.loads((run / "checkpoints" / "step_3" / "train_state.json").read_text())["parts"]["update"][
+        "loss_scale"
+    ]
     assert saved["scale"] == 2.0**15 and saved["_growth_tracker"] == 1 and saved["skipped_steps"] == 1
     run_training(tiny_settings(*args, f"--train.run_dir={run}"), hooks=[OverflowAt(0)])
     want, got = _records(ref), _records(run)

@@ -79,7 +79,7 @@ def test_rewind_restores_the_checkpoint_skips_the_window_and_equals_a_resume_tha
     assert state["progress"]["data_skips"] == [
         {"spike_step": SPIKE, "detected_at": SPIKE, "rewound_to": 20, "skipped_steps": SPIKE - 20}
     ]
-    assert state["spike_guard"]["rewinds"] == 1
+    assert state["parts"]["loss_spike"]["rewinds"] == 1
 
     # A fresh process resumed from the same checkpoint skips the same window (the rewind's record
     # next to the checkpoints says so), and trains bit-for-bit like the rewound run from there on.

@@ -42,6 +42,15 @@ def exit_code(outcome: TrainOutcome, hooks: Sequence[str] = ()) -> int:
         steps = f"{outcome.step} step{'' if outcome.step == 1 else 's'}"
         log.info("training complete: %s, final loss %s, run dir %s", steps, loss, outcome.run_dir)
         return EXIT_OK
+    if outcome.status != "stopped":  # a loop component ended the run (e.g. early stopping): done, not failed
+        log.info(
+            "training ended at step %d (%s): %s; run dir %s",
+            outcome.step,
+            outcome.status,
+            outcome.reason,
+            outcome.run_dir,
+        )
+        return EXIT_OK
     if outcome.checkpoint_saved:
         log.warning(
             "stopped by %s at step %d after saving a checkpoint: %s",

@@ -6,6 +6,7 @@ Status, first match wins:
 - ``queued`` / ``running``: SLURM says the run's job is pending / running (``squeue``);
 - ``running``: metrics.jsonl or a log changed within ``active_s`` seconds;
 - ``stopped``: the newest checkpoint was saved on a signal (requeue or resume it);
+- ``early_stop`` (or another loop component's stop): the newest checkpoint was saved when it stopped the run;
 - a run written by ``--sbatch``: the state ``sacct`` reports for its last job (lower case:
   ``cancelled``, ``timeout``, ``failed`` ...), else ``not submitted`` (no job was ever
   submitted or started) or ``unknown`` (no SLURM here to ask);
@@ -222,6 +223,8 @@ def describe_run(
         status = "running"
     elif reason == "signal":
         status = "stopped"
+    elif reason not in (None, "interval", "final"):  # a loop component stopped the run (e.g. early_stop)
+        status = reason
     elif run.job_script.is_file():
         status = _job_status(run, job, slurm, started="loss" in last)
     else:

@@ -120,6 +120,12 @@ class TrainSettings(Section):
     )
     z_loss_weight: float = field(0.0, "Weight of the z-loss (log(Z)^2) regulariser (0 = off).", ge=0)
     hooks: list[str] = field(list, "Training hooks by import path, e.g. 'my_pkg.hooks:LogGradNorms'.")
+    early_stop_patience: int = field(
+        0, "Stop after this many in-loop evaluations without an eval-loss improvement (0 = off).", ge=0
+    )
+    early_stop_min_delta: float = field(
+        0.0, "Early stopping: an eval loss counts as better only when lower by more than this.", ge=0
+    )
     num_threads: int | None = field(
         None,
         "torch CPU threads per process (None = OMP_NUM_THREADS when set, else automatic: the cores this process "

@@ -138,7 +138,7 @@ class CheckpointManager:
 
     def restore(self) -> Restored | None:
         """Resume or warm start per the settings (collective): model, optimizer, scheduler, train
-        state, NaN guard and data position, as given at construction. None on a fresh start."""
+        state, data position and every named part, as given at construction. None on a fresh start."""
         self.restored = restore_run(self.checkpointed)
         if self.restored is not None and self.restored.kind == "resume":
             self.last_step = self.restored.step
@@ -146,7 +146,7 @@ class CheckpointManager:
 
     def rewind(self) -> Restored | None:
         """Restore this run's newest complete checkpoint into its pieces, in this process (collective):
-        a loss-spike rewind. An in-flight save is finished first. None when there is none."""
+        a rewind. An in-flight save is finished first. None when there is none."""
         self.wait()
         restored = restore_run(self.checkpointed, own_only=True)
         if restored is not None:
@@ -158,6 +158,15 @@ class CheckpointManager:
     def due(self, step: int) -> bool:
         """A scheduled save is due after optimizer step `step`."""
         return self.cfg.interval > 0 and step % self.cfg.interval == 0 and step != self.last_step
+
+    def save_reason(self, step: int, ending: str | None = None) -> str | None:
+        """Why to save after step ``step`` (None: no save). ``ending``: how the loop ends (``completed``:
+        per ``checkpoint.save_final``; any other end always saves, so the run can be continued)."""
+        if ending is None:
+            return "interval" if self.due(step) else None
+        if ending == "completed":
+            return "final" if self.cfg.save_final else None
+        return "signal" if ending == "stopped" else ending
 
     def save(
         self,
@@ -252,9 +261,7 @@ class CheckpointManager:
             "step": step,
             "progress": progress,
             "scheduler": self.parts.scheduler.state_dict(),
-            "nan_guard": self.parts.nan_guard.state_dict() if self.parts.nan_guard is not None else None,
-            "grad_scaler": self.parts.grad_scaler.state_dict() if self.parts.grad_scaler is not None else None,
-            "spike_guard": self.parts.spike_guard.state_dict() if self.parts.spike_guard is not None else None,
+            "parts": self.parts.named_states(),  # the update and the loop components, by name
             "data": self.parts.loader.state_dict() if self.parts.loader is not None else None,
             "data_phase": data_phase(self.settings, step),
             "freeze": freeze_config(self.settings),

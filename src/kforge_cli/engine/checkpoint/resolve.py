@@ -41,7 +41,7 @@ RestoreKind = Literal["resume", "warm_start", "warm_start_hf"]
 
 
 class Stateful(Protocol):
-    """Anything whose state a checkpoint carries as JSON (train state, NaN guard, data loader)."""
+    """Anything whose state a checkpoint carries as JSON (the train state, the data loader)."""
 
     def state_dict(self) -> Mapping[str, object]: ...
 

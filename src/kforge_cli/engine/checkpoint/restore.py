@@ -8,10 +8,10 @@ the same error instead of waiting forever.
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
-from dataclasses import dataclass
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, Protocol
 
 import torch
 from torch import nn
@@ -42,18 +42,52 @@ above this one), so the manager is handed the loader instead of importing it.
 """
 
 
+class NamedPart(Protocol):
+    """A part of the run a checkpoint carries under its name without knowing what it is.
+
+    ``legacy_state(train_state)`` finds its state in a checkpoint written before it had its own
+    name (None: none there); checkpoints then kept each such part at the top of the train state.
+    """
+
+    def state_dict(self) -> object: ...
+
+    def load_state_dict(self, state: object) -> None: ...
+
+    def legacy_state(self, train_state: Mapping[str, object]) -> object: ...
+
+
 @dataclass(frozen=True)
 class RunParts:
-    """The pieces of a run a checkpoint holds: `restore` loads into them, `save` writes them."""
+    """The pieces of a run a checkpoint holds: `restore` loads into them, `save` writes them.
+
+    ``named``: every other part with state (the update, the loop components), saved in the
+    train state under ``parts.<name>`` (plain JSON values).
+    """
 
     model: nn.Module
     optimizer: torch.optim.Optimizer
     scheduler: torch.optim.lr_scheduler.LRScheduler
     train_state: Stateful
-    nan_guard: Stateful | None = None
     loader: Stateful | None = None
-    grad_scaler: Stateful | None = None  # fp16 loss scale (plain numbers, in train_state.json)
-    spike_guard: Stateful | None = None  # the loss-spike guard's history and counters (in train_state.json)
+    named: Mapping[str, NamedPart] = field(default_factory=dict)
+
+    def named_states(self) -> dict[str, object]:
+        """Every named part's state (the train state's ``parts``)."""
+        return {name: part.state_dict() for name, part in self.named.items()}
+
+    def load_named(self, state: Mapping[str, Any], path: Path) -> None:
+        """Give each named part its saved state: under ``parts``, or where an older checkpoint kept it."""
+        saved = state.get("parts")
+        saved = saved if isinstance(saved, dict) else {}
+        for name, part in self.named.items():
+            value = saved[name] if name in saved else part.legacy_state(state)
+            if value is None:
+                log.info("checkpoint %s has no state for %s: it starts fresh", path, name)
+                continue
+            part.load_state_dict(value)
+        unused = sorted(set(saved) - set(self.named))
+        if unused:
+            log.info("checkpoint %s: state of %s not used by this run", path, ", ".join(unused))
 
 
 @dataclass
@@ -133,15 +167,7 @@ def _resume(manager: CheckpointedState, decision: RestoreDecision, path: Path) -
     manager.parts.scheduler.load_state_dict(state["scheduler"])
     _reapply_schedule(manager.parts.scheduler, manager.parts.optimizer)
     manager.parts.train_state.load_state_dict(state["progress"])
-    if manager.parts.nan_guard is not None and state.get("nan_guard") is not None:
-        manager.parts.nan_guard.load_state_dict(state["nan_guard"])
-    if manager.parts.spike_guard is not None and state.get("spike_guard") is not None:
-        manager.parts.spike_guard.load_state_dict(state["spike_guard"])
-    if manager.parts.grad_scaler is not None:  # fp16: the loss scale continues (a checkpoint without one: fresh scale)
-        if state.get("grad_scaler") is not None:
-            manager.parts.grad_scaler.load_state_dict(state["grad_scaler"])
-        else:
-            log.info("checkpoint %s has no fp16 loss-scaler state: starting from the initial scale", path)
+    manager.parts.load_named(state, path)
     step = int(state["step"])
     _restore_rng(manager, path, state, step)
     if manager.parts.loader is not None and state.get("data") is not None:

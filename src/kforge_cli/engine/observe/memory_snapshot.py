@@ -25,7 +25,7 @@ from pathlib import Path
 import torch
 
 from kforge_cli.engine.observe.logs import get_logger
-from kforge_cli.engine.observe.profiler import TrainProfiler
+from kforge_cli.engine.observe.profiler_base import TrainProfiler
 from kforge_cli.errors import ConfigError, ConfigIssue
 from kforge_cli.files import atomic_write_via, real_dir
 from kforge_cli.rundir.names import MEMORY_OOM_FILE, MEMORY_STEPS_FILE

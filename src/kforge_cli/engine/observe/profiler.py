@@ -12,40 +12,17 @@ while the window (or its warm-up step) is running, so steps outside it cost noth
 from __future__ import annotations
 
 from pathlib import Path
-from types import TracebackType
 
 import torch
 from torch.profiler import ProfilerAction, ProfilerActivity
 
 from kforge_cli.engine.observe.logs import get_logger
+from kforge_cli.engine.observe.profiler_base import TrainProfiler
 from kforge_cli.files import atomic_write_via, real_dir
 from kforge_cli.rundir.layout import RunDir
 from kforge_cli.settings.infrastructure import ProfilingSettings
 
 _RECORDING = (ProfilerAction.RECORD, ProfilerAction.RECORD_AND_SAVE)
-
-
-class TrainProfiler:
-    """The profiler API the loop calls; this base class is the disabled, do-nothing profiler."""
-
-    enabled: bool = False
-
-    def __init__(self) -> None:
-        self.trace_paths: list[Path] = []
-
-    def step(self, step_number: int) -> None:
-        """Call once after each optimizer step with its 1-based number."""
-
-    def close(self) -> None:
-        """Stop profiling; a window cut short (the run ended inside it) is still written."""
-
-    def __enter__(self) -> TrainProfiler:
-        return self
-
-    def __exit__(
-        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
-    ) -> None:
-        self.close()
 
 
 class WindowProfiler(TrainProfiler):

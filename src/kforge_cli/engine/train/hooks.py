@@ -11,8 +11,10 @@ from __future__ import annotations
 import importlib
 import inspect
 import logging
+from collections.abc import Sequence
 from typing import Any
 
+from kforge_cli.engine.train.components import LoopComponent
 from kforge_cli.engine.train.session import HookList, StepInfo, TrainHook
 from kforge_cli.errors import InvalidInputError
 from kforge_cli.settings import JobSettings
@@ -43,12 +45,12 @@ def load_hook(spec: str, settings: JobSettings) -> TrainHook:
     return hook_cls(settings) if len(required) == 1 else hook_cls()
 
 
-def build_hooks(settings: JobSettings, extra: list[TrainHook] | None) -> HookList:
+def build_hooks(settings: JobSettings, extra: Sequence[LoopComponent] | None) -> list[LoopComponent]:
     """Hooks from settings (by import path) followed by those passed from Python."""
     if settings.train.hooks:
         log.info("importing train.hooks: %s", ", ".join(settings.train.hooks))
-    hooks = [load_hook(spec, settings) for spec in settings.train.hooks]
-    return HookList(hooks + list(extra or []))
+    hooks: list[LoopComponent] = [load_hook(spec, settings) for spec in settings.train.hooks]
+    return hooks + list(extra or [])
 
 
 __all__ = ["HookList", "StepInfo", "TrainHook", "build_hooks", "load_hook"]

@@ -1,4 +1,10 @@
-"""`run_training_loop`: the one training loop (step, NaN policy, schedule, logs, eval, stop).
+"""`run_training_loop`: the one training loop: fetch, step, update, log, ask the components, save.
+
+Everything else that acts around the step is a loop component (`engine.train.components`):
+the stop vote, the NaN policy, the hang watchdog, the straggler report, the profiler, the
+loss-spike decision, in-loop evaluation, user hooks. The loop announces its phases, hands
+each component the step's numbers and obeys the first verdict (rewind, stop); the checkpoint
+manager says when to save (`CheckpointManager.save_reason`).
 
 The loop reads nothing from the device on an ordinary step: the step's numbers stay device
 scalars (`StepResult`) and are read on logging steps, the NaN policy decides on the device
@@ -12,30 +18,17 @@ import logging
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Literal
 
 import torch
 
-from kforge_cli.engine.observe import mfu, peak_memory_stats
-from kforge_cli.engine.resilience import (
-    HangWatchdog,
-    NullWatchdog,
-    StopVote,
-    StragglerMonitor,
-    hang_dir,
-    local_parameter_count,
-)
-from kforge_cli.engine.runtime import device_wait, process_group_timeout_s
-from kforge_cli.engine.train.downstream import downstream_eval
-from kforge_cli.engine.train.evaluation import evaluate
-from kforge_cli.engine.train.rewind import handle_spike, settle_spikes
+from kforge_cli.engine.observe import peak_memory_stats
+from kforge_cli.engine.runtime import device_wait
+from kforge_cli.engine.train.components import Rewind, Status, Stop
 from kforge_cli.engine.train.session import StepInfo, TrainingSession
 from kforge_cli.engine.train.step import Batch, StepResult
 from kforge_cli.engine.train.update import apply_update
 
 log = logging.getLogger("kforge")
-
-Status = Literal["completed", "stopped"]
 
 
 @dataclass
@@ -49,6 +42,7 @@ class TrainOutcome:
     last_eval_loss: float | None
     signal: str | None = None
     checkpoint_saved: bool = False
+    reason: str | None = None  # why the run stopped early (status early_stop)
 
 
 class _Meter:
@@ -84,9 +78,8 @@ def _to_device(batch: Batch, device: torch.device) -> Batch:
     return {k: v.to(device, non_blocking=True) for k, v in batch.items() if isinstance(v, torch.Tensor)}
 
 
-def _log_step(session: TrainingSession, info: StepInfo, meter: _Meter, straggler: StragglerMonitor | None) -> None:
+def _log_step(session: TrainingSession, info: StepInfo, meter: _Meter) -> None:
     """One metrics record: the step's numbers are read from the device here (one transfer)."""
-    session.nan_guard.settle()  # every rank, the same steps: the abort decision stays agreed
     tps, step_time = meter.take()
     record: dict[str, object] = {
         "step": info.step,
@@ -97,202 +90,117 @@ def _log_step(session: TrainingSession, info: StepInfo, meter: _Meter, straggler
         "tokens_per_sec": tps,
         "step_time_s": step_time,
     }
-    util = mfu(session.flops_per_token, tps, session.runtime.world_size, session.peak_flops)
-    if util is not None:
-        record["mfu"] = util
-    if session.nan_guard.total_bad:
-        record["nan_steps"] = session.nan_guard.total_bad
     record.update(peak_memory_stats(session.runtime.device))
     record.update(info.extra)  # e.g. per-dataset losses from the step function
-    if session.grad_scaler is not None:
-        record.update(session.grad_scaler.metrics())
-    if straggler is not None:
-        record.update(straggler.report(info.step))  # one all-gather, every rank
+    record.update(session.update.metrics())  # fp16: the loss scale
     names = session.data.dataset_names
     if len(names) > 1:  # tokens drawn per dataset so far (global; the loader's counters survive resumes)
         counts = session.data.train.state_dict()["counts"]
         for name, samples in zip(names, counts, strict=True):
             record[f"tokens/{name}"] = int(samples) * session.settings.train.seq_len
+    session.components.on_log(session, record)  # MFU, NaN count, straggler report, the progress line
     session.metrics.write(record)
-    session.progress.update(info.step, record)
 
 
-def _run_eval(session: TrainingSession) -> float | None:
-    eval_loss = evaluate(session)
-    step = session.state.step
-    downstream = downstream_eval(session)  # eval.tasks (multiple choice), on every rank
-    if downstream:
-        session.metrics.write({"step": step, **downstream})
-    if eval_loss is None:
-        return None
-    session.metrics.write({"step": step, "eval_loss": eval_loss})
-    session.progress.log_eval(step, eval_loss)
-    session.hooks.on_eval_end(session, step, eval_loss)
-    return eval_loss
-
-
-def _save_checkpoint(session: TrainingSession, reason: str, *, blocking: bool | None = None) -> bool:
-    """Save the current step (unless already saved or in flight); True when a checkpoint of it exists.
-
-    `blocking` also waits for the save to be durable (signal and final saves).
-    """
-    ckpt = session.checkpointer
-    step = session.state.step
-    if ckpt.last_step != step:
-        path = ckpt.save(step, reason=reason, metrics_run_ids=session.metrics.run_ids(), blocking=blocking)
-        session.hooks.on_checkpoint_save(session, step, str(path))
+def _save(session: TrainingSession, reason: str | None, *, blocking: bool = False) -> bool:
+    """Save the current step for ``reason`` (unless already saved or in flight); True when a checkpoint
+    of it exists. ``blocking`` also waits for the save to be durable (the last save of a run)."""
+    ckpt, step = session.checkpointer, session.state.step
+    if reason is not None and ckpt.last_step != step:
+        path = ckpt.save(step, reason=reason, metrics_run_ids=session.metrics.run_ids(), blocking=blocking or None)
+        session.components.on_save(session, step, str(path))
     if blocking:
         ckpt.wait()
-    return True
+    return reason is not None
 
 
-def _watchdog(session: TrainingSession) -> HangWatchdog | NullWatchdog:
-    """The hang watchdog of this rank (started), or a no-op when ``resilience.hang_timeout_s = 0``."""
-    r = session.settings.resilience
-    if r.hang_timeout_s == 0:
-        return NullWatchdog()
-    ckpt = session.checkpointer
-
-    def note() -> str:
-        return f" (last saved: step {ckpt.last_step})" if ckpt.last_step is not None else " (none saved yet)"
-
-    return HangWatchdog(
-        rank=session.runtime.rank,
-        world_size=session.runtime.world_size,
-        directory=hang_dir(session.run_dir),
-        timeout_s=r.hang_timeout_s,
-        pg_timeout_s=process_group_timeout_s(session.settings),
-        resume_note=note,
-    ).start()
+def _update(session: TrainingSession, result: StepResult, data_s: float) -> StepInfo:
+    """The optimizer update of the step just computed; the step counter advances (also on skipped steps)."""
+    s, state = session.settings.train, session.state
+    step, lr = state.step + 1, session.current_lr()
+    session.components.before_update(session)
+    skipped = apply_update(session, step, result)  # the NaN policy and fp16 loss scaling decide
+    session.optimizer.zero_grad(set_to_none=True)
+    session.scheduler.step()  # also on skipped steps: the schedule never drifts from the step
+    session.step_fn.after_update(session)
+    state.step, state.tokens_seen = step, state.tokens_seen + session.tokens_per_step
+    log_step = step % session.settings.metrics.log_interval == 0 or step == s.max_steps or step == 1
+    info = StepInfo(step, lr, state.tokens_seen, 0.0, result, skipped, data_time_s=data_s, log_step=log_step)
+    session.components.on_update(session, info)
+    return info
 
 
-def _straggler(session: TrainingSession) -> StragglerMonitor | None:
-    """The straggler report of this rank, or None (one process, or ``resilience.straggler_ratio = 0``)."""
-    r, runtime = session.settings.resilience, session.runtime
-    if r.straggler_ratio == 0 or runtime.world_size < 2:
-        return None
-    return StragglerMonitor(
-        rank=runtime.rank,
-        world_size=runtime.world_size,
-        device=runtime.device,
-        ratio=r.straggler_ratio,
-        windows=r.straggler_windows,
-        local_params=local_parameter_count(session.model),
+def _end(session: TrainingSession, how: Stop, last: StepResult | None) -> TrainOutcome:
+    """The last save (the checkpoint manager says whether) and how the run ended."""
+    step = session.state.step
+    session.components.phase("final", step)
+    session.components.on_loop_end(session, how)  # NaN tallies, the last evaluation, a last spike check
+    session.components.phase("checkpoint", step)
+    saved = _save(session, session.checkpointer.save_reason(step, how.status), blocking=True)
+    return TrainOutcome(
+        status=how.status,
+        step=step,
+        run_dir=session.run_dir,
+        last_loss=last.read().loss if last is not None else None,
+        last_eval_loss=session.components.last_eval_loss,
+        signal=how.signal,
+        checkpoint_saved=saved,
+        reason=how.reason if how.status == "early_stop" else None,
     )
 
 
 def run_training_loop(session: TrainingSession) -> TrainOutcome:
-    """Train until train.max_steps or a shutdown signal (agreed by all ranks at a step boundary).
+    """Train until train.max_steps, a shutdown signal (agreed by all ranks at a step boundary) or a
+    component's stop; every component hears how it ended (``on_train_end``) and is closed.
 
-    A hang watchdog thread watches the loop's progress (`engine.resilience.hang`); when it
-    fires it ends the process itself (exit 76), also when the main thread fails meanwhile.
+    A hang watchdog thread watches the loop's progress (`engine.train.components.hang_watch`);
+    when it fires it ends the process itself (exit 76), also when the main thread fails meanwhile.
     """
-    watchdog = _watchdog(session)
+    components = session.components
     try:
-        return _train(session, watchdog)
+        outcome = _train(session)
     except BaseException:
-        watchdog.wait_if_fired()  # a peer that exited on a hang breaks our collective: exit as a hang too
+        components.on_train_end(session, "failed")
         raise
     finally:
-        watchdog.stop()
+        components.close()
+    components.on_train_end(session, outcome.status)
+    return outcome
 
 
-def _train(session: TrainingSession, watchdog: HangWatchdog | NullWatchdog) -> TrainOutcome:
-    s = session.settings
-    state, device = session.state, session.runtime.device
-    batches = iter(session.data.train)
-    meter = _Meter()
-    last: StepResult | None = None
-    last_eval: float | None = None
-    stop = StopVote(session.shutdown, s.resilience.stop_check_interval, distributed=session.runtime.world_size > 1)
-    session.hooks.on_train_begin(session)
-    mark = watchdog.mark
-    straggler = _straggler(session)
-    spikes = session.spike_guard
-    while state.step < s.train.max_steps:
-        mark("stop vote")
-        if stop.should_stop(state.step):
-            log.warning("stopping at step %d (%s)", state.step, session.shutdown.signal_name)
-            session.nan_guard.settle()
-            event = settle_spikes(session)
-            if event is not None:
-                mark("rewind")
-                handle_spike(session, event)  # a rewind leaves the last checkpoint as the one to resume
-            mark("checkpoint")
-            saved = _save_checkpoint(session, "signal", blocking=True)
-            return TrainOutcome(
-                status="stopped",
-                step=state.step,
-                run_dir=session.run_dir,
-                last_loss=last.read().loss if last is not None else None,
-                last_eval_loss=last_eval,
-                signal=session.shutdown.signal_name,
-                checkpoint_saved=saved,
-            )
+def _train(session: TrainingSession) -> TrainOutcome:
+    s, state, parts, device = session.settings.train, session.state, session.components, session.runtime.device
+    batches, meter, last = iter(session.data.train), _Meter(), None
+    parts.on_train_begin(session)
+    while state.step < s.max_steps:
+        parts.phase("stop vote", state.step)
+        verdict = parts.before_step(session, state.step)
+        if isinstance(verdict, Stop):
+            return _end(session, verdict, last)
         t0 = time.perf_counter()
-        mark("data")
-        micro = [_to_device(next(batches), device) for _ in range(s.train.grad_accum_steps)]
+        parts.phase("data", state.step)
+        micro = [_to_device(next(batches), device) for _ in range(s.grad_accum_steps)]
         data_s = time.perf_counter() - t0
-        mark("forward/backward")
-        result = session.step_fn(session, micro)
-        step = state.step + 1
-        lr = session.current_lr()
-        mark("update")
-        timing = straggler.begin_update() if straggler is not None else None
-        skipped = apply_update(session, step, result)  # the NaN policy and fp16 loss scaling decide
-        session.optimizer.zero_grad(set_to_none=True)
-        session.scheduler.step()  # also on skipped steps: the schedule never drifts from the step
-        session.step_fn.after_update(session)
-        if straggler is not None and timing is not None:
-            straggler.end_update(timing, data_s)
-        state.step = step
-        state.tokens_seen += session.tokens_per_step
-        log_now = step % s.metrics.log_interval == 0 or step == s.train.max_steps or step == 1
-        if spikes.enabled:
-            spikes.observe(step, result.loss)  # on the device; decided at logging steps and before saves
-        if log_now:
+        parts.phase("forward/backward", state.step)
+        last = session.step_fn(session, micro)
+        parts.phase("update", state.step)
+        info = _update(session, last, data_s)
+        if info.log_step:
             device_wait(device)  # the clock stops when the device has done the window's work (see _Meter)
-        elapsed = time.perf_counter() - t0
-        watchdog.beat(step)
-        meter.add(session.tokens_per_step, elapsed)
-        session.profiler.step(step)
-        last = result
-        info = StepInfo(
-            step=step, lr=lr, tokens_seen=state.tokens_seen, step_time_s=elapsed, result=result, skipped_flag=skipped
-        )
-        if log_now:
-            mark("log")
-            _log_step(session, info, meter, straggler)
-        mark("hooks")
-        session.hooks.on_step_end(session, info)
-        if spikes.enabled and (log_now or session.checkpointer.due(step)):
-            mark("spike check")
-            event = settle_spikes(session)  # every rank, the same steps: one broadcast
-            if event is not None:
-                mark("rewind")  # restoring a checkpoint may take long: the slow phases' limit
-            if event is not None and handle_spike(session, event):
-                batches = iter(session.data.train)  # from the position after the skipped window
-                meter.reset()
-                if straggler is not None:
-                    straggler.reset()
-                watchdog.restart_timing()
-                continue
-        if s.eval.interval and step % s.eval.interval == 0:
-            mark("eval")
-            last_eval = _run_eval(session)
-        mark("checkpoint")
+        info.step_time_s = time.perf_counter() - t0
+        meter.add(session.tokens_per_step, info.step_time_s)
+        if info.log_step:
+            parts.phase("log", info.step)
+            _log_step(session, info, meter)
+        parts.phase("hooks", info.step)
+        verdict = parts.after_update(session, info)  # hooks, a spike decision, evaluation, early stop
+        if isinstance(verdict, Rewind):
+            batches, _ = iter(session.data.train), meter.reset()  # from the position after the skipped window
+            parts.on_rewind(session)
+            continue
+        if isinstance(verdict, Stop):
+            return _end(session, verdict, last)
+        parts.phase("checkpoint", info.step)
         session.checkpointer.poll()  # commit a finished async save
-        if session.checkpointer.due(step):
-            _save_checkpoint(session, "interval")
-    mark("final")
-    session.nan_guard.settle()
-    if s.eval.interval and state.step % s.eval.interval != 0:
-        last_eval = _run_eval(session)
-    if s.checkpoint.save_final:
-        _save_checkpoint(session, "final", blocking=True)
-    else:
-        session.checkpointer.wait()
-    last_loss = last.read().loss if last is not None else None
-    return TrainOutcome(
-        status="completed", step=state.step, run_dir=session.run_dir, last_loss=last_loss, last_eval_loss=last_eval
-    )
+        _save(session, session.checkpointer.save_reason(info.step))
+    return _end(session, Stop("completed", "train.max_steps"), last)

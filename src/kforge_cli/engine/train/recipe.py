@@ -14,12 +14,13 @@ checkpointer  (settings, runtime, run_dir, parts) -> manager   `build_checkpoint
 tracker       (settings, runtime, run_dir, run_ids) -> Tracker `build_run_tracker`
 features      (settings) -> list[StepFeature]                  `features_for`
 step          (settings, features) -> StepFn                   `build_step`
+components    (settings, world_size) -> list[LoopComponent]    `components_for`
 hooks         a tuple of `TrainHook` observers                 ()
 ============  ===============================================  ==============================
 
 `assemble` builds the session from a recipe in this order: loss -> model -> optimizer ->
-scheduler -> data -> checkpointer -> restore -> tracker -> profiler -> progress -> features
-and step -> session. `run_training` wraps it: runtime -> run directory and logs -> assemble
+scheduler -> data -> components (the user's hooks first) and the update -> checkpointer
+(holding every named part) -> restore -> tracker -> features and step -> session. `run_training` wraps it: runtime -> run directory and logs -> assemble
 -> loop -> teardown. Tests assemble sessions the same way (tests/helpers/tiny_run.py), so
 there is one recipe, not a copy.
 
@@ -54,13 +55,9 @@ from kforge_cli.engine.data import TrainData, build_data
 from kforge_cli.engine.data.vlm import build_vlm_data
 from kforge_cli.engine.interop.hf_import import load_hf_weights
 from kforge_cli.engine.interop.mot_convert import maybe_mot_warm_start
-from kforge_cli.engine.model import flops_per_token
 from kforge_cli.engine.observe import (
-    ProgressReporter,
     Tracker,
-    build_profiler,
     build_tracker,
-    device_peak_flops,
     reset_peak_memory,
     setup_logging,
 )
@@ -71,10 +68,13 @@ from kforge_cli.engine.parallel import (
     fsdp_float8_all_gather,
     precompute_scales_after_each_step,
 )
-from kforge_cli.engine.resilience import NanGuard, ShutdownHandler, SpikeGuard, archive_previous, hang_dir
+from kforge_cli.engine.resilience import ShutdownHandler, archive_previous, hang_dir
 from kforge_cli.engine.resilience.hang_report import read_own_file
-from kforge_cli.engine.runtime import RuntimeContext, dtype_name, init_runtime, teardown_runtime
+from kforge_cli.engine.runtime import RuntimeContext, init_runtime, teardown_runtime
 from kforge_cli.engine.train.banner import announce_start, building_line
+from kforge_cli.engine.train.components import Components, LoopComponent
+from kforge_cli.engine.train.components.nan_policy import NanPolicy
+from kforge_cli.engine.train.components.registry import components_for
 from kforge_cli.engine.train.evaluation import eval_batches
 from kforge_cli.engine.train.features import build_step, features_for
 from kforge_cli.engine.train.hooks import StepInfo, build_hooks
@@ -87,7 +87,7 @@ from kforge_cli.engine.train.session import TrainHook, TrainingSession
 from kforge_cli.engine.train.step import StepFeature, StepFn
 from kforge_cli.engine.train.step.schedule import bind_pipeline_loss
 from kforge_cli.engine.train.train_state import TrainState
-from kforge_cli.engine.train.update import build_loss_scaler
+from kforge_cli.engine.train.update import Update, build_loss_scaler
 from kforge_cli.errors import KforgeError
 from kforge_cli.rundir import names
 from kforge_cli.rundir.layout import RunDir
@@ -104,6 +104,7 @@ CheckpointerBuilder = Callable[[JobSettings, RuntimeContext, Path, RunParts], Ch
 TrackerBuilder = Callable[[JobSettings, RuntimeContext, Path, Mapping[str, str]], Tracker]
 FeaturesBuilder = Callable[[JobSettings], Sequence[StepFeature]]
 StepBuilder = Callable[[JobSettings, Sequence[StepFeature]], StepFn]
+ComponentsBuilder = Callable[[JobSettings, int], Sequence[LoopComponent]]
 
 
 def build_train_data(settings: JobSettings, runtime: RuntimeContext) -> TrainData:
@@ -173,7 +174,8 @@ class Recipe:
     tracker: TrackerBuilder = build_run_tracker
     features: FeaturesBuilder = features_for
     step: StepBuilder = build_step
-    hooks: tuple[TrainHook, ...] = ()
+    components: ComponentsBuilder = components_for
+    hooks: tuple[LoopComponent, ...] = ()
 
     def with_phases(self, **phases: object) -> Recipe:
         """A copy with the named phases replaced (an unknown name is a TypeError)."""
@@ -199,8 +201,6 @@ def assemble(
     if install_signals:
         shutdown.install()
     stack.callback(shutdown.close)
-    nan_guard = NanGuard.from_settings(settings.resilience)
-    spike_guard = SpikeGuard.from_settings(settings.resilience)
     loss_fn = recipe.loss(settings)
     model, pipeline = recipe.model(settings, runtime)
     optimizer = recipe.optimizer(model, settings, runtime)
@@ -208,9 +208,18 @@ def assemble(
     data = recipe.data(settings, runtime)
     state = TrainState()
     dtype = compute_dtype(settings, runtime.device)
-    grad_scaler = build_loss_scaler(dtype, runtime)  # fp16 only
-    parts = RunParts(model, optimizer, scheduler, state, nan_guard, data.train, grad_scaler, spike_guard)
-    checkpointer = recipe.checkpointer(settings, runtime, run_dir, parts)
+    hooks = build_hooks(settings, [*recipe.hooks, TrackCheckpoints(), SteadyStatePeakMemory()])
+    components = Components([*hooks, *recipe.components(settings, runtime.world_size)])
+    nan = components.get(NanPolicy)
+    update = Update(
+        nan.guard if nan is not None else NanPolicy(settings.resilience).guard, build_loss_scaler(dtype, runtime)
+    )
+    if "update" in components.named():
+        raise ValueError("a loop component may not be named 'update' (the optimizer update's part of a checkpoint)")
+    named = {"update": update, **components.named()}
+    checkpointer = recipe.checkpointer(
+        settings, runtime, run_dir, RunParts(model, optimizer, scheduler, state, data.train, named)
+    )
     stack.callback(checkpointer.close)
     if restore:
         restored = checkpointer.restore()  # resume (the data order too) or warm start, if any
@@ -220,18 +229,6 @@ def assemble(
         maybe_mot_warm_start(settings, model, restored, checkpointer.groups.save)  # fresh runs only
     metrics = recipe.tracker(settings, runtime, run_dir, checkpointer.restored_metrics_run_ids)
     stack.enter_context(metrics)  # on an exception: the tracked run is marked failed (Ctrl-C: stopped)
-    profiler = build_profiler(
-        settings.profiling, run_dir, runtime.rank, first_step=state.step + 1, device=runtime.device
-    )
-    stack.callback(profiler.close)
-    progress = ProgressReporter(
-        total_steps=settings.train.max_steps,
-        start_step=state.step,
-        mode=settings.metrics.progress_bar,
-        enabled=runtime.is_main,
-        logger=log,
-    )
-    stack.callback(progress.close)
     session = TrainingSession(
         settings=settings,
         runtime=runtime,
@@ -240,22 +237,16 @@ def assemble(
         pipeline=pipeline,
         optimizer=optimizer,
         scheduler=scheduler,
+        update=update,
         loss_fn=loss_fn,
         data=data,
-        hooks=build_hooks(settings, [*recipe.hooks, TrackCheckpoints(), SteadyStatePeakMemory()]),
+        components=components,
         metrics=metrics,
-        progress=progress,
-        profiler=profiler,
-        nan_guard=nan_guard,
         shutdown=shutdown,
         checkpointer=checkpointer,
         step_fn=recipe.step(settings, recipe.features(settings)),
         compute_dtype=dtype,
-        flops_per_token=flops_per_token(settings.model, settings.train.seq_len),
-        peak_flops=device_peak_flops(runtime.device, dtype_name(dtype), settings.metrics.peak_tflops),
         state=state,
-        grad_scaler=grad_scaler,
-        spike_guard=spike_guard,
     )
     checkpointer.report = metrics.write  # one metrics.jsonl record per save (bytes, seconds, MB/s, blocked)
     bind_pipeline_loss(session)
@@ -301,12 +292,13 @@ def run_training(
     settings: JobSettings,
     recipe: Recipe | None = None,
     *,
-    hooks: Sequence[TrainHook] = (),
+    hooks: Sequence[LoopComponent] = (),
     **phases: object,
 ) -> TrainOutcome:
     """Train per `settings` with ``recipe`` (kforge's own by default), any phase replaced by keyword
     (``model=``, ``data=``, ``loss=``, ``optimizer=``, ``scheduler=``, ``checkpointer=``,
-    ``tracker=``, ``features=``, ``step=``), ``hooks`` added to the recipe's.
+    ``tracker=``, ``features=``, ``step=``, ``components=``), ``hooks`` (any loop component)
+    added to the recipe's.
     The process group is torn down only after a successful run."""
     recipe = (recipe or Recipe()).with_phases(**phases) if phases else (recipe or Recipe())
     if hooks:
@@ -322,12 +314,8 @@ def run_training(
         session = assemble(settings, runtime, run_dir, recipe, stack)
         if runtime.is_main:
             announce_start(session)  # the banner; a resumed job's marker in metrics.jsonl
-        try:
-            outcome = run_training_loop(session)
-        except BaseException:
-            session.hooks.on_train_end(session, "failed")
-            raise
-        session.hooks.on_train_end(session, outcome.status)
-        session.metrics.close(outcome.status)  # completed, or stopped by a signal (the tracker's run is KILLED)
+        outcome = run_training_loop(session)  # every component hears how it ended, also on failure
+        stopped = outcome.status == "stopped"  # by a signal: the tracker's run is KILLED; else it finished
+        session.metrics.close("stopped" if stopped else "completed")
     teardown_runtime(runtime)
     return outcome
