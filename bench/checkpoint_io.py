@@ -64,8 +64,13 @@ def build(run_dir: Path, args: argparse.Namespace, extra: list[str]) -> Checkpoi
     s = load_settings(overrides=overrides, use_env=False).settings
     runtime = init_runtime(s)
     model, _ = build_parallel_model(s, runtime)
-    opt = build_optimizer(model, s)
-    mgr = build_checkpointer(s, runtime, run_dir, RunParts(model, opt, build_scheduler(opt, s), TrainState()))
+    opt = build_optimizer(model, s.optimizer)
+    mgr = build_checkpointer(
+        s,
+        runtime,
+        run_dir,
+        RunParts(model, opt, build_scheduler(opt, s.scheduler, s.train.max_steps, s.data.phases), TrainState()),
+    )
     training_state_dict(model, opt)  # materialises the AdamW moments (zeros), as after a first step
     return mgr
 

@@ -68,7 +68,7 @@ def worker(args: argparse.Namespace) -> None:
             for block in model.layers.values():  # type: ignore[union-attr]
                 fully_shard(block)
             fully_shard(model)
-        opt = build_optimizer(model, settings)
+        opt = build_optimizer(model, settings.optimizer)
         assert isinstance(opt, Muon)
         wall, cpu, flops = [], [], []
         for step in range(args.warmup + args.steps):

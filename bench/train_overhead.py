@@ -71,7 +71,7 @@ def hand_run(settings: JobSettings, steps: int, warmup: int) -> tuple[float, flo
     torch.manual_seed(t.seed)
     model = Transformer(settings.model)
     model.train()
-    opt = build_optimizer(model, settings)  # same param groups and fused/foreach choice as kforge
+    opt = build_optimizer(model, settings.optimizer)  # same param groups and fused/foreach choice as kforge
     g = torch.Generator().manual_seed(0)
     data = torch.randint(0, 257, (steps, t.batch_size, t.seq_len + 1), generator=g)
     clip = t.grad_clip_norm or math.inf

@@ -91,8 +91,8 @@ def run_optimizer_case(spec: dict[str, Any]) -> dict[str, Any]:
     no_split = settings.model_copy(
         update={"optimizer": settings.optimizer.model_copy(update={"muon_distributed": False})}
     )
-    opt_ref, opt_split = build_optimizer(ref, settings), build_optimizer(split, settings)
-    opt_gathered = build_optimizer(gathered, no_split)
+    opt_ref, opt_split = build_optimizer(ref, settings.optimizer), build_optimizer(split, settings.optimizer)
+    opt_gathered = build_optimizer(gathered, no_split.optimizer)
     if "round_bytes" in spec:
         assert isinstance(opt_split, Muon)
         opt_split.round_bytes = spec["round_bytes"]

@@ -207,7 +207,7 @@ def log_to_trackers(loaded: LoadedCheckpoint, results: Results) -> list[str]:
         log.warning("wandb: kforge eval does not log to W&B (a second process would end the training's run)")
         settings.metrics.backends = [b for b in settings.metrics.backends if b != "wandb"]
         wanted.discard("wandb")
-    backends = tracker_backends(settings, run_info(settings, loaded.run_dir, 1), run_ids) if wanted else []
+    backends = tracker_backends(settings.metrics, run_info(settings, loaded.run_dir, 1), run_ids) if wanted else []
     for backend in backends:
         if isinstance(backend, TensorboardBackend):
             backend.purge = False  # an old step: add points, never drop the training curve after it

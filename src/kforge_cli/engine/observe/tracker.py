@@ -43,6 +43,7 @@ from kforge_cli.engine.observe.wandb_backend import WandbBackend
 from kforge_cli.json_values import int_of
 from kforge_cli.rundir.layout import RunDir
 from kforge_cli.settings import JobSettings
+from kforge_cli.settings.infrastructure import MetricsSettings
 
 log = logging.getLogger("kforge")
 
@@ -321,13 +322,13 @@ def run_info(settings: JobSettings, run_dir: Path, world_size: int) -> RunInfo:
     )
 
 
-def tracker_backends(settings: JobSettings, info: RunInfo, run_ids: Mapping[str, str]) -> list[TrackerBackend]:
-    """The configured backends, not started yet, each told which run (if any) to continue.
+def tracker_backends(m: MetricsSettings, info: RunInfo, run_ids: Mapping[str, str]) -> list[TrackerBackend]:
+    """The backends that the ``metrics`` section ``m`` names, not started yet, each told which run
+    (if any) to continue.
 
     Per backend that is ``metrics.<backend>_run_id`` when set (an explicit request),
     else the id restored from the checkpoint (``run_ids``), else none: a new run.
     """
-    m = settings.metrics
     backends: list[TrackerBackend] = []
     if "wandb" in m.backends:
         backends.append(WandbBackend(m, info, run_id=m.wandb_run_id or run_ids.get("wandb")))
@@ -357,7 +358,9 @@ def build_tracker(
         return Tracker.null()
     run_dir = Path(run_dir)
     wanted = set(settings.metrics.backends) - {"jsonl"}
-    backends = tracker_backends(settings, run_info(settings, run_dir, world_size), run_ids or {}) if wanted else []
+    backends = (
+        tracker_backends(settings.metrics, run_info(settings, run_dir, world_size), run_ids or {}) if wanted else []
+    )
     tracker = Tracker(MetricsFile(RunDir(run_dir).metrics), backends)
     tracker.start()
     return tracker
