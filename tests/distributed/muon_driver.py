@@ -30,7 +30,7 @@ from kforge_cli.engine.runtime.mesh import build_mesh, dp_mesh, sub_mesh
 from kforge_cli.engine.train.optim import build_optimizer
 from kforge_cli.engine.train.optim.muon import Muon
 from kforge_cli.settings import load_settings
-from kforge_cli.settings.rules import ParallelDims
+from kforge_cli.settings.parallel_dims import ParallelDims
 
 MODEL = [  # 4 blocks of 7 matrices: 64x64 (wq, wo), 32x64 (wk, wv), 192x64 / 64x192 (w1, w3 / w2)
     "--model.dim=64",

@@ -17,7 +17,8 @@ from kforge_cli.engine.runtime.launcher import LaunchInfo, detect_launch
 from kforge_cli.engine.runtime.mesh import build_mesh, dp_mesh, expert_fsdp_mesh, flat_dp_mesh, loss_mesh, sub_mesh
 from kforge_cli.engine.runtime.threads import ThreadChoice, choose_threads
 from kforge_cli.errors import InvalidInputError
-from kforge_cli.settings import JobSettings, ParallelDims, resolve_dims
+from kforge_cli.settings import JobSettings, resolve_dims
+from kforge_cli.settings.parallel_dims import ParallelDims
 
 
 @dataclass
