@@ -27,7 +27,6 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import TracebackType
-from typing import Any
 
 from kforge_cli.engine.observe.metrics_file import MetricsFile
 from kforge_cli.engine.observe.mlflow_backend import MlflowBackend
@@ -231,9 +230,23 @@ class Tracker:
     which backends are on. Records with ``eval_loss`` are metrics like any other.
     """
 
-    def __init__(self, metrics_file: MetricsFile | None, backends: Sequence[TrackerBackend] = (), **fence: Any) -> None:
+    def __init__(
+        self,
+        metrics_file: MetricsFile | None,
+        backends: Sequence[TrackerBackend] = (),
+        *,
+        max_points: int = 100_000,
+        retry_base_s: float = 2.0,
+        retry_max_s: float = 60.0,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        """``max_points`` bounds each backend's buffer; a failed backend is retried after ``retry_base_s``,
+        doubling up to ``retry_max_s`` (``clock`` measures it)."""
         self._file = metrics_file  # None: the null tracker of ranks other than 0 (records go nowhere)
-        self._deliveries = [_Delivery(b, **fence) for b in backends]
+        self._deliveries = [
+            _Delivery(b, max_points=max_points, retry_base_s=retry_base_s, retry_max_s=retry_max_s, clock=clock)
+            for b in backends
+        ]
         self._closed = False
         self.undelivered: dict[str, int] = {}  # per backend, filled by close()
 

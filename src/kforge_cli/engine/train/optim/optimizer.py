@@ -13,15 +13,13 @@ optimizer state has the dtype of the parameters, i.e. of ``train.master_dtype``.
 
 from __future__ import annotations
 
-from typing import Any
-
 import torch
 from torch import nn
 
 from kforge_cli.engine.model.names import clean_param_name
 from kforge_cli.engine.runtime.dtypes import DTYPES
 from kforge_cli.engine.train.optim.lion import Lion
-from kforge_cli.engine.train.optim.muon import Muon
+from kforge_cli.engine.train.optim.muon import Muon, ParamGroup
 from kforge_cli.errors import ConfigError, ConfigIssue
 from kforge_cli.settings.training import OptimizerSettings
 
@@ -48,7 +46,7 @@ def _is_head(names: list[str]) -> bool:
     return any(n == HEAD_PARAM_NAME or n.endswith("." + HEAD_PARAM_NAME) for n in names)
 
 
-def build_param_groups(model: nn.Module, cfg: OptimizerSettings, *, muon: bool = False) -> list[dict[str, Any]]:
+def build_param_groups(model: nn.Module, cfg: OptimizerSettings, *, muon: bool = False) -> list[ParamGroup]:
     """Param groups for ``model``: ``decay`` / ``no_decay`` (and ``muon`` when ``muon`` is True).
 
     ``no_decay`` holds 1-D (and 0-D) parameters unless ``decay_norms_and_biases``, and
@@ -70,7 +68,7 @@ def build_param_groups(model: nn.Module, cfg: OptimizerSettings, *, muon: bool =
             buckets["no_decay"].append(param)
         else:
             buckets["decay"].append(param)
-    groups: list[dict[str, Any]] = []
+    groups: list[ParamGroup] = []
     if buckets["muon"]:
         groups.append(
             {
@@ -83,14 +81,14 @@ def build_param_groups(model: nn.Module, cfg: OptimizerSettings, *, muon: bool =
         )
     for name, wd in (("decay", opt.weight_decay), ("no_decay", 0.0)):
         if buckets[name]:
-            group: dict[str, Any] = {"name": name, "params": buckets[name], "lr": opt.lr, "weight_decay": wd}
+            group: ParamGroup = {"name": name, "params": buckets[name], "lr": opt.lr, "weight_decay": wd}
             if muon:
                 group["use_muon"] = False
             groups.append(group)
     return groups
 
 
-def _all_params(groups: list[dict[str, Any]]) -> list[torch.Tensor]:
+def _all_params(groups: list[ParamGroup]) -> list[torch.Tensor]:
     return [p for g in groups for p in g["params"]]
 
 
@@ -101,7 +99,7 @@ def use_fused_adamw(params: list[torch.Tensor], fused: bool | None) -> bool:
     return bool(params) and all(p.device.type == "cuda" and p.dtype in DTYPES.values() for p in params)
 
 
-def _build_adamw(groups: list[dict[str, Any]], opt: OptimizerSettings) -> torch.optim.AdamW:
+def _build_adamw(groups: list[ParamGroup], opt: OptimizerSettings) -> torch.optim.AdamW:
     fused = use_fused_adamw(_all_params(groups), opt.fused)
     try:
         return torch.optim.AdamW(
