@@ -6,6 +6,7 @@ writes bench/results/cli_startup.json. Target: kforge within 1.3x of the bare ap
 
 from __future__ import annotations
 
+import argparse
 import json
 import shutil
 import statistics
@@ -23,15 +24,16 @@ def _time(cmd: list[str]) -> float:
     return time.perf_counter() - t0
 
 
-def main(runs: int = 10) -> dict[str, float]:
+def main(runs: int = 10, smoke: bool = False) -> dict[str, float]:
     kforge = shutil.which("kforge", path=str(Path(sys.executable).parent)) or "kforge"
     cmds = {
         "kforge --help": [kforge, "--help"],
         "bare typer --help": [sys.executable, str(HERE / "bare_typer_app.py"), "--help"],
         "kforge validate-config": [kforge, "validate-config"],
     }
-    for cmd in cmds.values():  # warm the page cache and .pyc files
-        _time(cmd)
+    if not smoke:
+        for cmd in cmds.values():  # warm the page cache and .pyc files
+            _time(cmd)
     times: dict[str, list[float]] = {name: [] for name in cmds}
     for _ in range(runs):
         for name, cmd in cmds.items():
@@ -42,6 +44,8 @@ def main(runs: int = 10) -> dict[str, float]:
     for name in cmds:
         print(f"{name:<26}{result[name]:>10.3f}")
     print(f"{'ratio kforge/bare':<26}{result['ratio_help_vs_bare']:>10.2f}  (target <= 1.30)")
+    if smoke:  # checks the script; its figures mean nothing
+        return result
     out = HERE / "results" / "cli_startup.json"
     out.parent.mkdir(exist_ok=True)
     out.write_text(json.dumps({"runs": runs, **result}, indent=2))
@@ -49,4 +53,8 @@ def main(runs: int = 10) -> dict[str, float]:
 
 
 if __name__ == "__main__":
-    main(int(sys.argv[1]) if len(sys.argv) > 1 else 10)
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("runs", type=int, nargs="?", default=10, help="runs of each command (default 10)")
+    parser.add_argument("--smoke", action="store_true", help="one run, no warm-up, no results file (checks the script)")
+    args = parser.parse_args()
+    main(1 if args.smoke else args.runs, smoke=args.smoke)

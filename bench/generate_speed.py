@@ -36,7 +36,10 @@ def main() -> None:
     parser.add_argument("--prompt", type=int, default=64, help="prompt tokens")
     parser.add_argument("--new", type=int, default=256, help="new tokens per run")
     parser.add_argument("--repeat", type=int, default=3)
+    parser.add_argument("--smoke", action="store_true", help="8 + 8 tokens once, no results file (checks the script)")
     args = parser.parse_args()
+    if args.smoke:
+        args.prompt, args.new, args.repeat = 8, 8, 1
     torch.set_num_threads(1)
     settings = load_settings(profile="cpu-debug", use_env=False).settings
     torch.manual_seed(0)
@@ -71,6 +74,8 @@ def main() -> None:
         "cache_speedup": speedup,
         "same_tokens": outputs["cached"] == outputs["recompute"],
     }
+    if args.smoke:  # checks the script; its figures mean nothing
+        return
     out = HERE / "results" / "generate_speed.json"
     out.parent.mkdir(exist_ok=True)
     out.write_text(json.dumps(result, indent=2) + "\n")

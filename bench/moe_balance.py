@@ -69,7 +69,11 @@ def main() -> None:
     ap.add_argument("--rate", type=float, default=1e-3)
     ap.add_argument("--runs", type=int, default=2)
     ap.add_argument("--tp-steps", type=int, default=40)
+    ap.add_argument("--smoke", action="store_true", help="a few steps, one run, no results file (checks the script)")
     args = ap.parse_args()
+    if args.smoke:
+        args.steps, args.runs, args.tp_steps = 2, 1, 8
+        COMMON.extend(["--train.seq_len=32", "--train.batch_size=2"])
     torch.set_num_threads(1)
     steps = [f"--train.max_steps={args.steps}"]
     balance = {}
@@ -110,6 +114,8 @@ def main() -> None:
     )
     print(f"  dense     {dense_tps:,.0f} tok/s ({t['dense_params'] / 1e6:.2f}M)")
     print(f"  ratio moe/dense {t['ratio_moe_over_dense']:.2f}")
+    if args.smoke:  # checks the script; its figures mean nothing
+        return
     out = HERE / "results" / "moe_balance.json"
     out.parent.mkdir(exist_ok=True)
     out.write_text(json.dumps(result, indent=2) + "\n")

@@ -68,7 +68,7 @@ def worker(args: argparse.Namespace) -> None:
             for block in model.layers.values():  # type: ignore[union-attr]
                 fully_shard(block)
             fully_shard(model)
-        opt = build_optimizer(model, settings)
+        opt = build_optimizer(model, settings.optimizer)
         assert isinstance(opt, Muon)
         wall, cpu, flops = [], [], []
         for step in range(args.warmup + args.steps):
@@ -140,7 +140,12 @@ def main() -> None:
     parser.add_argument("--dim", type=int, default=256)
     parser.add_argument("--layers", type=int, default=4)
     parser.add_argument("--worker", help=argparse.SUPPRESS)
+    parser.add_argument(
+        "--smoke", action="store_true", help="one process, tiny model, no results file (checks the script)"
+    )
     args = parser.parse_args()
+    if args.smoke:
+        args.ranks, args.steps, args.dim, args.layers = [1], 2, 64, 1
     if args.worker:
         worker(args)
         return
@@ -185,6 +190,8 @@ def main() -> None:
             f"{s['ranks']:>5}  {s['mode']:<12}{s['ns_gflop_per_rank_max']:>14.2f}{s['flops_vs_one_process']:>9.2f}"
             f"{s['step_wall_s']:>10.3f}s{wr:>9}{s['step_cpu_s']:>9.3f}s{cr:>9}"
         )
+    if args.smoke:  # checks the script; its figures mean nothing
+        return
     out = HERE / "results" / "muon_distributed.json"
     out.parent.mkdir(exist_ok=True)
     out.write_text(json.dumps({"args": vars(args), "summary": summary, "rows": rows}, indent=2) + "\n")

@@ -41,20 +41,20 @@ def _make_text(path: Path, megabytes: int) -> int:
     return written
 
 
-def _train_bpe(sample: Path, out: Path) -> None:
+def _train_bpe(sample: Path, out: Path, vocab_size: int = 8192, chars: int = 2_000_000) -> None:
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
-        vocab_size=8192,
+        vocab_size=vocab_size,
         special_tokens=["<|endoftext|>"],
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
     with open(sample, encoding="utf-8") as fh:
-        tok.train_from_iterator(fh.read(2_000_000).splitlines(), trainer)
+        tok.train_from_iterator(fh.read(chars).splitlines(), trainer)
     tok.save(str(out))
 
 
@@ -81,7 +81,7 @@ def _run(name: str, src: Path, out: Path, **kwargs: Any) -> dict[str, Any]:
     }
 
 
-def main(megabytes: int, bpe_megabytes: int) -> list[dict[str, Any]]:
+def main(megabytes: int, bpe_megabytes: int, smoke: bool = False) -> list[dict[str, Any]]:
     cores = len(os.sched_getaffinity(0))
     rows: list[dict[str, Any]] = []
     with tempfile.TemporaryDirectory(prefix="kforge-prepare-bench-") as tmp_s:
@@ -93,16 +93,18 @@ def main(megabytes: int, bpe_megabytes: int) -> list[dict[str, Any]]:
         rows.append(_run("byte, auto workers", big, tmp / "byte"))
         rows.append(_run("byte, re-run (no-op)", big, tmp / "byte"))
         shutil.rmtree(tmp / "byte")
-        rows.append(_run(f"byte, {cores} workers", big, tmp / "byte_all", workers=cores))
-        shutil.rmtree(tmp / "byte_all")
+        if not smoke:  # worker processes take seconds to start: a smoke run keeps to one
+            rows.append(_run(f"byte, {cores} workers", big, tmp / "byte_all", workers=cores))
+            shutil.rmtree(tmp / "byte_all")
         bpe = tmp / "bpe.json"
-        _train_bpe(big, bpe)
+        _train_bpe(big, bpe, *((512, 200_000) if smoke else ()))
         part = tmp / "slice.txt"
         with open(big, "rb") as src, open(part, "wb") as dst:
             dst.write(src.read(bpe_megabytes * 1_000_000))
             dst.write(src.readline())  # end on a line boundary
         rows.append(_run("bpe, 1 worker", part, tmp / "bpe1", tokenizer=str(bpe), workers=1))
-        rows.append(_run(f"bpe, {cores} workers", part, tmp / "bpeN", tokenizer=str(bpe), workers=cores))
+        if not smoke:
+            rows.append(_run(f"bpe, {cores} workers", part, tmp / "bpeN", tokenizer=str(bpe), workers=cores))
     header = f"{'case':<24}{'MB':>7}{'workers':>8}{'tokens':>13}{'s':>8}{'tokens/s':>14}{'MB/s':>8}{'RSS MB':>8}"
     print(header)
     print("-" * len(header))
@@ -112,6 +114,8 @@ def main(megabytes: int, bpe_megabytes: int) -> list[dict[str, Any]]:
             f"{r['case']:<24}{r['input_mb']:>7}{r['workers']:>8}{r['tokens']:>13,}{r['seconds']:>8.3f}"
             f"{rate:>14}{r['mb_per_s'] or '-':>8}{r['peak_rss_main_mb']:>8}"
         )
+    if smoke:  # checks the script; its figures mean nothing
+        return rows
     (HERE / "results").mkdir(exist_ok=True)
     report = {
         "benchmark": "prepare_data",
@@ -131,5 +135,6 @@ if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--mb", type=int, default=100, help="size of the generated text file in MB")
     parser.add_argument("--bpe-mb", type=int, default=10, help="size of the slice prepared with the BPE tokenizer")
+    parser.add_argument("--smoke", action="store_true", help="1 MB, one worker, no results file (checks the script)")
     args = parser.parse_args()
-    main(args.mb, args.bpe_mb)
+    main(1 if args.smoke else args.mb, 1 if args.smoke else args.bpe_mb, smoke=args.smoke)

@@ -127,7 +127,10 @@ def main() -> None:
     ap.add_argument("--runs", type=int, default=5)
     ap.add_argument("--steps", type=int, default=100)
     ap.add_argument("--warmup", type=int, default=10)
+    ap.add_argument("--smoke", action="store_true", help="one process, one short run per arm, no results file")
     args, overrides = ap.parse_known_args()
+    if args.smoke:
+        args.procs, args.runs, args.steps, args.warmup = 1, 1, 12, 2
     from kforge_cli.settings import load_settings
 
     common = [
@@ -188,6 +191,8 @@ def main() -> None:
         "paired_ratios": paired,
         "overrides": overrides,
     }
+    if args.smoke:  # checks the script; its figures mean nothing
+        return
     out = HERE / "results" / f"resilience_overhead_{args.procs}proc.json"
     out.parent.mkdir(exist_ok=True)
     out.write_text(json.dumps(result, indent=2))

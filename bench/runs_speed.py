@@ -9,6 +9,7 @@ bench/results/runs_speed.json.
 
 from __future__ import annotations
 
+import argparse
 import json
 import shutil
 import statistics
@@ -23,7 +24,7 @@ N_RUNS = 20
 STEPS = 2000
 
 
-def make_runs(root: Path) -> None:
+def make_runs(root: Path, steps: int = STEPS) -> None:
     from kforge_cli.rundir.layout import RunDir
     from kforge_cli.rundir.names import COMMIT_FILE, DCP_METADATA, SUMMARY_FILE
     from kforge_cli.settings import load_settings
@@ -32,24 +33,24 @@ def make_runs(root: Path) -> None:
     for i in range(N_RUNS):
         run = RunDir(root / f"run-{i:02d}")
         run.logs.mkdir(parents=True)
-        overrides = [f"--train.run_dir={run.path}", f"--train.max_steps={STEPS}"]
+        overrides = [f"--train.run_dir={run.path}", f"--train.max_steps={steps}"]
         run.config.write_text(to_toml(load_settings(overrides=overrides, use_env=False).settings))
         if i >= N_RUNS - 2:  # written by --sbatch, never submitted
             run.job_script.write_text("#!/bin/bash\n")
             continue
         lines = []
-        for step in range(1, STEPS + 1):
+        for step in range(1, steps + 1):
             lines.append(json.dumps({"step": step, "loss": 3.0 + 1.0 / step, "lr": 1e-3, "tokens_seen": 4096 * step}))
             if step % 500 == 0:
                 lines.append(json.dumps({"step": step, "eval_loss": 3.1 + 1.0 / step}))
         run.metrics.write_text("\n".join(lines) + "\n")
         (run.logs / "rank_0.log").write_text("log\n")
         if i % 2 == 0:
-            step_dir = run.checkpoints / f"step_{STEPS}"
+            step_dir = run.checkpoints / f"step_{steps}"
             step_dir.mkdir(parents=True)
             (step_dir / DCP_METADATA).write_bytes(b"")
-            (step_dir / COMMIT_FILE).write_text(json.dumps({"step": STEPS, "dcp_dirs": ["."]}))
-            (step_dir / SUMMARY_FILE).write_text(json.dumps({"step": STEPS, "reason": "final"}))
+            (step_dir / COMMIT_FILE).write_text(json.dumps({"step": steps, "dcp_dirs": ["."]}))
+            (step_dir / SUMMARY_FILE).write_text(json.dumps({"step": steps, "reason": "final"}))
 
 
 def _time(cmd: list[str]) -> float:
@@ -58,13 +59,14 @@ def _time(cmd: list[str]) -> float:
     return time.perf_counter() - t0
 
 
-def main(repeats: int = 7) -> dict[str, float]:
+def main(repeats: int = 7, smoke: bool = False) -> dict[str, float]:
     kforge = shutil.which("kforge", path=str(Path(sys.executable).parent)) or "kforge"
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp) / "runs"
-        make_runs(root)
+        make_runs(root, steps=20 if smoke else STEPS)
         cmd = [kforge, "runs", str(root)]
-        _time(cmd)  # warm the page cache and .pyc files
+        if not smoke:
+            _time(cmd)  # warm the page cache and .pyc files
         times = [_time(cmd) for _ in range(repeats)]
         probe = (
             "import sys\nfrom kforge_cli.cli.app import main\n"
@@ -86,6 +88,8 @@ def main(repeats: int = 7) -> dict[str, float]:
         f"{'':<26}{result['median_s']:>10.3f}{result['min_s']:>8.3f}{result['max_s']:>8.3f}  {result['imports_torch']}"
         "  (target: < 1 s, no torch)"
     )
+    if smoke:  # checks the script; its figures mean nothing
+        return result
     path = HERE / "results" / "runs_speed.json"
     path.parent.mkdir(exist_ok=True)
     path.write_text(json.dumps({"repeats": repeats, **result}, indent=2))
@@ -93,4 +97,10 @@ def main(repeats: int = 7) -> dict[str, float]:
 
 
 if __name__ == "__main__":
-    main(int(sys.argv[1]) if len(sys.argv) > 1 else 7)
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("repeats", type=int, nargs="?", default=7, help="timed runs of the command (default 7)")
+    parser.add_argument(
+        "--smoke", action="store_true", help="runs of 20 steps, one timed run, no results file (checks the script)"
+    )
+    args = parser.parse_args()
+    main(1 if args.smoke else args.repeats, smoke=args.smoke)

@@ -48,7 +48,7 @@ def tracker_with_csv(settings: Any, runtime: Any, run_dir: Path, run_ids: Mappin
     if not runtime.is_main:
         return Tracker.null()
     info = run_info(settings, Path(run_dir), runtime.world_size)
-    backends = [*tracker_backends(settings, info, run_ids), CsvBackend(info, run_ids.get("csv"))]
+    backends = [*tracker_backends(settings.metrics, info, run_ids), CsvBackend(info, run_ids.get("csv"))]
     tracker = Tracker(MetricsFile(Path(run_dir) / "metrics.jsonl"), backends)
     tracker.start()
     return tracker

@@ -30,7 +30,7 @@ from kforge_cli.engine.runtime.mesh import build_mesh, dp_mesh, sub_mesh
 from kforge_cli.engine.train.optim import build_optimizer
 from kforge_cli.engine.train.optim.muon import Muon
 from kforge_cli.settings import load_settings
-from kforge_cli.settings.rules import ParallelDims
+from kforge_cli.settings.parallel_dims import ParallelDims
 
 MODEL = [  # 4 blocks of 7 matrices: 64x64 (wq, wo), 32x64 (wk, wv), 192x64 / 64x192 (w1, w3 / w2)
     "--model.dim=64",
@@ -91,8 +91,8 @@ def run_optimizer_case(spec: dict[str, Any]) -> dict[str, Any]:
     no_split = settings.model_copy(
         update={"optimizer": settings.optimizer.model_copy(update={"muon_distributed": False})}
     )
-    opt_ref, opt_split = build_optimizer(ref, settings), build_optimizer(split, settings)
-    opt_gathered = build_optimizer(gathered, no_split)
+    opt_ref, opt_split = build_optimizer(ref, settings.optimizer), build_optimizer(split, settings.optimizer)
+    opt_gathered = build_optimizer(gathered, no_split.optimizer)
     if "round_bytes" in spec:
         assert isinstance(opt_split, Muon)
         opt_split.round_bytes = spec["round_bytes"]

@@ -49,8 +49,13 @@ def saved_case(name: str, overrides: list[str], out_dir: Path) -> dict[str, str]
     s = load_settings(overrides=overrides, use_env=False).settings
     runtime = init_runtime(s)
     model, _ = build_parallel_model(s, runtime)
-    opt = build_optimizer(model, s)
-    mgr = build_checkpointer(s, runtime, run_dir, RunParts(model, opt, build_scheduler(opt, s), TrainState()))
+    opt = build_optimizer(model, s.optimizer)
+    mgr = build_checkpointer(
+        s,
+        runtime,
+        run_dir,
+        RunParts(model, opt, build_scheduler(opt, s.scheduler, s.train.max_steps, s.data.phases), TrainState()),
+    )
     mgr.restore()
     mgr.save(0, blocking=True)
     full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True))

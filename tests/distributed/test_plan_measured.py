@@ -100,7 +100,7 @@ def measure(overrides: list[str], *, run_step: bool = True) -> dict[str, Any]:
     s = load_settings(overrides=overrides).settings
     runtime = init_runtime(s)
     model, _ = build_parallel_model(s, runtime)
-    optimizer = build_optimizer(model, s)
+    optimizer = build_optimizer(model, s.optimizer)
     out: dict[str, Any] = {"params": sum(_local_bytes(p) for p in model.parameters()), "activation_peak": None}
     if run_step:
         t, device = s.train, runtime.device

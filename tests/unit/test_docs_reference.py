@@ -1,27 +1,41 @@
 """The generated reference pages and the README's command table match the code they come from.
 
-`python -m kforge_cli.docs_reference` regenerates them; these tests fail when someone changes a
+`python tools/docs_reference.py` regenerates them; these tests fail when someone changes a
 setting, a profile or a command's help and forgets to (the message says which command to run).
 """
 
 from __future__ import annotations
 
+import importlib.util
 import itertools
 import os
 import re
 import subprocess
 import sys
+import types
 import typing
 from pathlib import Path
 
 import pytest
 from pydantic import BaseModel
 
-from kforge_cli import docs_reference as ref
 from kforge_cli.settings import JobSettings
 from kforge_cli.settings.training import ModelSettings
 
 ROOT = Path(__file__).parents[2]
+
+
+def _load_tool() -> types.ModuleType:
+    """tools/docs_reference.py (a developer script, not part of the installed package)."""
+    spec = importlib.util.spec_from_file_location("docs_reference", ROOT / "tools" / "docs_reference.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["docs_reference"] = module  # dataclasses and typing resolve the module by name
+    spec.loader.exec_module(module)
+    return module
+
+
+ref = _load_tool()
 
 
 def _dotted_keys(model: type[BaseModel], prefix: str = "") -> list[str]:

@@ -184,8 +184,10 @@ def warm_start(tmp_path: Path, profile: str, extra: list[str]) -> torch.nn.Modul
     ).settings
     runtime = init_runtime(warm)
     model, _ = build_parallel_model(warm, runtime)
-    opt = build_optimizer(model, warm)
-    parts = RunParts(model, opt, build_scheduler(opt, warm), TrainState())
+    opt = build_optimizer(model, warm.optimizer)
+    parts = RunParts(
+        model, opt, build_scheduler(opt, warm.scheduler, warm.train.max_steps, warm.data.phases), TrainState()
+    )
     restored = build_checkpointer(warm, runtime, tmp_path / "run2", parts).restore()
     assert restored is not None and restored.kind == "warm_start"
     return model

@@ -154,8 +154,13 @@ def test_init_from_a_transformers_directory_gives_transformers_logits(tmp_path: 
     ).settings
     runtime = init_runtime(s)
     model, _ = build_parallel_model(s, runtime)
-    opt = build_optimizer(model, s)
-    mgr = build_checkpointer(s, runtime, tmp_path / "run", RunParts(model, opt, build_scheduler(opt, s), TrainState()))
+    opt = build_optimizer(model, s.optimizer)
+    mgr = build_checkpointer(
+        s,
+        runtime,
+        tmp_path / "run",
+        RunParts(model, opt, build_scheduler(opt, s.scheduler, s.train.max_steps, s.data.phases), TrainState()),
+    )
     restored = mgr.restore()
     assert restored is not None and restored.kind == "warm_start" and restored.step == 0
     toks = tokens()
@@ -179,8 +184,13 @@ def test_init_from_a_differently_shaped_hf_model_says_which_overrides_fit(tmp_pa
     ).settings
     runtime = init_runtime(s)
     model, _ = build_parallel_model(s, runtime)
-    opt = build_optimizer(model, s)
-    mgr = build_checkpointer(s, runtime, tmp_path / "run", RunParts(model, opt, build_scheduler(opt, s), TrainState()))
+    opt = build_optimizer(model, s.optimizer)
+    mgr = build_checkpointer(
+        s,
+        runtime,
+        tmp_path / "run",
+        RunParts(model, opt, build_scheduler(opt, s.scheduler, s.train.max_steps, s.data.phases), TrainState()),
+    )
     with pytest.raises(CheckpointError, match="differently shaped") as info:
         mgr.restore()
     message = str(info.value)
@@ -249,8 +259,13 @@ def test_moe_export_loads_as_qwen3_moe_with_the_same_logits(tmp_path: Path, reno
     s = load_settings(overrides=[*TINY, *extra, f"--checkpoint.init_from={tmp_path / 'hf'}"], use_env=False).settings
     runtime = init_runtime(s)
     model, _ = build_parallel_model(s, runtime)
-    opt = build_optimizer(model, s)
-    mgr = build_checkpointer(s, runtime, tmp_path / "run2", RunParts(model, opt, build_scheduler(opt, s), TrainState()))
+    opt = build_optimizer(model, s.optimizer)
+    mgr = build_checkpointer(
+        s,
+        runtime,
+        tmp_path / "run2",
+        RunParts(model, opt, build_scheduler(opt, s.scheduler, s.train.max_steps, s.data.phases), TrainState()),
+    )
     restored = mgr.restore()
     assert restored is not None and restored.kind == "warm_start"
     with torch.no_grad():

@@ -154,10 +154,13 @@ def _saved_untrained(tmp: Path, s: JobSettings, with_config: bool) -> tuple[Path
     """A step-0 checkpoint of `s` through the real CheckpointManager (and the run's config.toml if asked)."""
     runtime = init_runtime(s)
     model, _ = build_parallel_model(s, runtime)
-    opt = build_optimizer(model, s)
-    path = build_checkpointer(s, runtime, tmp, RunParts(model, opt, build_scheduler(opt, s), TrainState())).save(
-        0, blocking=True
-    )
+    opt = build_optimizer(model, s.optimizer)
+    path = build_checkpointer(
+        s,
+        runtime,
+        tmp,
+        RunParts(model, opt, build_scheduler(opt, s.scheduler, s.train.max_steps, s.data.phases), TrainState()),
+    ).save(0, blocking=True)
     if with_config:
         write_config(s, tmp)
     return path, model

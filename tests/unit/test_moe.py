@@ -197,7 +197,7 @@ def test_expert_parallel_settings_errors_name_the_key() -> None:
 def test_expert_parallel_mesh_splits_dp_shard_and_plan_reports_ep() -> None:
     from kforge_cli.engine.plan.planner import build_plan
     from kforge_cli.engine.runtime import mesh_shape
-    from kforge_cli.settings import ParallelDims
+    from kforge_cli.settings.parallel_dims import ParallelDims
 
     dims = ParallelDims(pp=1, dp_replicate=2, dp_shard=4, tp=1, ep=2)
     assert mesh_shape(dims) == [("dp_replicate", 2), ("dp_shard_mod_ep", 2), ("ep", 2)]

@@ -13,6 +13,7 @@ from kforge_cli.engine.train.optim.lion import Lion
 from kforge_cli.engine.train.optim.muon import Muon, zeropower_via_newtonschulz
 from kforge_cli.engine.train.optim.optimizer import build_optimizer, build_param_groups, use_fused_adamw
 from kforge_cli.settings import JobSettings
+from kforge_cli.settings.training import OptimizerSettings
 
 
 class Block(nn.Module):
@@ -57,8 +58,8 @@ def make_model(seed: int = 0, **kwargs: Any) -> Tiny:
     return model
 
 
-def settings(**optimizer: Any) -> JobSettings:
-    return JobSettings(optimizer=optimizer)
+def settings(**optimizer: Any) -> OptimizerSettings:
+    return JobSettings(optimizer=optimizer).optimizer
 
 
 def group_names(model: nn.Module, groups: list[dict[str, Any]]) -> dict[str, set[str]]:
@@ -238,8 +239,8 @@ def test_muon_step_matches_hand_computation_and_torch_adamw_for_the_rest() -> No
             {"params": [names[n] for n in sorted(by_name["no_decay"])], "weight_decay": 0.0},
         ],
         lr=1e-2,
-        betas=cfg.optimizer.betas,
-        eps=cfg.optimizer.eps,
+        betas=cfg.betas,
+        eps=cfg.eps,
         foreach=False,
     )
     backward(ours, seed=7)

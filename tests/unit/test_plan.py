@@ -116,7 +116,7 @@ def test_optimizer_state_equals_the_real_optimizer(name: str, tied: bool) -> Non
         f"--model.tie_embeddings={str(tied).lower()}",
     )
     model, _ = build_parallel_model(s, init_runtime(s))
-    optimizer = build_optimizer(model, s)
+    optimizer = build_optimizer(model, s.optimizer)
     for p in model.parameters():
         p.grad = torch.zeros_like(p)
     optimizer.step()

@@ -115,7 +115,7 @@ def test_lr_seen_by_each_update_equals_the_formula() -> None:
     other = torch.nn.Parameter(torch.zeros(1))
     # SGD without momentum: the parameter moves by exactly -lr * grad, so we read back the LR used.
     optimizer = torch.optim.SGD([{"params": [param], "lr": 0.1}, {"params": [other], "lr": 0.02}])
-    scheduler = build_scheduler(optimizer, settings)
+    scheduler = build_scheduler(optimizer, settings.scheduler, settings.train.max_steps, settings.data.phases)
     for k in range(12):
         before, before_other = param.item(), other.item()
         param.grad = torch.ones(1)
@@ -131,13 +131,13 @@ def test_lr_seen_by_each_update_equals_the_formula() -> None:
 def test_state_dict_is_json_and_resumes_at_the_same_lr() -> None:
     settings = _settings(name="linear", warmup_steps=2, min_lr_ratio=0.0)
     opt_a = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=1.0)
-    sched_a = build_scheduler(opt_a, settings)
+    sched_a = build_scheduler(opt_a, settings.scheduler, settings.train.max_steps, settings.data.phases)
     for _ in range(5):
         opt_a.step()
         sched_a.step()
     text = json.dumps(sched_a.state_dict())
     opt_b = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=1.0)
-    sched_b = build_scheduler(opt_b, settings)
+    sched_b = build_scheduler(opt_b, settings.scheduler, settings.train.max_steps, settings.data.phases)
     sched_b.load_state_dict(json.loads(text))
     opt_b.load_state_dict(opt_a.state_dict())
     assert opt_b.param_groups[0]["lr"] == pytest.approx(lr_multiplier(5, settings.scheduler, 12), abs=TOL)
@@ -151,4 +151,4 @@ def test_negative_decay_steps_is_a_config_error() -> None:
     settings = JobSettings()
     settings.scheduler = SchedulerSettings.model_construct(decay_steps=-1)  # built in code, unvalidated
     with pytest.raises(ConfigError, match="scheduler.decay_steps"):
-        build_scheduler(torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=1.0), settings)
+        build_scheduler(torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=1.0), settings.scheduler, 10)

@@ -151,11 +151,11 @@ def test_explicit_run_id_setting_wins_over_the_checkpoint(tmp_path: Path) -> Non
     settings.metrics.mlflow_tracking_uri = f"sqlite:///{tmp_path / 'm.db'}"
     settings.metrics.wandb_run_id = "explicit"
     info = RunInfo("r", [], None, 1, None, tmp_path, {}, tmp_path / "config.toml")
-    wandb, mlflow = tracker_backends(settings, info, {"wandb": "fromckpt", "mlflow": "ml-from-ckpt"})
+    wandb, mlflow = tracker_backends(settings.metrics, info, {"wandb": "fromckpt", "mlflow": "ml-from-ckpt"})
     assert (wandb.name, wandb.run_id) == ("wandb", "explicit")
     assert (mlflow.name, mlflow.run_id) == ("mlflow", "ml-from-ckpt")
     settings.metrics.wandb_run_id = None
-    fresh_wandb, fresh_mlflow = tracker_backends(settings, info, {})
+    fresh_wandb, fresh_mlflow = tracker_backends(settings.metrics, info, {})
     assert fresh_mlflow.run_id is None  # MLflow's server assigns it
     assert fresh_wandb.run_id is not None and len(fresh_wandb.run_id) == 8  # chosen before wandb.init
 

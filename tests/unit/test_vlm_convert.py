@@ -41,8 +41,13 @@ def dense_checkpoint(tmp: Path, *extra: str) -> tuple[Path, Transformer]:
         for name, p in model.named_parameters():
             if "norm" in name:
                 p.uniform_(0.5, 1.5)
-    opt = build_optimizer(model, s)
-    manager = build_checkpointer(s, runtime, tmp, RunParts(model, opt, build_scheduler(opt, s), TrainState()))
+    opt = build_optimizer(model, s.optimizer)
+    manager = build_checkpointer(
+        s,
+        runtime,
+        tmp,
+        RunParts(model, opt, build_scheduler(opt, s.scheduler, s.train.max_steps, s.data.phases), TrainState()),
+    )
     path = manager.save(3, blocking=True)
     assert isinstance(model, Transformer)
     return path, model

@@ -99,7 +99,7 @@ def test_zero_initial_optimizer_state_trains_exactly_like_lazy_state(name: str) 
     for pre_init in (False, True):
         torch.manual_seed(0)
         model = build_vlm(s)
-        opt = build_optimizer(model, s)
+        opt = build_optimizer(model, s.optimizer)
         if pre_init:
             assert init_optimizer_state(opt)
             assert len(opt.state) == len(list(model.parameters()))

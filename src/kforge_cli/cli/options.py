@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Annotated, Any
+from typing import TYPE_CHECKING, Annotated
 
 import typer
+
+if TYPE_CHECKING:  # the settings model is imported only when a command runs (`kforge --help` stays fast)
+    from kforge_cli.settings.loader import ResolvedSettings
 
 # Subcommands that accept `--section.key=value` overrides after their own options.
 OVERRIDES = {"allow_extra_args": True, "ignore_unknown_options": True}
@@ -38,12 +41,14 @@ AllowHooksOpt = Annotated[
 ]
 
 
-def resolve(profile: str | None, config: Path | None, overrides: list[str], **kwargs: Any) -> Any:
+def resolve(
+    profile: str | None, config: Path | None, overrides: list[str], *, for_run: bool = False
+) -> ResolvedSettings:
     """Load and validate the settings (imports pydantic only when a command runs); print its warnings."""
     from kforge_cli.settings import load_settings
 
     refuse_underscored_options(overrides)
-    resolved = load_settings(profile=profile, config=config, overrides=overrides, **kwargs)
+    resolved = load_settings(profile=profile, config=config, overrides=overrides, for_run=for_run)
     for line in resolved.profile_origin():  # every run says which files its profile came from
         echo_err(line)
     print_warnings(resolved)
@@ -73,7 +78,7 @@ def refuse_underscored_options(args: list[str]) -> None:
 LOCAL_CHILD_ENV = "KFORGE_LOCAL_CHILD"  # set by `--nproc-per-node` for its processes (it printed the warnings)
 
 
-def print_warnings(resolved: Any) -> None:
+def print_warnings(resolved: ResolvedSettings) -> None:
     """The settings' warnings, once per job: not again in each process of a multi-process launch."""
     import os
 

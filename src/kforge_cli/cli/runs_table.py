@@ -22,10 +22,9 @@ import json
 import shutil
 import subprocess
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
 
 from kforge_cli.errors import InvalidInputError, KforgeError
 from kforge_cli.files import open_regular, read_text_capped
@@ -55,7 +54,7 @@ class RunRow:
     path: str
     slurm_job: str | None = None  # the run's last SLURM job id, when it has one
 
-    def as_dict(self) -> dict[str, Any]:
+    def as_dict(self) -> dict[str, object]:
         return asdict(self)
 
 
@@ -180,9 +179,10 @@ def _updated(run: RunDir) -> float | None:
     return _mtime(run, (run.metrics, *_logs(run), run.config, run.config_changes, run.job_script))
 
 
-def _checkpoint(run: RunDir, config: dict[str, Any]) -> tuple[str | None, str | None]:
+def _checkpoint(run: RunDir, config: Mapping[str, object]) -> tuple[str | None, str | None]:
     """(the newest complete checkpoint's name, why it was saved) under the run's checkpoint root."""
-    directory = config.get("checkpoint", {}).get("dir") if isinstance(config.get("checkpoint"), dict) else None
+    section = config.get("checkpoint")
+    directory = section.get("dir") if isinstance(section, dict) else None
     root = Path(directory).expanduser() if isinstance(directory, str) and directory else run.checkpoints
     if root.is_symlink() or not root.is_dir():
         return None, None

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Annotated, Any
+from typing import TYPE_CHECKING, Annotated
 
 import typer
 
@@ -18,6 +18,9 @@ from kforge_cli.cli.options import (
     refuse_underscored_options,
     resolve,
 )
+
+if TYPE_CHECKING:  # imported when a command runs, not for --help
+    from kforge_cli.settings.loader import ResolvedSettings
 
 
 def register(app: typer.Typer) -> None:
@@ -92,7 +95,9 @@ def _existing_run(overrides: list[str]) -> Path | None:
     return run.path if run.has_config() else None
 
 
-def _launch_local(resolved: Any, nproc: int, profile: str | None, config: Path | None, overrides: list[str]) -> int:
+def _launch_local(
+    resolved: ResolvedSettings, nproc: int, profile: str | None, config: Path | None, overrides: list[str]
+) -> int:
     """Check the settings fit `nproc` processes, then start them (the same command minus the flag)."""
     from kforge_cli.settings import resolve_dims
 

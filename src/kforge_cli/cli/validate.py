@@ -5,11 +5,14 @@ from __future__ import annotations
 import json
 import sys
 from pathlib import Path
-from typing import Annotated, Any, Literal
+from typing import TYPE_CHECKING, Annotated, Literal
 
 import typer
 
 from kforge_cli.cli.options import OVERRIDES, ConfigOpt, ProfileOpt, resolve
+
+if TYPE_CHECKING:  # imported when a command runs, not for --help
+    from kforge_cli.settings import JobSettings, ParallelDims
 
 
 def register(app: typer.Typer) -> None:
@@ -145,7 +148,7 @@ def validate_config(
         _plan(s, n, rank, fmt, 0.4 if mfu is None else mfu)
 
 
-def _print_summary(s: Any, dims: Any, n: int) -> None:
+def _print_summary(s: JobSettings, dims: ParallelDims, n: int) -> None:
     """The valid configuration in a few lines: mesh, model size, MoE, tokens per step."""
     from kforge_cli.settings.explain import vision_param_counts
 
@@ -162,7 +165,7 @@ def _print_summary(s: Any, dims: Any, n: int) -> None:
         f"  model: {total / 1e6:,.1f}M parameters, dim {m.dim}, {m.n_layers} layers, "
         f"{m.n_heads} heads ({m.kv_heads} kv), vocab {m.vocab_size}"
     )
-    if vision:
+    if vision and s.vlm is not None:  # vision parts are counted only for a VLM
         names = {"vision_encoder": "vision encoder", "adapter": "adapter", "decoder": f"{s.vlm.arch} layers"}
         shown = ", ".join(
             f"{names[k]} {'(from its checkpoint, not counted)' if v is None else f'{v / 1e6:,.2f}M'}"
@@ -178,7 +181,7 @@ def _print_summary(s: Any, dims: Any, n: int) -> None:
     typer.echo(f"  tokens per step: {tokens:,} (global batch {tokens // s.train.seq_len} x {s.train.seq_len})")
 
 
-def _plan(settings: Any, world_size: int, rank: int, fmt: str | None, mfu: float) -> None:
+def _plan(settings: JobSettings, world_size: int, rank: int, fmt: str | None, mfu: float) -> None:
     """Build rank ``rank``'s plan (imports torch) and print it; exit 1 when it does not fit."""
     from kforge_cli.engine.plan.planner import build_plan
     from kforge_cli.engine.plan.report import format_plan, plan_json

@@ -2,7 +2,8 @@
 
 from kforge_cli.settings.job import JobSettings
 from kforge_cli.settings.loader import ResolvedSettings, load_settings, parse_overrides
-from kforge_cli.settings.rules import ParallelDims, config_issues, resolve_dims, world_size_issues
+from kforge_cli.settings.parallel_dims import ParallelDims
+from kforge_cli.settings.rules import config_issues, resolve_dims, world_size_issues
 
 __all__ = [
     "JobSettings",

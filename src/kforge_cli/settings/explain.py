@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import typing
-from typing import Any
 
 import tomli_w
 from pydantic import BaseModel
@@ -15,10 +14,12 @@ from kforge_cli.settings.loader import ResolvedSettings, _section_class, suggest
 
 def to_toml(settings: JobSettings) -> str:
     """The resolved settings as TOML (None values omitted: TOML has no null; they are defaults)."""
-    return tomli_w.dumps(_drop_none(settings.model_dump(mode="json")))
+    table = _drop_none(settings.model_dump(mode="json"))
+    assert isinstance(table, dict)  # a model's dump is a dict, and stays one
+    return tomli_w.dumps(table)
 
 
-def _drop_none(value: Any) -> Any:
+def _drop_none(value: object) -> object:
     if isinstance(value, dict):
         return {k: _drop_none(v) for k, v in value.items() if v is not None}
     if isinstance(value, list):
@@ -26,7 +27,7 @@ def _drop_none(value: Any) -> Any:
     return value
 
 
-def _type_name(annotation: Any) -> str:
+def _type_name(annotation: object) -> str:
     text = str(annotation) if typing.get_origin(annotation) else getattr(annotation, "__name__", str(annotation))
     return text.replace("typing.", "").replace("kforge_cli.settings.", "")
 
@@ -35,7 +36,7 @@ def explain_key(resolved: ResolvedSettings, key: str) -> str:
     """Description, type, default, current value and source of one key (or a section's keys)."""
     parts = key.split(".")
     model: type[BaseModel] = JobSettings
-    value: Any = resolved.settings
+    value: object = resolved.settings
     for i, part in enumerate(parts):
         info = model.model_fields.get(part)
         if info is None:

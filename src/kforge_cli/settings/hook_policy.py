@@ -11,9 +11,12 @@ imported only when ``--allow-hooks`` lists their modules; otherwise the command 
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
-from typing import Any
+from typing import TYPE_CHECKING
 
 from kforge_cli.errors import InvalidInputError
+
+if TYPE_CHECKING:
+    from kforge_cli.settings.loader import ResolvedSettings
 
 ALLOW_FLAG = "--allow-hooks"
 _TYPED_NOW = ("command line", "env ")
@@ -34,11 +37,8 @@ def parse_allowed(values: Sequence[str] | None) -> set[str]:
     return {part.strip() for value in values or () for part in value.split(",") if part.strip()}
 
 
-def refuse_unallowed_hooks(resolved: Any, allowed: Sequence[str] | None, command: str) -> None:
-    """Raise unless every hook named by a file is allowed by ``--allow-hooks`` (see the module docstring).
-
-    ``resolved`` is a :class:`~kforge_cli.settings.loader.ResolvedSettings`.
-    """
+def refuse_unallowed_hooks(resolved: ResolvedSettings, allowed: Sequence[str] | None, command: str) -> None:
+    """Raise unless every hook named by a file is allowed by ``--allow-hooks`` (see the module docstring)."""
     hooks = list(resolved.settings.train.hooks)
     if not hooks:
         return

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-from typing import Any
-
 from pydantic import field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
@@ -61,7 +59,7 @@ class JobSettings(BaseSettings):
 
     @field_validator("profile", mode="after")
     @classmethod
-    def _printable(cls, value: Any) -> Any:
+    def _printable(cls, value: object) -> object:
         return reject_control_characters(value)
 
     @property

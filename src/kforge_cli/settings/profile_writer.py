@@ -9,7 +9,6 @@ the same settings with nothing else on the command line.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
 
 import tomli_w
 
@@ -20,8 +19,9 @@ from kforge_cli.settings.profiles import DEFAULT_PROFILE
 NOT_WRITTEN = ("profile",)  # set by the loader from the profile's name
 
 
-def _diff(current: dict[str, Any], base: dict[str, Any], where: str = "") -> dict[str, Any]:
-    out: dict[str, Any] = {}
+def _diff(current: dict[str, object], base: dict[str, object], where: str = "") -> dict[str, object]:
+    """The keys of ``current`` (a settings dump) whose values differ from ``base``'s, sections recursed."""
+    out: dict[str, object] = {}
     for key, value in current.items():
         if not where and key in NOT_WRITTEN:
             continue

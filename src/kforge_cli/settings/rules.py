@@ -7,12 +7,11 @@ field to change; all issues are collected and reported together.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 from kforge_cli.errors import ConfigError, ConfigIssue
 from kforge_cli.settings.context_parallel import context_parallel_issues
 from kforge_cli.settings.job import JobSettings
 from kforge_cli.settings.moe import ep_dp_shard_issues, expert_parallel_issues, moe_issues
+from kforge_cli.settings.parallel_dims import ParallelDims
 from kforge_cli.settings.pipeline_schedules import schedule_facts
 from kforge_cli.settings.torch_version import torch_version
 
@@ -210,27 +209,6 @@ def _vlm_issues(s: JobSettings) -> list[ConfigIssue]:
             out.append(ConfigIssue(f"vlm.freeze_schedule.{i}.start_step", "stages must start at increasing steps"))
         last = stage.start_step
     return out
-
-
-@dataclass(frozen=True)
-class ParallelDims:
-    """The resolved device mesh shape."""
-
-    pp: int
-    dp_replicate: int
-    dp_shard: int
-    tp: int
-    cp: int = 1  # context parallel: ranks that split one sequence (they share a batch and, with FSDP, shards)
-    ep: int = 1  # expert parallel: a split of dp_shard (dp_shard_mod_ep x ep); not a factor of world_size
-
-    @property
-    def world_size(self) -> int:
-        return self.pp * self.dp_replicate * self.dp_shard * self.cp * self.tp
-
-    @property
-    def dp(self) -> int:
-        """Data-parallel degree: how many different batches are processed per step."""
-        return self.dp_replicate * self.dp_shard
 
 
 def world_size_issues(s: JobSettings, world_size: int) -> list[ConfigIssue]:

@@ -28,6 +28,7 @@ from kforge_cli.engine.data.tokenizer import ByteTokenizer, HFTokenizer, Tokeniz
 from kforge_cli.engine.data.tokens import ArrayTokens, ShardedTokens, TokenStream, Windows, make_batch
 from kforge_cli.errors import InvalidInputError
 from kforge_cli.settings import JobSettings
+from kforge_cli.settings.data import DataSettings
 from kforge_cli.settings.data_check import TOKENIZER_FILE
 
 log = logging.getLogger(__name__)
@@ -146,8 +147,7 @@ def _prepared_source(name: str, path: str) -> Source:
     )
 
 
-def _training_sources(settings: JobSettings) -> list[Source]:
-    data = settings.data
+def _training_sources(data: DataSettings) -> list[Source]:
     if data.datasets:
         return [_prepared_source(d.name, d.path) for d in data.datasets]
     if data.path:
@@ -210,11 +210,18 @@ def _windows(source: Source, stream: TokenStream, split: str, seq_len: int) -> W
 
 
 def _val_data(
-    settings: JobSettings, sources: list[Source], tok: Tokenizer, dp_rank: int, dp_size: int
+    eval_path: str | None,
+    sources: list[Source],
+    tok: Tokenizer,
+    *,
+    seq_len: int,
+    document_masking: bool,
+    dp_rank: int,
+    dp_size: int,
 ) -> ValData | None:
-    seq_len = settings.train.seq_len
-    if settings.eval.path:
-        src = _prepared_source("eval", settings.eval.path)
+    """Validation windows: of ``eval_path`` (``eval.path``) if set, else of each source's val split."""
+    if eval_path:
+        src = _prepared_source("eval", eval_path)
         if src.tokenizer != sources[0].tokenizer:
             raise InvalidInputError(f"eval.path {src.origin} was prepared with another tokenizer than the train data")
         stream = src.val or src.train
@@ -234,7 +241,7 @@ def _val_data(
         [i for i, _ in pairs],
         names,
         eos_id=tok.eos_id,
-        document_masking=settings.data.document_masking,
+        document_masking=document_masking,
         dp_rank=dp_rank,
         dp_size=dp_size,
     )
@@ -243,7 +250,7 @@ def _val_data(
 def build_data(settings: JobSettings, *, dp_rank: int, dp_size: int) -> DataBundle:
     """The train loader, val data and tokenizer of data-parallel rank ``dp_rank`` of ``dp_size``."""
     data, train = settings.data, settings.train
-    sources = _training_sources(settings)
+    sources = _training_sources(data)
     tok = _tokenizer_for(sources, data.tokenizer)
     if tok.vocab_size > settings.model.vocab_size:
         raise InvalidInputError(
@@ -262,14 +269,24 @@ def build_data(settings: JobSettings, *, dp_rank: int, dp_size: int) -> DataBund
     weights = [d.weight for d in data.datasets] if data.datasets else [1.0]
     schedule = MixtureSchedule.build(names, weights, data.temperature, data.phases)
     loader = training_loader(
-        settings,
+        train,
+        data,
         names,
         [w.num_windows for w in windows],
         schedule,
         BatchFetcher(windows, tok.eos_id, data.document_masking),
+        seed=settings.data_seed,
         seq_len=train.seq_len,
         dp_rank=dp_rank,
         dp_size=dp_size,
     )
-    val = _val_data(settings, sources, tok, dp_rank, dp_size)
+    val = _val_data(
+        settings.eval.path,
+        sources,
+        tok,
+        seq_len=train.seq_len,
+        document_masking=data.document_masking,
+        dp_rank=dp_rank,
+        dp_size=dp_size,
+    )
     return DataBundle(train=loader, val=val, vocab_size=tok.vocab_size, dataset_names=names, tokenizer=tok)

@@ -23,7 +23,8 @@ from kforge_cli.engine.data.sampler import BatchPlan, Cursor, SampleOrder
 from kforge_cli.engine.data.tokens import Windows, make_batch
 from kforge_cli.errors import KforgeError
 from kforge_cli.json_values import int_of
-from kforge_cli.settings import JobSettings
+from kforge_cli.settings.data import DataSettings
+from kforge_cli.settings.training import TrainSettings
 
 log = logging.getLogger(__name__)
 
@@ -212,23 +213,28 @@ class StatefulLoader:
 
 
 def training_loader(
-    settings: JobSettings,
+    train: TrainSettings,
+    data: DataSettings,
     names: list[str],
     sizes: list[int],
     schedule: MixtureSchedule,
     fetch: Fetch,
     *,
+    seed: int,
     seq_len: int,
     dp_rank: int,
     dp_size: int,
 ) -> StatefulLoader:
-    """The resumable loader of one data-parallel rank over datasets of ``sizes`` samples each."""
-    train, data = settings.train, settings.data
+    """The resumable loader of one data-parallel rank over datasets of ``sizes`` samples each.
+
+    ``train`` gives the batch size and accumulation, ``data`` the workers, prefetch and pinning;
+    ``seed`` is the data order's seed (``JobSettings.data_seed``).
+    """
     order = SampleOrder(
         names,
         sizes,
         schedule,
-        seed=settings.data_seed,
+        seed=seed,
         batch_size=train.batch_size,
         dp_rank=dp_rank,
         dp_size=dp_size,

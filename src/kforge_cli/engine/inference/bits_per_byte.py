@@ -12,28 +12,31 @@ from __future__ import annotations
 import json
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any
 
 from kforge_cli.errors import InvalidInputError, KforgeError
 from kforge_cli.files import MAX_METADATA_BYTES, read_text_capped
 from kforge_cli.rundir.saved_config import read_saved_config
 
 
-def _split_bytes(meta: Mapping[str, Any], split: str) -> tuple[int, int] | None:
+def _split_bytes(meta: Mapping[str, object], split: str) -> tuple[int, int] | None:
     """(text bytes, tokens) of a split: recorded at prepare time; for the byte tokenizer also
     derivable (every token is a byte but the EOS after each document)."""
-    info = meta.get("splits", {}).get(split)
-    if not isinstance(info, Mapping) or not info.get("tokens"):
+    splits = meta.get("splits")
+    info = splits.get(split) if isinstance(splits, Mapping) else None
+    if not isinstance(info, Mapping):
         return None
-    tokens = int(info["tokens"])
-    if isinstance(info.get("text_bytes"), int):
-        return info["text_bytes"], tokens
-    if meta.get("tokenizer", {}).get("kind") == "byte" and isinstance(info.get("documents"), int):
-        return tokens - info["documents"], tokens
+    tokens, text_bytes, documents = info.get("tokens"), info.get("text_bytes"), info.get("documents")
+    if not isinstance(tokens, int) or not tokens:
+        return None
+    if isinstance(text_bytes, int):
+        return text_bytes, tokens
+    tokenizer = meta.get("tokenizer")
+    if isinstance(tokenizer, Mapping) and tokenizer.get("kind") == "byte" and isinstance(documents, int):
+        return tokens - documents, tokens
     return None
 
 
-def _prepared(path: str, run_dir: Path, key: str) -> Mapping[str, Any]:
+def _prepared(path: str, run_dir: Path, key: str) -> Mapping[str, object]:
     meta_path = Path(path).expanduser() / "metadata.json"
     try:
         meta = json.loads(read_text_capped(meta_path, MAX_METADATA_BYTES, "metadata"))
@@ -41,6 +44,8 @@ def _prepared(path: str, run_dir: Path, key: str) -> Mapping[str, Any]:
         raise InvalidInputError(
             f"--bits-per-byte: cannot read {meta_path} ({key} of {run_dir}): {exc.__class__.__name__}"
         ) from None
+    if not isinstance(meta, dict):
+        raise InvalidInputError(f"--bits-per-byte: {meta_path} ({key} of {run_dir}) is not a JSON object")
     if not any(_split_bytes(meta, s) for s in ("train", "val")):
         raise InvalidInputError(
             f"--bits-per-byte: {meta_path} ({key} of {run_dir}) does not record its text bytes (prepared by an "

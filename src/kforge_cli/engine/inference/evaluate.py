@@ -15,8 +15,8 @@ from __future__ import annotations
 import json
 import logging
 import math
+from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
 
 import torch
 
@@ -80,7 +80,7 @@ def heldout_loss(
     return {"loss": loss, "perplexity": math.exp(min(loss, 700.0)), "tokens": float(tokens), "batches": float(count)}
 
 
-def _tokenizer_name(tokenizer: dict[str, Any]) -> str:
+def _tokenizer_name(tokenizer: Mapping[str, object]) -> str:
     if tokenizer.get("kind") == "byte":
         return "the byte tokenizer"
     sha = str(tokenizer.get("sha256", ""))[:12]
@@ -172,7 +172,7 @@ def write_results(loaded: LoadedCheckpoint, results: Results) -> Path | None:
         log.warning("cannot write %s (no permission); results are printed only", RunDir(loaded.run_dir).eval_dir)
         return None
     path = out_dir / f"step_{loaded.step if loaded.step is not None else 'unknown'}.json"
-    merged: dict[str, Any] = {}
+    merged: dict[str, object] = {}
     if path.is_file() and not path.is_symlink():
         try:
             merged = json.loads(path.read_text()).get("tasks", {})
@@ -207,7 +207,7 @@ def log_to_trackers(loaded: LoadedCheckpoint, results: Results) -> list[str]:
         log.warning("wandb: kforge eval does not log to W&B (a second process would end the training's run)")
         settings.metrics.backends = [b for b in settings.metrics.backends if b != "wandb"]
         wanted.discard("wandb")
-    backends = tracker_backends(settings, run_info(settings, loaded.run_dir, 1), run_ids) if wanted else []
+    backends = tracker_backends(settings.metrics, run_info(settings, loaded.run_dir, 1), run_ids) if wanted else []
     for backend in backends:
         if isinstance(backend, TensorboardBackend):
             backend.purge = False  # an old step: add points, never drop the training curve after it
@@ -215,7 +215,7 @@ def log_to_trackers(loaded: LoadedCheckpoint, results: Results) -> list[str]:
             backend.attach_only = True
     tracker = Tracker(MetricsFile(RunDir(loaded.run_dir).metrics), backends)
     tracker.start()
-    record: dict[str, Any] = {"step": loaded.step}
+    record: dict[str, object] = {"step": loaded.step}
     for task, metrics in results.items():
         record.update({f"eval/{task}/{name}": value for name, value in metrics.items()})
     try:

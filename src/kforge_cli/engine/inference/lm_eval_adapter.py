@@ -17,6 +17,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from kforge_cli.engine.data.tokenizer import ByteTokenizer, HFTokenizer
 from kforge_cli.engine.inference.source import LoadedCheckpoint
 from kforge_cli.engine.model.generation import Sampling
 from kforge_cli.engine.model.scoring import continuation_logliks
@@ -31,7 +32,9 @@ def _lm_base() -> type:
     return LM
 
 
-def encode_pair(tok: Any, eos_id: int, context: str, continuation: str) -> tuple[list[int], list[int]]:
+def encode_pair(
+    tok: ByteTokenizer | HFTokenizer, eos_id: int, context: str, continuation: str
+) -> tuple[list[int], list[int]]:
     """(context ids, continuation ids) as the harness's ``hf`` backend splits them."""
     if not context:
         return [eos_id], tok.encode(continuation)
@@ -42,7 +45,7 @@ def encode_pair(tok: Any, eos_id: int, context: str, continuation: str) -> tuple
     return ctx, whole[len(ctx) :]
 
 
-def make_adapter(loaded: LoadedCheckpoint) -> Any:
+def make_adapter(loaded: LoadedCheckpoint) -> object:
     """A harness ``LM`` over `loaded` (the class is built here so the module imports without lm_eval)."""
     base = _lm_base()
     tok = loaded.tokenizer
@@ -90,7 +93,7 @@ def _is_greedy(loaded: LoadedCheckpoint, context: list[int], continuation: list[
     return picks == continuation
 
 
-def _resolve_files(files: Any, base: Path) -> Any:
+def _resolve_files(files: object, base: Path) -> object:
     if isinstance(files, str):
         return str(base / files) if not Path(files).is_absolute() else files
     if isinstance(files, list):
@@ -100,7 +103,7 @@ def _resolve_files(files: Any, base: Path) -> Any:
     return files
 
 
-def task_config(path: str | Path) -> dict[str, Any]:
+def task_config(path: str | Path) -> dict[str, object]:
     """A harness task YAML as the config dict ``simple_evaluate`` takes, relative data files made absolute.
 
     The harness's own loader reads it (``include``, ``!function``), so a YAML kforge accepts
@@ -123,7 +126,8 @@ def task_config(path: str | Path) -> dict[str, Any]:
     if not isinstance(config, dict) or not isinstance(config.get("task"), str):
         raise InvalidInputError(f"lm-eval task file {path} has no `task:` name")
     base = path.resolve().parent
-    kwargs = dict(config.get("dataset_kwargs") or {})
+    given = config.get("dataset_kwargs")
+    kwargs = dict(given) if isinstance(given, dict) else {}
     if "data_files" in kwargs:
         kwargs["data_files"] = _resolve_files(kwargs["data_files"], base)
         config["dataset_kwargs"] = kwargs
@@ -133,7 +137,7 @@ def task_config(path: str | Path) -> dict[str, Any]:
     return config
 
 
-def task_spec(task: str) -> tuple[str | dict[str, Any], str]:
+def task_spec(task: str) -> tuple[str | dict[str, object], str]:
     """(what ``simple_evaluate`` takes, the task's name) for a task name or a task YAML path."""
     if task.endswith((".yaml", ".yml")):
         config = task_config(task)
@@ -141,7 +145,7 @@ def task_spec(task: str) -> tuple[str | dict[str, Any], str]:
     return task, task
 
 
-def task_manager(spec: str | dict[str, Any]) -> Any:
+def task_manager(spec: str | dict[str, object]) -> object:
     """The harness's task index: none of its built-in tasks for a task YAML (indexing them takes seconds)."""
     from lm_eval.tasks import TaskManager
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 import logging
 import sys
 from pathlib import Path
-from typing import Any, TextIO
+from typing import IO, TextIO
 
 from kforge_cli.errors import InvalidInputError
 from kforge_cli.files import open_append, real_dir
@@ -63,7 +63,7 @@ def _parse_level(level: str) -> int:
 class _NoFollowFileHandler(logging.FileHandler):
     """A FileHandler that refuses a log file that is a symbolic link (it would append to the link's target)."""
 
-    def _open(self) -> Any:
+    def _open(self) -> IO[str]:
         return open_append(Path(self.baseFilename), encoding=self.encoding or "utf-8")
 
 

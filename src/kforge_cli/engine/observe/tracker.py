@@ -27,7 +27,6 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import TracebackType
-from typing import Any
 
 from kforge_cli.engine.observe.metrics_file import MetricsFile
 from kforge_cli.engine.observe.mlflow_backend import MlflowBackend
@@ -43,6 +42,7 @@ from kforge_cli.engine.observe.wandb_backend import WandbBackend
 from kforge_cli.json_values import int_of
 from kforge_cli.rundir.layout import RunDir
 from kforge_cli.settings import JobSettings
+from kforge_cli.settings.infrastructure import MetricsSettings
 
 log = logging.getLogger("kforge")
 
@@ -230,9 +230,23 @@ class Tracker:
     which backends are on. Records with ``eval_loss`` are metrics like any other.
     """
 
-    def __init__(self, metrics_file: MetricsFile | None, backends: Sequence[TrackerBackend] = (), **fence: Any) -> None:
+    def __init__(
+        self,
+        metrics_file: MetricsFile | None,
+        backends: Sequence[TrackerBackend] = (),
+        *,
+        max_points: int = 100_000,
+        retry_base_s: float = 2.0,
+        retry_max_s: float = 60.0,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        """``max_points`` bounds each backend's buffer; a failed backend is retried after ``retry_base_s``,
+        doubling up to ``retry_max_s`` (``clock`` measures it)."""
         self._file = metrics_file  # None: the null tracker of ranks other than 0 (records go nowhere)
-        self._deliveries = [_Delivery(b, **fence) for b in backends]
+        self._deliveries = [
+            _Delivery(b, max_points=max_points, retry_base_s=retry_base_s, retry_max_s=retry_max_s, clock=clock)
+            for b in backends
+        ]
         self._closed = False
         self.undelivered: dict[str, int] = {}  # per backend, filled by close()
 
@@ -321,13 +335,13 @@ def run_info(settings: JobSettings, run_dir: Path, world_size: int) -> RunInfo:
     )
 
 
-def tracker_backends(settings: JobSettings, info: RunInfo, run_ids: Mapping[str, str]) -> list[TrackerBackend]:
-    """The configured backends, not started yet, each told which run (if any) to continue.
+def tracker_backends(m: MetricsSettings, info: RunInfo, run_ids: Mapping[str, str]) -> list[TrackerBackend]:
+    """The backends that the ``metrics`` section ``m`` names, not started yet, each told which run
+    (if any) to continue.
 
     Per backend that is ``metrics.<backend>_run_id`` when set (an explicit request),
     else the id restored from the checkpoint (``run_ids``), else none: a new run.
     """
-    m = settings.metrics
     backends: list[TrackerBackend] = []
     if "wandb" in m.backends:
         backends.append(WandbBackend(m, info, run_id=m.wandb_run_id or run_ids.get("wandb")))
@@ -357,7 +371,9 @@ def build_tracker(
         return Tracker.null()
     run_dir = Path(run_dir)
     wanted = set(settings.metrics.backends) - {"jsonl"}
-    backends = tracker_backends(settings, run_info(settings, run_dir, world_size), run_ids or {}) if wanted else []
+    backends = (
+        tracker_backends(settings.metrics, run_info(settings, run_dir, world_size), run_ids or {}) if wanted else []
+    )
     tracker = Tracker(MetricsFile(RunDir(run_dir).metrics), backends)
     tracker.start()
     return tracker

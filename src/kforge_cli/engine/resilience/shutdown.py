@@ -19,7 +19,6 @@ import signal
 import threading
 from collections.abc import Callable
 from types import FrameType
-from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -34,7 +33,7 @@ class ShutdownHandler:
 
     def __init__(self, signals: list[str]) -> None:
         self.signal_name: str | None = None
-        self._previous: dict[int, Any] = {}
+        self._previous: dict[int, signal._HANDLER] = {}  # pyright: ignore[reportPrivateUsage]
         self._installed = False
         self._signals = [self._lookup(name) for name in signals]
 

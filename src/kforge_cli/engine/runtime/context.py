@@ -17,7 +17,8 @@ from kforge_cli.engine.runtime.launcher import LaunchInfo, detect_launch
 from kforge_cli.engine.runtime.mesh import build_mesh, dp_mesh, expert_fsdp_mesh, flat_dp_mesh, loss_mesh, sub_mesh
 from kforge_cli.engine.runtime.threads import ThreadChoice, choose_threads
 from kforge_cli.errors import InvalidInputError
-from kforge_cli.settings import JobSettings, ParallelDims, resolve_dims
+from kforge_cli.settings import JobSettings, resolve_dims
+from kforge_cli.settings.parallel_dims import ParallelDims
 
 
 @dataclass
@@ -156,9 +157,9 @@ def resolve_backend(spec: str, device: torch.device) -> str:
     return ",".join(kept)
 
 
-def choose_device(settings: JobSettings, local_rank: int) -> torch.device:
-    """cuda:<local rank> (modulo the visible GPUs, for srun's one-GPU-per-task binding) or cpu."""
-    want = settings.train.device
+def choose_device(want: str, local_rank: int) -> torch.device:
+    """cuda:<local rank> (modulo the visible GPUs, for srun's one-GPU-per-task binding) or cpu,
+    as ``want`` (``train.device``: auto, cuda or cpu) asks."""
     if want == "cuda" or (want == "auto" and torch.cuda.is_available()):
         if not torch.cuda.is_available():
             raise InvalidInputError("train.device = 'cuda' but CUDA is not available; use --train.device=cpu")
@@ -208,7 +209,7 @@ def init_runtime(settings: JobSettings) -> RuntimeContext:
     dims = resolve_dims(settings, launch.world_size)
     threads = choose_threads(settings.train.num_threads)
     torch.set_num_threads(threads.threads)
-    device = choose_device(settings, launch.local_rank)
+    device = choose_device(settings.train.device, launch.local_rank)
     mesh = None
     owns = False
     if launch.world_size > 1:

@@ -31,7 +31,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from kforge_cli.settings import ParallelDims
+from kforge_cli.settings.parallel_dims import ParallelDims
 
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh

@@ -19,7 +19,11 @@ from kforge_cli.engine.runtime import RuntimeContext
 from kforge_cli.errors import KforgeError
 from kforge_cli.files import MAX_METADATA_BYTES, read_text_capped
 from kforge_cli.settings import JobSettings
+from kforge_cli.settings.data import DataSettings, EvalSettings
 from kforge_cli.settings.explain import vision_param_counts
+from kforge_cli.settings.infrastructure import CheckpointSettings, MetricsSettings
+from kforge_cli.settings.training import ModelSettings, TrainSettings
+from kforge_cli.settings.vlm import VLMSettings
 from kforge_cli.version import __version__
 
 if TYPE_CHECKING:
@@ -51,8 +55,7 @@ def model_line(settings: JobSettings) -> str:
     return f"model: {size}, dim {m.dim}, {count(m.n_layers, 'layer')}, {count(m.n_heads, 'head')} ({m.kv_heads} kv), vocab {m.vocab_size}"
 
 
-def step_line(settings: JobSettings, dp: int) -> str:
-    t = settings.train
+def step_line(t: TrainSettings, dp: int) -> str:
     tokens = t.tokens_per_step(dp)
     accum = f" x {t.grad_accum_steps} accumulation" if t.grad_accum_steps > 1 else ""
     return (
@@ -79,20 +82,19 @@ def _tokens_text(train: int | None, val: int | None) -> str:
     return f"{train:,} train + {val or 0:,} val tokens"
 
 
-def data_line(settings: JobSettings) -> str:
-    s = settings
-    if s.vlm is not None:
-        return f"data: {s.vlm.data_path or 'the built-in image-caption corpus'} (VLM, {s.vlm.arch})"
-    if s.data.datasets:
+def data_line(data: DataSettings, vlm: VLMSettings | None) -> str:
+    if vlm is not None:
+        return f"data: {vlm.data_path or 'the built-in image-caption corpus'} (VLM, {vlm.arch})"
+    if data.datasets:
         parts = []
-        for d in s.data.datasets:
+        for d in data.datasets:
             tok, train, val = _prepared_tokens(d.path)
             parts.append(f"{d.name} {d.path} (weight {d.weight:g}, {_tokens_text(train, val)})")
-        tok = _prepared_tokens(s.data.datasets[0].path)[0]
+        tok = _prepared_tokens(data.datasets[0].path)[0]
         return f"data: mixture of {count(len(parts), 'dataset')}, {tok} tokenizer: " + "; ".join(parts)
-    if s.data.path:
-        tok, train, val = _prepared_tokens(s.data.path)
-        return f"data: {s.data.path} ({tok} tokenizer, {_tokens_text(train, val)})"
+    if data.path:
+        tok, train, val = _prepared_tokens(data.path)
+        return f"data: {data.path} ({tok} tokenizer, {_tokens_text(train, val)})"
     from kforge_cli.engine.data.builtin_corpus import builtin_tokens
 
     tokens = builtin_tokens()
@@ -110,34 +112,31 @@ def mesh_line(runtime: RuntimeContext) -> str:
     return f"mesh: {count(runtime.world_size, 'process', 'processes')}, {' '.join(parts)}"
 
 
-def device_line(settings: JobSettings, runtime: RuntimeContext, dtype: str) -> str:
+def device_line(runtime: RuntimeContext, dtype: str) -> str:
     line = f"device: {runtime.device}, compute {dtype}"
     if runtime.threads is not None:
         line += f", {runtime.threads.describe()}"
     return line
 
 
-def checkpoint_line(settings: JobSettings, checkpoint_dir: Path) -> str:
-    c = settings.checkpoint
+def checkpoint_line(c: CheckpointSettings, checkpoint_dir: Path) -> str:
     every = f"every {count(c.interval, 'step')}" if c.interval else "no interval (only at the end and on signals)"
     keep = f", keep the last {c.keep_last_n}" if c.keep_last_n else ", keep all"
     final = ", and at the end" if c.save_final and c.interval else ""
     return f"checkpoints: {every}{final}{keep} -> {checkpoint_dir}"
 
 
-def eval_line(settings: JobSettings, batches: int) -> str:
-    e = settings.eval
+def eval_line(e: EvalSettings, train: TrainSettings, batches: int) -> str:
     if not e.interval:
         return "eval: off (eval.interval = 0)"
-    size = e.batch_size or settings.train.batch_size
+    size = e.batch_size or train.batch_size
     return (
         f"eval: every {count(e.interval, 'step')} and at the end, {count(batches, 'held-out batch', 'held-out batches')}"
-        f" of {size} x {settings.train.seq_len} tokens"
+        f" of {size} x {train.seq_len} tokens"
     )
 
 
-def trackers_line(settings: JobSettings, run_dir: Path) -> str:
-    m = settings.metrics
+def trackers_line(m: MetricsSettings, run_dir: Path) -> str:
     shown = [f"jsonl ({run_dir / 'metrics.jsonl'})"]
     for name in m.backends:
         if name == "wandb":
@@ -166,21 +165,21 @@ def start_banner(
     lines = [
         f"kforge {__version__}: training {what}{start}",
         model_line(settings),
-        step_line(settings, runtime.dp_size),
-        data_line(settings),
+        step_line(settings.train, runtime.dp_size),
+        data_line(settings.data, settings.vlm),
         mesh_line(runtime),
-        device_line(settings, runtime, dtype),
+        device_line(runtime, dtype),
         f"run dir: {run_dir}",
-        checkpoint_line(settings, checkpoint_dir),
-        eval_line(settings, eval_batches),
-        trackers_line(settings, run_dir),
+        checkpoint_line(settings.checkpoint, checkpoint_dir),
+        eval_line(settings.eval, settings.train, eval_batches),
+        trackers_line(settings.metrics, run_dir),
     ]
     return [lines[0], *(f"  {line}" for line in lines[1:])]
 
 
-def building_line(settings: JobSettings, runtime: RuntimeContext) -> str:
+def building_line(model: ModelSettings, runtime: RuntimeContext) -> str:
     """The line shown while the model and data are built (seconds on a CPU, minutes for a large model)."""
-    total = settings.model.param_count()
+    total = model.param_count()
     return f"building the model ({params_text(total)} parameters) and the data on {runtime.device} ..."
 
 

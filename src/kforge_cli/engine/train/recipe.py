@@ -9,7 +9,7 @@ model         (settings, runtime) -> (model, pipeline|None)    `build_parallel_m
 data          (settings, runtime) -> TrainData                 `build_train_data`
 loss          (settings) -> LossFn                             `build_loss_fn`
 optimizer     (model, settings, runtime) -> Optimizer          `build_train_optimizer`
-scheduler     (optimizer, settings) -> LRScheduler             `build_scheduler`
+scheduler     (optimizer, settings) -> LRScheduler             `build_train_scheduler`
 checkpointer  (settings, runtime, run_dir, parts) -> manager   `build_checkpointer`
 tracker       (settings, runtime, run_dir, run_ids) -> Tracker `build_run_tracker`
 features      (settings) -> list[StepFeature]                  `features_for`
@@ -139,10 +139,17 @@ class TrackCheckpoints(TrainHook):
 def build_train_optimizer(model: nn.Module, settings: JobSettings, runtime: RuntimeContext) -> torch.optim.Optimizer:
     """The configured optimizer; with float8 FSDP all-gathers it also refreshes the weights' scales
     after each step (one amax all-reduce per step, not one per weight)."""
-    optimizer = build_optimizer(model, settings)
+    optimizer = build_optimizer(model, settings.optimizer)
     if fsdp_float8_all_gather(settings.train, runtime):
         precompute_scales_after_each_step(optimizer, model)
     return optimizer
+
+
+def build_train_scheduler(
+    optimizer: torch.optim.Optimizer, settings: JobSettings
+) -> torch.optim.lr_scheduler.LRScheduler:
+    """The configured LR schedule over ``train.max_steps``, scaled by each ``data.phases`` entry."""
+    return build_scheduler(optimizer, settings.scheduler, settings.train.max_steps, settings.data.phases)
 
 
 def build_checkpointer(
@@ -169,7 +176,7 @@ class Recipe:
     data: DataBuilder = build_train_data
     loss: LossBuilder = build_loss_fn
     optimizer: OptimizerBuilder = build_train_optimizer
-    scheduler: SchedulerBuilder = build_scheduler
+    scheduler: SchedulerBuilder = build_train_scheduler
     checkpointer: CheckpointerBuilder = build_checkpointer
     tracker: TrackerBuilder = build_run_tracker
     features: FeaturesBuilder = features_for
@@ -309,7 +316,7 @@ def run_training(
         stack.callback(release_run_dir, run_dir)
         setup_logging(runtime.rank, runtime.world_size, RunDir(run_dir).logs)
         if runtime.is_main:
-            log.info(building_line(settings, runtime))  # the banner follows once everything is built
+            log.info(building_line(settings.model, runtime))  # the banner follows once everything is built
             _archive_hang_report(run_dir)
         session = assemble(settings, runtime, run_dir, recipe, stack)
         if runtime.is_main:

@@ -16,7 +16,7 @@ import signal
 import threading
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from types import FrameType
 
 from kforge_cli.engine.data.shards import FORMAT, METADATA
 from kforge_cli.errors import InvalidInputError
@@ -85,7 +85,7 @@ def sigterm_cleans_up() -> Callable[[], None]:
     if threading.current_thread() is not threading.main_thread():
         return lambda: None
 
-    def stop(signum: int, frame: Any) -> None:
+    def stop(signum: int, frame: FrameType | None) -> None:
         raise SystemExit(128 + signum)
 
     previous = signal.signal(signal.SIGTERM, stop)

@@ -37,6 +37,7 @@ from kforge_cli.engine.data.vlm.sources import ManifestCaptions, Record, drop_mi
 from kforge_cli.engine.data.vlm.synthetic import SyntheticCaptions
 from kforge_cli.errors import InvalidInputError
 from kforge_cli.settings import JobSettings
+from kforge_cli.settings.vlm import VideoSettings, VisionEncoderSettings, VLMSettings
 
 log = logging.getLogger("kforge")
 
@@ -157,13 +158,13 @@ def _fitting(records: list[Record], batcher: CaptionBatcher, skip: bool) -> list
     return kept
 
 
-def _sources(settings: JobSettings, tok: Tokenizer) -> tuple[str, CaptionSource, CaptionSource | None]:
-    vlm, enc, video = settings.vlm, settings.vision_encoder, settings.video
-    assert vlm is not None and enc is not None
+def _sources(
+    vlm: VLMSettings, enc: VisionEncoderSettings, video: VideoSettings | None, tok: Tokenizer, *, seed: int
+) -> tuple[str, CaptionSource, CaptionSource | None]:
+    """The caption sources (synthetic, or the manifests of ``vlm.data_path``); ``seed`` orders the synthetic set."""
     frames = video.max_frames if video is not None else 1
     stride = video.frame_stride if video is not None else 1
     if vlm.data_path is None:
-        seed = settings.data_seed
         train = SyntheticCaptions(
             SYNTHETIC_TRAIN, enc.image_size, enc.channels, seed=seed, max_frames=frames, video=video is not None
         )
@@ -210,15 +211,17 @@ def build_vlm_data(settings: JobSettings, *, dp_rank: int, dp_size: int) -> VLMD
             f"set --model.vocab_size={tok.vocab_size} or more"
         )
     frames = settings.video.max_frames if settings.video is not None else 1
-    name, train_src, val_src = _sources(settings, tok)
+    name, train_src, val_src = _sources(vlm, settings.vision_encoder, settings.video, tok, seed=settings.data_seed)
     batcher = CaptionBatcher(train_src, tok, text_len=vlm.max_text_len, frames=frames, skip_bad=vlm.skip_bad_samples)
     schedule = MixtureSchedule.build([name], [1.0], settings.data.temperature, [])
     loader = training_loader(
-        settings,
+        settings.train,
+        settings.data,
         [name],
         [len(train_src)],
         schedule,
         batcher,
+        seed=settings.data_seed,
         seq_len=vlm.max_text_len,
         dp_rank=dp_rank,
         dp_size=dp_size,

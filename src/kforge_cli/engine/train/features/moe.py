@@ -93,11 +93,11 @@ class AuxLossFeed:
         if wrong:
             raise RuntimeError(f"MoE layers ran {wrong} training forwards in one pipeline step, expected {want} each")
 
-    def _hook(self, key: str) -> Any:
+    def _hook(self, key: str) -> Any:  # torch.compiler.disable's wrapper has no usable static type
         # Kept out of torch.compile'd blocks (a graph break): it counts forwards in Python, which
         # a traced graph would specialise on, recompiling for every micro-batch index.
         @torch.compiler.disable
-        def after_forward(layer: nn.Module, inputs: Any, output: torch.Tensor) -> torch.Tensor | None:
+        def after_forward(layer: nn.Module, inputs: tuple[object, ...], output: torch.Tensor) -> torch.Tensor | None:
             # Not gated on grad mode: torch 2.11 infers shapes under no_grad, 2.13 with grad enabled.
             if self.weights is None or not layer.training or in_backward():
                 return None

@@ -15,11 +15,11 @@ operations are elementwise, so FSDP2-sharded DTensors need no gathering.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
-from typing import Any
+from collections.abc import Callable
 
 import torch
 from torch.optim import Optimizer
+from torch.optim.optimizer import ParamsT
 
 
 class Lion(Optimizer):
@@ -27,7 +27,7 @@ class Lion(Optimizer):
 
     def __init__(
         self,
-        params: Iterable[torch.Tensor] | Iterable[dict[str, Any]],
+        params: ParamsT,
         lr: float = 1e-4,
         betas: tuple[float, float] = (0.9, 0.99),
         weight_decay: float = 0.0,

@@ -40,9 +40,10 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
-from typing import Any, cast
+from typing import Any, TypeAlias, cast
 
 import torch
+from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, distribute_tensor
 from torch.optim import Optimizer
 
@@ -57,6 +58,9 @@ from kforge_cli.engine.train.optim.muon_distributed import (
 )
 
 NS_COEFFICIENTS = (3.4445, -4.7750, 2.0315)
+
+# torch's form of a param group (``params``, ``lr``, ``weight_decay``, ... and kforge's ``name``, ``use_muon``)
+ParamGroup: TypeAlias = dict[str, Any]
 
 
 def zeropower_via_newtonschulz(matrix: torch.Tensor, steps: int = 5, dtype: torch.dtype | None = None) -> torch.Tensor:
@@ -113,7 +117,7 @@ class _Job:
     param: torch.Tensor
     grad: torch.Tensor
     buf: torch.Tensor
-    group: dict[str, Any]
+    group: ParamGroup
 
     def update(self) -> torch.Tensor:
         """``g + momentum * buf`` (nesterov) or ``buf``; a DTensor for a DTensor parameter."""
@@ -155,7 +159,7 @@ class Muon(Optimizer):
 
     def __init__(
         self,
-        params: Iterable[dict[str, Any]],
+        params: Iterable[ParamGroup],
         lr: float = 0.02,
         weight_decay: float = 0.0,
         momentum: float = 0.95,
@@ -190,7 +194,7 @@ class Muon(Optimizer):
                     raise ValueError(f"Muon groups take 2-D matrices only; got shapes {bad}")
         self.distributed = distributed
         self.round_bytes = round_bytes
-        self._plans: dict[Any, SplitPlan] = {}
+        self._plans: dict[tuple[DeviceMesh, tuple[tuple[int, int], ...]], SplitPlan] = {}
         self.ns_flops_last_step = 0  # Newton-Schulz FLOPs this rank ran in the last step (analytic)
 
     @torch.no_grad()
@@ -209,7 +213,7 @@ class Muon(Optimizer):
         self._orthogonalise_and_apply(jobs)
         return loss
 
-    def _momentum(self, group: dict[str, Any]) -> list[_Job]:
+    def _momentum(self, group: ParamGroup) -> list[_Job]:
         """Update the momentum buffers of a Muon group; the jobs that will make and apply its updates."""
         momentum: float = group["momentum"]
         jobs = []
@@ -227,7 +231,7 @@ class Muon(Optimizer):
     def _orthogonalise_and_apply(self, jobs: list[_Job]) -> None:
         """Newton-Schulz of every update, split over the ranks of each mesh when ``distributed``."""
         self.ns_flops_last_step = 0
-        split: dict[Any, list[_Job]] = {}
+        split: dict[tuple[DeviceMesh, torch.dtype], list[_Job]] = {}
         for job in jobs:
             p = job.param
             if self.distributed and isinstance(p, DTensor) and p.device_mesh.size() > 1 and p.ndim == 2:
@@ -269,7 +273,7 @@ class Muon(Optimizer):
             j = jobs[i]
             _apply_update(j, _orthogonalised_update(j.update(), j.group["ns_steps"], j.param))
 
-    def _adamw_group(self, group: dict[str, Any]) -> None:
+    def _adamw_group(self, group: ParamGroup) -> None:
         lr: float = group["lr"]
         wd: float = group["weight_decay"]
         beta1, beta2 = group["betas"]

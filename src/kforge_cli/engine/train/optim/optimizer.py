@@ -13,17 +13,15 @@ optimizer state has the dtype of the parameters, i.e. of ``train.master_dtype``.
 
 from __future__ import annotations
 
-from typing import Any
-
 import torch
 from torch import nn
 
 from kforge_cli.engine.model.names import clean_param_name
 from kforge_cli.engine.runtime.dtypes import DTYPES
 from kforge_cli.engine.train.optim.lion import Lion
-from kforge_cli.engine.train.optim.muon import Muon
+from kforge_cli.engine.train.optim.muon import Muon, ParamGroup
 from kforge_cli.errors import ConfigError, ConfigIssue
-from kforge_cli.settings import JobSettings
+from kforge_cli.settings.training import OptimizerSettings
 
 HEAD_PARAM_NAME = "output.weight"
 EMBEDDING_NAME_MARKER = "embeddings"
@@ -48,7 +46,7 @@ def _is_head(names: list[str]) -> bool:
     return any(n == HEAD_PARAM_NAME or n.endswith("." + HEAD_PARAM_NAME) for n in names)
 
 
-def build_param_groups(model: nn.Module, settings: JobSettings, *, muon: bool = False) -> list[dict[str, Any]]:
+def build_param_groups(model: nn.Module, cfg: OptimizerSettings, *, muon: bool = False) -> list[ParamGroup]:
     """Param groups for ``model``: ``decay`` / ``no_decay`` (and ``muon`` when ``muon`` is True).
 
     ``no_decay`` holds 1-D (and 0-D) parameters unless ``decay_norms_and_biases``, and
@@ -57,7 +55,7 @@ def build_param_groups(model: nn.Module, settings: JobSettings, *, muon: bool = 
     (``lr = optimizer.muon_lr``, decayed); the rest keep AdamW (``lr = optimizer.lr``).
     Empty groups are left out; the order is deterministic (model order within a group).
     """
-    opt = settings.optimizer
+    opt = cfg
     aliases = _aliases(model)
     embeddings = _embedding_ids(model, aliases)
     buckets: dict[str, list[nn.Parameter]] = {"muon": [], "decay": [], "no_decay": []}
@@ -70,7 +68,7 @@ def build_param_groups(model: nn.Module, settings: JobSettings, *, muon: bool = 
             buckets["no_decay"].append(param)
         else:
             buckets["decay"].append(param)
-    groups: list[dict[str, Any]] = []
+    groups: list[ParamGroup] = []
     if buckets["muon"]:
         groups.append(
             {
@@ -83,14 +81,14 @@ def build_param_groups(model: nn.Module, settings: JobSettings, *, muon: bool = 
         )
     for name, wd in (("decay", opt.weight_decay), ("no_decay", 0.0)):
         if buckets[name]:
-            group: dict[str, Any] = {"name": name, "params": buckets[name], "lr": opt.lr, "weight_decay": wd}
+            group: ParamGroup = {"name": name, "params": buckets[name], "lr": opt.lr, "weight_decay": wd}
             if muon:
                 group["use_muon"] = False
             groups.append(group)
     return groups
 
 
-def _all_params(groups: list[dict[str, Any]]) -> list[torch.Tensor]:
+def _all_params(groups: list[ParamGroup]) -> list[torch.Tensor]:
     return [p for g in groups for p in g["params"]]
 
 
@@ -101,8 +99,7 @@ def use_fused_adamw(params: list[torch.Tensor], fused: bool | None) -> bool:
     return bool(params) and all(p.device.type == "cuda" and p.dtype in DTYPES.values() for p in params)
 
 
-def _build_adamw(groups: list[dict[str, Any]], settings: JobSettings) -> torch.optim.AdamW:
-    opt = settings.optimizer
+def _build_adamw(groups: list[ParamGroup], opt: OptimizerSettings) -> torch.optim.AdamW:
     fused = use_fused_adamw(_all_params(groups), opt.fused)
     try:
         return torch.optim.AdamW(
@@ -123,16 +120,16 @@ def _build_adamw(groups: list[dict[str, Any]], settings: JobSettings) -> torch.o
         raise ConfigError([issue]) from exc
 
 
-def build_optimizer(model: nn.Module, settings: JobSettings) -> torch.optim.Optimizer:
-    """The optimizer named by ``optimizer.name`` over ALL parameters of ``model`` (see the module docstring)."""
-    opt = settings.optimizer
+def build_optimizer(model: nn.Module, opt: OptimizerSettings) -> torch.optim.Optimizer:
+    """The optimizer named by ``opt.name`` (the ``optimizer`` section) over ALL parameters of ``model``
+    (see the module docstring)."""
     if opt.name == "adamw":
-        return _build_adamw(build_param_groups(model, settings), settings)
+        return _build_adamw(build_param_groups(model, opt), opt)
     if opt.name == "lion":
-        return Lion(build_param_groups(model, settings), lr=opt.lr, betas=opt.betas, weight_decay=opt.weight_decay)
+        return Lion(build_param_groups(model, opt), lr=opt.lr, betas=opt.betas, weight_decay=opt.weight_decay)
     if opt.name == "muon":
         return Muon(
-            build_param_groups(model, settings, muon=True),
+            build_param_groups(model, opt, muon=True),
             lr=opt.lr,
             weight_decay=opt.weight_decay,
             momentum=opt.muon_momentum,

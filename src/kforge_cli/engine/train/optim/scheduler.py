@@ -17,7 +17,6 @@ import torch
 from torch.optim.lr_scheduler import LambdaLR
 
 from kforge_cli.errors import ConfigError, ConfigIssue
-from kforge_cli.settings import JobSettings
 from kforge_cli.settings.data import DataPhase
 from kforge_cli.settings.training import SchedulerSettings
 
@@ -92,25 +91,30 @@ def phase_lr_scale(step: int, phases: Sequence[DataPhase]) -> float:
     return scale
 
 
-def _check(settings: JobSettings) -> None:
+def _check(cfg: SchedulerSettings) -> None:
     """Reject settings no schedule can honour (normally caught earlier by validate-config)."""
-    decay_steps = settings.scheduler.decay_steps
+    decay_steps = cfg.decay_steps
     if decay_steps is not None and decay_steps < 0:
         raise ConfigError([ConfigIssue("scheduler.decay_steps", f"{decay_steps} must be >= 0 (or unset)")])
 
 
-def build_scheduler(optimizer: torch.optim.Optimizer, settings: JobSettings) -> LambdaLR:
+def build_scheduler(
+    optimizer: torch.optim.Optimizer,
+    cfg: SchedulerSettings,
+    max_steps: int,
+    phases: Sequence[DataPhase] = (),
+) -> LambdaLR:
     """A ``LambdaLR`` applying ``lr_multiplier * phase_lr_scale`` to each group's own initial LR.
 
-    Each param group keeps its own peak (Muon's ``muon_lr`` and AdamW's ``lr`` both
-    follow the schedule). The lambda is a plain closure, so ``state_dict()`` holds only
-    numbers and lists (JSON-serialisable) and the schedule itself is rebuilt from the
-    settings on resume.
+    ``cfg`` is the ``scheduler`` section, ``max_steps`` the run's ``train.max_steps`` and
+    ``phases`` its ``data.phases`` (each may scale the LR from its start step). Each param
+    group keeps its own peak (Muon's ``muon_lr`` and AdamW's ``lr`` both follow the schedule).
+    The lambda is a plain closure, so ``state_dict()`` holds only numbers and lists
+    (JSON-serialisable) and the schedule itself is rebuilt from the settings on resume.
     """
-    _check(settings)
-    sched = settings.scheduler.model_copy()
-    max_steps = settings.train.max_steps
-    phases = [p.model_copy() for p in settings.data.phases]
+    _check(cfg)
+    sched = cfg.model_copy()
+    phases = [p.model_copy() for p in phases]
 
     def multiplier(step: int) -> float:
         return lr_multiplier(step, sched, max_steps) * phase_lr_scale(step, phases)
