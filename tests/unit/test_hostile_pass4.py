@@ -47,3 +47,61 @@ def test_class4_a_prompt_file_or_stdin_is_read_capped(
     monkeypatch.setattr(sys, "stdin", io.TextIOWrapper(io.BytesIO(b"a" * (MAX_PROMPT_BYTES + 10))))
     code, _, err = run_cli(["generate", missing], capsys)
     assert code == 2 and "standard input is longer than" in err, err
+
+
+# Class 2: an lm-eval task YAML runs Python only with --allow-hooks, and is bounded before it is parsed.
+
+
+def _task_folder(tmp_path: Path) -> tuple[Path, Path]:
+    """A task YAML whose included base names `!function utils.process_docs`: (the YAML, the marker)."""
+    folder = tmp_path / "task"
+    folder.mkdir()
+    marker = tmp_path / "IMPORTED"
+    (folder / "utils.py").write_text(f"open({str(marker)!r}, 'w').write('ran')\ndef process_docs(ds):\n    return ds\n")
+    (folder / "base.yaml").write_text("output_type: multiple_choice\nprocess_docs: !function utils.process_docs\n")
+    (folder / "mine.yaml").write_text("include: base.yaml\ntask: mine\ndataset_path: json\n")
+    return folder / "mine.yaml", marker
+
+
+def test_class2_a_task_file_runs_python_only_when_allowed(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    pytest.importorskip("lm_eval")
+    task, marker = _task_folder(tmp_path)
+    missing = str(tmp_path / "no_such_run")  # refused before any checkpoint is opened
+    code, _, err = run_cli(["eval", missing, "--task", f"lm-eval:{task}"], capsys)
+    assert code == 2 and "Traceback" not in err, err
+    assert "utils.process_docs" in err and str(task.parent / "utils.py") in err and "--allow-hooks=utils" in err
+    assert not marker.exists()  # nothing imported
+    code, _, err = run_cli(["eval", missing, "--task", f"lm-eval:{task}", "--allow-hooks=other"], capsys)
+    assert code == 2 and not marker.exists(), err
+    from kforge_cli.engine.inference.lm_eval_adapter import task_code, task_config
+
+    assert task_config(task, ["utils"])["task"] == "mine" and marker.read_text() == "ran"  # the explicit yes
+    import lm_eval.tasks
+
+    builtin = Path(lm_eval.tasks.__file__).parent / "hellaswag" / "hellaswag.yaml"
+    assert "!function" in builtin.read_text() and task_code(builtin) == []  # the harness's own need no consent
+
+
+def test_class2_a_task_file_is_bounded_before_it_is_parsed(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    import time
+
+    pytest.importorskip("lm_eval")
+    import kforge_cli.engine.inference.lm_eval_adapter as adapter
+
+    nodes, size = getattr(adapter, "MAX_TASK_YAML_NODES", 100_000), getattr(adapter, "MAX_TASK_YAML_BYTES", 1 << 20)
+    bomb = ["task: bomb", 'a0: &a0 ["x","x","x","x","x","x","x","x","x"]']
+    bomb += [f"a{i}: &a{i} [" + ",".join([f"*a{i - 1}"] * 9) + "]" for i in range(1, 12)]
+    (tmp_path / "bomb.yaml").write_text("\n".join(bomb) + "\n")
+    assert (tmp_path / "bomb.yaml").stat().st_size < 1600
+    (tmp_path / "big.yaml").write_text("task: big\n" + "#" * size + "\n")
+    (tmp_path / "loop.yaml").write_text("include: loop2.yaml\ntask: loop\n")
+    (tmp_path / "loop2.yaml").write_text("include: loop.yaml\n")
+    missing = str(tmp_path / "no_such_run")
+    start = time.monotonic()
+    code, _, err = run_cli(["eval", missing, "--task", f"lm-eval:{tmp_path / 'bomb.yaml'}"], capsys)
+    assert code == 2 and f"more than {nodes} YAML nodes" in err, err
+    assert time.monotonic() - start < 5
+    code, _, err = run_cli(["eval", missing, "--task", f"lm-eval:{tmp_path / 'big.yaml'}"], capsys)
+    assert code == 2 and f"larger than {size} bytes" in err, err
+    code, _, err = run_cli(["eval", missing, "--task", f"lm-eval:{tmp_path / 'loop.yaml'}"], capsys)
+    assert code == 2 and "Traceback" not in err, err  # the include cycle ends; the checkpoint is what is missing
