@@ -105,3 +105,69 @@ def test_class2_a_task_file_is_bounded_before_it_is_parsed(tmp_path: Path, capsy
     assert code == 2 and f"larger than {size} bytes" in err, err
     code, _, err = run_cli(["eval", missing, "--task", f"lm-eval:{tmp_path / 'loop.yaml'}"], capsys)
     assert code == 2 and "Traceback" not in err, err  # the include cycle ends; the checkpoint is what is missing
+
+
+# Class 3: a layout trial runs only inside its own directory, and a failed trial fails the command.
+
+TRIAL_MODEL = ["--model.dim=32", "--model.n_layers=2", "--model.n_heads=2", "--model.n_kv_heads=1"]
+TRIAL_MODEL += ["--train.seq_len=32", "--model.max_seq_len=32", "--train.batch_size=2", "--train.num_threads=1"]
+
+
+def _real_run(tmp_path: Path) -> Path:
+    """A run with a saved checkpoint (someone's real work)."""
+    run = tmp_path / "real_run"
+    code = main_code(
+        ["train", "--run-dir", str(run), *TRIAL_MODEL, "--train.max_steps=2", "--metrics.progress_bar=off"]
+    )
+    assert code == 0 and (run / "checkpoints" / "step_2").is_dir()
+    return run
+
+
+def main_code(argv: list[str]) -> int:
+    try:
+        main(argv)
+    except SystemExit as exc:
+        return int(exc.code or 0)
+    return 0
+
+
+def _snapshot(root: Path) -> dict[str, tuple[int, int]]:
+    return {str(p): (p.stat().st_size, p.stat().st_mtime_ns) for p in sorted(root.rglob("*")) if p.is_file()}
+
+
+def test_class3_a_trial_never_touches_another_run(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    real = _real_run(tmp_path)
+    before = _snapshot(real)
+    config = tmp_path / "aimed.toml"
+    config.write_text(
+        f'[checkpoint]\ndir = "{real / "checkpoints"}"\ninit_from = "{real / "checkpoints" / "step_2"}"\n'
+        'keep_last_n = 1\n[metrics]\nbackends = ["jsonl", "tensorboard"]\n'
+    )
+    monkeypatch.setenv("KFORGE_CHECKPOINT__LOAD_PATH", str(real / "checkpoints" / "step_2"))
+    out = tmp_path / "trials"
+    argv = ["validate-config", "--plan", "--search", "--world-size", "1", "--config", str(config), *TRIAL_MODEL]
+    capsys.readouterr()
+    code, _, err = run_cli([*argv, "--trial", "1", "--steps", "3", "--trial-dir", str(out)], capsys)
+    assert code == 0 and "Traceback" not in err, err[-3000:]
+    assert "not using checkpoint.dir=" in err and "checkpoint.init_from=" in err and "checkpoint.load_path=" in err
+    assert _snapshot(real) == before  # nothing resumed, retained, written or deleted there
+    profile = (out / "trial-1" / "profile.toml").read_text()
+    assert str(real) not in profile and "tensorboard" not in profile
+    import json
+
+    trial = json.loads((out / "trials.json").read_text())["trials"][0]
+    assert trial["exit_code"] == 0 and trial["timed_steps"] == 2  # it trained, from step 0
+    assert (out / "trial-1" / "run" / "metrics.jsonl").is_file()
+
+    import subprocess
+
+    import kforge_cli.cli.plan_trials as trials
+
+    def ran_nothing(cmd: list[str], **kwargs: object) -> subprocess.CompletedProcess[bytes]:
+        return subprocess.CompletedProcess(cmd, 0)  # exit 0, no step measured
+
+    monkeypatch.setattr(trials.subprocess, "run", ran_nothing)
+    code, out_text, err = run_cli([*argv, "--trial", "1", "--steps", "3", "--trial-dir", str(tmp_path / "t2")], capsys)
+    assert code == 1 and "exit 0 but no timed step measured" in out_text and "1 of 1 trials failed" in err, err

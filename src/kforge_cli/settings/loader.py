@@ -12,6 +12,7 @@ import difflib
 import tomllib
 import types
 import typing
+from contextlib import nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -20,7 +21,7 @@ from pydantic_core import ErrorDetails
 from pydantic_settings import EnvSettingsSource
 
 from kforge_cli.errors import ConfigError, ConfigIssue, InvalidInputError
-from kforge_cli.settings.job import JobSettings
+from kforge_cli.settings.job import JobSettings, without_environment
 from kforge_cli.settings.profiles import (
     DEFAULT_PROFILE,
     ENV_PATH,
@@ -185,11 +186,13 @@ def load_settings(
     from kforge_cli.settings.rules import config_warnings
 
     try:
-        settings = JobSettings.model_validate(merged)
+        with nullcontext() if use_env else without_environment():  # use_env=False: not even JobSettings' own read
+            settings = JobSettings.model_validate(merged)
     except ValidationError as exc:
         errors = exc.errors()
         problems = [_issue_from_pydantic(err, sources) for err in errors]
-        rest = _validate_without(merged, [err["loc"] for err in errors])  # the rules, in the same report
+        with nullcontext() if use_env else without_environment():
+            rest = _validate_without(merged, [err["loc"] for err in errors])  # the rules, in the same report
         if rest is not None:
             reported = {p.path for p in problems}
             problems += [p for p in _rule_issues(rest, for_run) if p.path not in reported]
