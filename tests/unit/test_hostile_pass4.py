@@ -171,3 +171,53 @@ def test_class3_a_trial_never_touches_another_run(
     monkeypatch.setattr(trials.subprocess, "run", ran_nothing)
     code, out_text, err = run_cli([*argv, "--trial", "1", "--steps", "3", "--trial-dir", str(tmp_path / "t2")], capsys)
     assert code == 1 and "exit 0 but no timed step measured" in out_text and "1 of 1 trials failed" in err, err
+
+
+# Class 5: a crafted Hugging Face config is refused by one bounded reader, for every class kforge imports.
+
+ERNIE = {
+    "model_type": "ernie4_5_moe",
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "num_hidden_layers": 4,
+    "vocab_size": 256,
+    "moe_intermediate_size": 32,
+    "moe_num_experts": 4,
+    "moe_k": 2,
+    "moe_layer_interval": 1,
+}
+
+
+@pytest.mark.parametrize(
+    ("kind", "edit", "key"),
+    [
+        ("ernie4_5_moe", {"moe_layer_interval": 0}, "moe_layer_interval"),
+        ("ernie4_5_moe", {"num_hidden_layers": 10**12}, "num_hidden_layers"),
+        ("ernie4_5_moe", {"num_hidden_layers": 1e12}, "num_hidden_layers"),
+        (
+            "glm4_moe",
+            {"n_group": 0, "n_routed_experts": 4, "num_experts_per_tok": 2, "partial_rotary_factor": 1.0},
+            "n_group",
+        ),
+        ("qwen3_moe", {"decoder_sparse_step": 0, "num_experts": 4, "num_experts_per_tok": 2}, "decoder_sparse_step"),
+        ("qwen3_moe", {"mlp_only_layers": list(range(10**5))}, "mlp_only_layers"),
+        ("llama", {"num_attention_heads": 0}, "num_attention_heads"),
+        ("qwen3", {"vocab_size": True}, "vocab_size"),
+        ("llama", {"rope_theta": "inf"}, "rope_theta"),
+        ("llama", {"text_config": {"num_hidden_layers": -1}}, "text_config.num_hidden_layers"),
+    ],
+)
+def test_class5_a_crafted_hf_config_is_refused_naming_the_key(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], kind: str, edit: dict[str, object], key: str
+) -> None:
+    import json
+
+    hf = tmp_path / "hf"
+    hf.mkdir()
+    (hf / "config.json").write_text(json.dumps({**ERNIE, "model_type": kind, **edit}))
+    (hf / "model.safetensors").write_bytes(b"")
+    code, _, err = run_cli(["generate", str(hf), "--prompt", "x", "--tokenizer", "byte"], capsys)
+    assert code == 2 and "Traceback" not in err and "kforge bug" not in err, err
+    assert str(hf / "config.json") in err and key in err, err
