@@ -221,3 +221,80 @@ def test_class5_a_crafted_hf_config_is_refused_naming_the_key(
     code, _, err = run_cli(["generate", str(hf), "--prompt", "x", "--tokenizer", "byte"], capsys)
     assert code == 2 and "Traceback" not in err and "kforge bug" not in err, err
     assert str(hf / "config.json") in err and key in err, err
+
+
+# Class 6: numbers at the edges are refused by their documented range, never a traceback.
+
+
+@pytest.mark.parametrize(
+    ("argv", "said"),
+    [
+        (["--train.max_steps=" + "9" * 5000], "override --train.max_steps: its value is not usable"),
+        (["--train.hooks=" + "[" * 30000 + "]" * 30000], "nested too deeply"),
+        (["--train.max_steps=" + "9" * 400], "train.max_steps: Value error, must be an integer from"),
+        (
+            ["--resilience.hang_timeout_s=1e30"],
+            "resilience.hang_timeout_s: Input should be less than or equal to 604800",
+        ),
+        (["--distributed.timeout_s=" + "9" * 15], "distributed.timeout_s: Input should be less than or equal to"),
+        (["--plan", "--search", "--mfu", "nan"], "--mfu must be a number in (0, 1]"),
+        (["--plan", "--search", "--mfu", "-1"], "--mfu must be a number in (0, 1]"),
+        (["--plan", "--search", "--world-size", "1000000007"], "--world-size must be from 1 to 1,048,576"),
+        (["--plan", "--search", "--trial", "1", "--steps", "1" + "0" * 23], "--steps must be from 2 to 100,000"),
+        (["--slurm.nodes=1048576", "--slurm.gpus_per_node=8"], "above kforge's maximum world size 1,048,576"),
+    ],
+    ids=[
+        "5000_digits",
+        "30000_deep",
+        "400_digits",
+        "hang_1e30",
+        "pg_timeout",
+        "mfu_nan",
+        "mfu_neg",
+        "world_1e9",
+        "steps_24_digits",
+        "slurm_world",
+    ],
+)
+def test_class6_numbers_at_the_edges_are_refused(
+    argv: list[str], said: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    import time
+
+    start = time.monotonic()
+    code, _, err = run_cli(["validate-config", *argv], capsys)
+    assert code == 2 and "Traceback" not in err and said in err, err[-2000:]
+    assert len(err) < 2000 and time.monotonic() - start < 10  # the value is not echoed whole; no search ran
+
+
+def test_class6_the_layout_search_is_bounded_in_time() -> None:
+    from kforge_cli.engine.parallel.plan.search import search_layouts
+    from kforge_cli.errors import InvalidInputError
+    from kforge_cli.settings import load_settings
+
+    settings = load_settings(use_env=False).settings
+    with pytest.raises(InvalidInputError, match="did not finish within 0 s"):
+        search_layouts(settings, 8, time_limit_s=0.0)
+    with pytest.raises(InvalidInputError, match="kforge's maximum"):
+        search_layouts(settings, 1_000_000_007)
+
+
+def test_class6_a_huge_integer_loss_in_metrics_does_not_crash_runs_or_plot(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    import json
+
+    run = tmp_path / "runs" / "r1"
+    run.mkdir(parents=True)
+    rows = [json.dumps({"step": s, "loss": 2.0 / s, "tokens_seen": 64 * s}) for s in range(1, 5)]
+    rows.insert(2, '{"step": 3, "loss": ' + "9" * 400 + ', "tokens_seen": 192}')
+    rows.append('{"step": ' + "9" * 400 + ', "loss": 0.1}')
+    rows.append(json.dumps({"step": 5, "loss": 0.25, "tokens_seen": 320}))
+    (run / "metrics.jsonl").write_text("\n".join(rows) + "\n")
+    code, out, err = run_cli(["runs", str(tmp_path / "runs"), "--json"], capsys)
+    assert code == 0 and "Traceback" not in err, err[-2000:]
+    row = json.loads(out.strip().splitlines()[0])
+    assert row["last_loss"] == 0.25
+    for x in ("step", "tokens"):
+        code, _, err = run_cli(["plot", str(run), "-o", str(tmp_path / f"{x}.png"), "--x", x], capsys)
+        assert code == 0 and (tmp_path / f"{x}.png").stat().st_size > 0, err[-2000:]

@@ -102,7 +102,12 @@ def parse_overrides(args: list[str]) -> list[tuple[str, object]]:
             i += 1
         else:
             raise InvalidInputError(f"override {arg} has no value: write {arg}=VALUE")
-        pairs.append((key.replace("-", "_"), parse_override_value(raw)))
+        try:
+            value = parse_override_value(raw)
+        except (ValueError, RecursionError) as exc:  # a number of > 4300 digits; a value nested thousands deep
+            why = "it is nested too deeply" if isinstance(exc, RecursionError) else str(exc).split(";")[0]
+            raise InvalidInputError(f"override --{key}: its value is not usable ({why}); give a plain value") from None
+        pairs.append((key.replace("-", "_"), value))
         i += 1
     return pairs
 
@@ -281,7 +286,12 @@ def _issue_from_pydantic(err: ErrorDetails, sources: dict[str, str]) -> ConfigIs
         message = "unknown key" + (f" (from {where})" if where else "")
         return ConfigIssue(path, message + (f"; did you mean {hint}?" if hint else ""))
     value = err.get("input")
-    shown = f" (got {value!r})" if not isinstance(value, dict | list) else ""
+    text = (
+        repr(value)
+        if not isinstance(value, int) or abs(value) < 10**40
+        else f"{str(value)[:20]}... ({len(str(value))} digits)"
+    )
+    shown = f" (got {text if len(text) <= 200 else text[:200] + '...'})" if not isinstance(value, dict | list) else ""
     where = sources.get(path)
     origin = f" [from {where}]" if where else ""
     return ConfigIssue(path, f"{err['msg']}{shown}{origin}")

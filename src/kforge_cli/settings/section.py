@@ -21,6 +21,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validat
 
 _V = TypeVar("_V")
 
+MAX_INT = 2**63 - 1  # every integer setting fits a 64-bit integer (a tensor, a C long, a timedelta's seconds)
 SETTINGS_CONFIG = ConfigDict(extra="forbid", validate_assignment=True, frozen=False, allow_inf_nan=False)
 
 
@@ -82,6 +83,8 @@ class Section(BaseModel):
             raise ValueError(f"must be an integer, not the string {value!r}: write it without quotes")
         if isinstance(value, float):
             raise ValueError(f"must be an integer, not the float {value!r}: write it without a decimal point")
+        if isinstance(value, int) and not -MAX_INT <= value <= MAX_INT:
+            raise ValueError(f"must be an integer from {-MAX_INT} to {MAX_INT}")
         return value
 
 
