@@ -298,3 +298,40 @@ def test_class6_a_huge_integer_loss_in_metrics_does_not_crash_runs_or_plot(
     for x in ("step", "tokens"):
         code, _, err = run_cli(["plot", str(run), "-o", str(tmp_path / f"{x}.png"), "--x", x], capsys)
         assert code == 0 and (tmp_path / f"{x}.png").stat().st_size > 0, err[-2000:]
+
+
+# Class 7: "printable" includes Unicode format and separator characters, for every name.
+
+
+@pytest.mark.parametrize(
+    ("key", "char"),
+    [
+        ("slurm.job_name", "\u202e"),  # right-to-left override
+        ("metrics.run_name", "\u200b"),  # zero-width space
+        ("train.run_dir", "\u2028"),  # line separator
+        ("metrics.tags", "\u2029"),  # paragraph separator
+        ("slurm.partition", "\u00a0"),  # a no-break space looks like " "
+        ("metrics.wandb_group", "\ufeff"),  # zero-width no-break space (BOM)
+        ("data.tokenizer", "\u2066"),  # left-to-right isolate
+    ],
+)
+def test_class7_unicode_format_and_separator_characters_are_refused(
+    key: str, char: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    value = f'["a{char}b"]' if key == "metrics.tags" else f"a{char}b"
+    code, _, err = run_cli(["validate-config", f"--{key}={value}"], capsys)
+    assert code == 2 and key in err and f"U+{ord(char):04X}" in err, err
+
+
+def test_class7_a_task_name_and_a_profile_name_must_be_printable(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    task = tmp_path / "mc\u202etxt.jsonl"
+    task.write_text('{"context": "a", "choices": ["b", "c"], "answer": 0}\n')
+    code, _, err = run_cli(["eval", str(tmp_path / "no_such_run"), "--task", str(task)], capsys)
+    assert code == 2 and "U+202E" in err and "rename the file" in err, err
+    profile = tmp_path / "p\u200b.toml"
+    profile.write_text('description = "x"\n')
+    code, _, err = run_cli(["validate-config", "--profile", str(profile)], capsys)
+    assert code == 2 and "U+200B" in err, err
+    assert run_cli(["validate-config", "--metrics.run_name=plain name é ü 日本"], capsys)[0] == 0  # letters and " "

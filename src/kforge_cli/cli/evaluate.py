@@ -61,7 +61,7 @@ def evaluate(
     from kforge_cli.engine.inference.evaluate import check_task, log_to_trackers, run_task, task_name, write_results
     from kforge_cli.engine.inference.source import open_for_inference
 
-    for spec in task:  # a task file's bounds and code consent, before the checkpoint is loaded
+    for spec in task:  # printable names; a task file's bounds and code consent, before the checkpoint is loaded
         check_task(spec, allow_hooks)
     loaded = open_for_inference(ckpt, device=device, tokenizer=tokenizer)
     cap = max_batches if max_batches is not None else steps

@@ -143,7 +143,16 @@ def task_name(spec: str) -> str:
 
 def check_task(spec: str, allow_hooks: list[str] | None = None) -> None:
     """What can be checked of a task before a checkpoint is loaded: a task YAML's bounds and the
-    consent for the Python it names (``--allow-hooks``); exit 2 otherwise."""
+    consent for the Python it names (``--allow-hooks``); exit 2 otherwise. A task's name (it becomes a
+    key in RUN_DIR/eval/step_N.json, a tracker metric and a table row) must be printable text."""
+    from kforge_cli.settings.section import control_character, describe_character
+
+    hit = control_character(spec)
+    if hit is not None:
+        raise InvalidInputError(
+            f"--task {spec!r} holds a control character or other unprintable one, {describe_character(hit[0])}: "
+            "rename the file"
+        )
     if spec.startswith("lm-eval:") and spec.endswith((".yaml", ".yml")):
         from kforge_cli.engine.inference.lm_eval_adapter import refuse_unallowed_task_code
 
