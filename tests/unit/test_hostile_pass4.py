@@ -335,3 +335,51 @@ def test_class7_a_task_name_and_a_profile_name_must_be_printable(
     code, _, err = run_cli(["validate-config", "--profile", str(profile)], capsys)
     assert code == 2 and "U+200B" in err, err
     assert run_cli(["validate-config", "--metrics.run_name=plain name é ü 日本"], capsys)[0] == 0  # letters and " "
+
+
+# Class 9: prepared data is checked, not trusted: a damaged metadata.json exits 2 naming file and key.
+
+
+def _prepared(tmp_path: Path) -> Path:
+    from kforge_cli.engine.data.prepare import prepare_data
+
+    src = tmp_path / "corpus.txt"
+    src.write_text("hello world " * 400)
+    prepare_data([src], tmp_path / "data", tokenizer="byte", val_fraction=0.1, workers=1)
+    return tmp_path / "data"
+
+
+@pytest.mark.parametrize("bad", ["512", 512.5, [512], None, True, "9" * 30])
+def test_class9_a_non_integer_vocab_size_names_the_file_and_key(
+    tmp_path: Path, bad: object, capsys: pytest.CaptureFixture[str]
+) -> None:
+    import json
+
+    data = _prepared(tmp_path)
+    meta = json.loads((data / "metadata.json").read_text())
+    meta["vocab_size"] = bad
+    (data / "metadata.json").write_text(json.dumps(meta))
+    code, _, err = run_cli(["validate-config", f"--data.path={data}"], capsys)
+    assert code == 2 and "Traceback" not in err, err[-2000:]
+    assert f"{data / 'metadata.json'}: vocab_size is" in err and "prepare it again" in err, err
+
+
+def test_class9_an_uncached_max_id_cannot_switch_off_the_read_check(tmp_path: Path) -> None:
+    import json
+
+    import numpy as np
+
+    from kforge_cli.engine.data.shards import load_prepared
+    from kforge_cli.errors import InvalidInputError
+
+    data = _prepared(tmp_path)
+    meta = json.loads((data / "metadata.json").read_text())
+    shard = meta["splits"]["train"]["shards"][0]
+    arr = np.load(data / shard["file"], mmap_mode="r+")
+    arr[100] = 300  # beyond the vocabulary (257)
+    arr.flush()
+    del arr
+    shard["max_id"] = -1  # "empty": would skip the check on every read
+    (data / "metadata.json").write_text(json.dumps(meta))
+    with pytest.raises(InvalidInputError, match=rf"shard {shard['file']}: max_id -1 does not fit its \d+ tokens"):
+        load_prepared(data)
