@@ -383,3 +383,33 @@ def test_class9_an_uncached_max_id_cannot_switch_off_the_read_check(tmp_path: Pa
     (data / "metadata.json").write_text(json.dumps(meta))
     with pytest.raises(InvalidInputError, match=rf"shard {shard['file']}: max_id -1 does not fit its \d+ tokens"):
         load_prepared(data)
+
+
+# Class 8: a full disk during a save prints the one clear message, no torch traceback before it.
+
+
+@pytest.mark.filterwarnings("error::pytest.PytestUnhandledThreadExceptionWarning")  # a writer thread's traceback
+def test_class8_a_full_disk_prints_no_traceback_before_its_message(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capfd: pytest.CaptureFixture[str]
+) -> None:
+    import errno
+
+    import torch.distributed.checkpoint.filesystem as dcp_fs
+
+    from kforge_cli.rundir.checkpoints import read_latest
+
+    write_item = dcp_fs._write_item
+
+    def full_at_step_2(*args: object, **kwargs: object) -> object:  # an ENOSPC in DCP's writer threads
+        if any("step_2" in str(getattr(a, "name", "")) for a in args):
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return write_item(*args, **kwargs)
+
+    monkeypatch.setattr(dcp_fs, "_write_item", full_at_step_2)
+    run = tmp_path / "run"
+    argv = ["train", "--run-dir", str(run), *TRIAL_MODEL, "--train.max_steps=2", "--checkpoint.interval=1"]
+    code = main_code([*argv, "--metrics.progress_bar=off", "--checkpoint.write_threads=2"])
+    out, err = capfd.readouterr()
+    assert code == 1 and "Traceback" not in out + err and "Exception in thread" not in err, err[-3000:]
+    assert "disk full (ENOSPC) while saving checkpoint" in err and "step_1 is intact and stays latest" in err
+    assert read_latest(run / "checkpoints") == run / "checkpoints" / "step_1"
