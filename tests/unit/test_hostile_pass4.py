@@ -413,3 +413,30 @@ def test_class8_a_full_disk_prints_no_traceback_before_its_message(
     assert code == 1 and "Traceback" not in out + err and "Exception in thread" not in err, err[-3000:]
     assert "disk full (ENOSPC) while saving checkpoint" in err and "step_1 is intact and stays latest" in err
     assert read_latest(run / "checkpoints") == run / "checkpoints" / "step_1"
+
+
+@pytest.fixture
+def small_tmpfs(tmp_path: Path) -> object:
+    """A 1.5 MiB tmpfs (room for one tiny checkpoint, not two); skipped where mounting is not allowed."""
+    import subprocess
+
+    mnt = tmp_path / "small"
+    mnt.mkdir()
+    if os.geteuid() != 0 or subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1500k", "tmpfs", str(mnt)]).returncode:
+        pytest.skip("mounting a size-limited tmpfs needs root")
+    yield mnt
+    subprocess.run(["umount", "-l", str(mnt)], check=False)
+
+
+@pytest.mark.filterwarnings("error::pytest.PytestUnhandledThreadExceptionWarning")
+def test_class8_a_real_full_filesystem(tmp_path: Path, small_tmpfs: Path, capfd: pytest.CaptureFixture[str]) -> None:
+    from kforge_cli.rundir.checkpoints import read_latest
+
+    run, ckpts = tmp_path / "run", small_tmpfs / "ckpt"
+    argv = ["train", "--run-dir", str(run), *TRIAL_MODEL, "--train.max_steps=3", "--checkpoint.interval=1"]
+    code = main_code([*argv, f"--checkpoint.dir={ckpts}", "--metrics.progress_bar=off", "--checkpoint.write_threads=2"])
+    out, err = capfd.readouterr()
+    assert code == 1 and "Traceback" not in out + err and "Exception in thread" not in err, err[-3000:]
+    assert "disk full (ENOSPC) while saving checkpoint" in err and "is intact and stays latest" in err, err[-2000:]
+    latest = read_latest(ckpts)
+    assert latest is not None and (latest / "kforge_commit.json").is_file()
