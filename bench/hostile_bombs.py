@@ -211,7 +211,7 @@ def main() -> dict[str, Any]:
             rows[command] = {name: measure(cmd, env, opts.timeout) for name, cmd in variants.items()}
     finally:
         shutil.rmtree(work, ignore_errors=True)
-    print(f"{'command':<15}{'input':<16}{'peak MB':>10}{'x honest':>10}{'wall s':>9}{'x honest':>10}{'exit':>9}")
+    print(f"{'command':<17}{'input':<20}{'peak MB':>10}{'x honest':>10}{'wall s':>9}{'x honest':>10}{'exit':>9}")
     worst_rss = worst_wall = 0.0
     for command, variants in rows.items():
         base = variants["honest"]
@@ -221,7 +221,7 @@ def main() -> dict[str, Any]:
             if name != "honest":
                 worst_rss, worst_wall = max(worst_rss, rss), max(worst_wall, wall)
             print(
-                f"{command:<15}{name:<16}{r['peak_rss_mb']:>10.1f}{rss:>10.2f}{r['wall_s']:>9.2f}{wall:>10.2f}"
+                f"{command:<17}{name:<20}{r['peak_rss_mb']:>10.1f}{rss:>10.2f}{r['wall_s']:>9.2f}{wall:>10.2f}"
                 f"{r['exit']!s:>9}"
             )
     print(f"worst bomb/honest: peak RSS {worst_rss:.2f}x, wall time {worst_wall:.2f}x (target <= 2.00)")
