@@ -8,7 +8,10 @@ files claim something huge:
   max_seq_len=2**23 or n_layers=1e6, and on an HF directory whose config.json claims the same;
 - ``inspect-ckpt --verify`` on a train state claiming world_size=300000;
 - ``runs`` and ``plot`` on a 144 MB metrics.jsonl (one 16 MB line, then ~850k records);
-- ``eval`` on a multiple-choice task with a 50 MB context.
+- ``eval`` on a multiple-choice task with a 50 MB context;
+- (issue 40) ``generate --prompt-file`` on a 1 GiB file, ``eval`` on a 1.5 KB lm-eval task YAML
+  alias bomb, ``generate`` on Hugging Face configs claiming ERNIE-4.5-MoE with
+  ``moe_layer_interval: 0`` or 1e12 layers.
 
 Every command runs alone in a child process (peak RSS from ``os.wait4``, wall time around
 it; a command still running after ``--timeout`` seconds is killed and reported). The honest
@@ -164,6 +167,32 @@ def build(work: Path, env: dict[str, str]) -> dict[str, dict[str, list[str]]]:
         "honest": [*kforge(), "eval", str(step), "--task", str(work / "small.jsonl")],
         "context_50MB": [*kforge(), "eval", str(step), "--task", str(work / "huge.jsonl")],
     }
+    # Issue 40: a prompt file, a task YAML alias bomb, crafted HF configs of the newer import classes.
+    (work / "prompt.txt").write_text("Once upon a time\n")
+    with (work / "prompt_1GiB.txt").open("wb") as f:  # sparse: costs no disk
+        f.truncate(1 << 30)
+    gen = ["--max-new-tokens", "8", "--temperature", "0"]
+    cases["generate file"] = {
+        "honest": [*kforge(), "generate", str(step), "--prompt-file", str(work / "prompt.txt"), *gen],
+        "prompt_1GiB": [*kforge(), "generate", str(step), "--prompt-file", str(work / "prompt_1GiB.txt"), *gen],
+    }
+    honest_yaml = HERE.parent / "tests" / "data" / "lm_eval" / "kforge_tiny_mc.yaml"
+    bomb = ["task: bomb", 'a0: &a0 ["x","x","x","x","x","x","x","x","x"]']
+    bomb += [f"a{i}: &a{i} [" + ",".join([f"*a{i - 1}"] * 9) + "]" for i in range(1, 12)]
+    (work / "bomb.yaml").write_text("\n".join(bomb) + "\n")
+    cases["eval lm-eval"] = {
+        "honest": [*kforge(), "eval", str(step), "--task", f"lm-eval:{honest_yaml}", "--limit", "4"],
+        "alias_bomb_1.5KB": [*kforge(), "eval", str(step), "--task", f"lm-eval:{work / 'bomb.yaml'}"],
+    }
+    cases["generate hf moe"] = {"honest": [*kforge(), "generate", str(hf), *GENERATE]}
+    ernie = {"model_type": "ernie4_5_moe", "moe_intermediate_size": 32, "moe_num_experts": 4, "moe_k": 2}
+    for name, claims in {
+        "ernie_interval_0": {**ernie, "moe_layer_interval": 0},
+        "ernie_layers_1e12": {**ernie, "num_hidden_layers": 10**12},
+    }.items():
+        copy = Path(shutil.copytree(hf, work / f"hf_{name}"))
+        _claim_in_hf(copy, claims)
+        cases["generate hf moe"][name] = [*kforge(), "generate", str(copy), *GENERATE]
     return cases
 
 
@@ -182,7 +211,7 @@ def main() -> dict[str, Any]:
             rows[command] = {name: measure(cmd, env, opts.timeout) for name, cmd in variants.items()}
     finally:
         shutil.rmtree(work, ignore_errors=True)
-    print(f"{'command':<15}{'input':<16}{'peak MB':>10}{'x honest':>10}{'wall s':>9}{'x honest':>10}{'exit':>9}")
+    print(f"{'command':<17}{'input':<20}{'peak MB':>10}{'x honest':>10}{'wall s':>9}{'x honest':>10}{'exit':>9}")
     worst_rss = worst_wall = 0.0
     for command, variants in rows.items():
         base = variants["honest"]
@@ -192,7 +221,7 @@ def main() -> dict[str, Any]:
             if name != "honest":
                 worst_rss, worst_wall = max(worst_rss, rss), max(worst_wall, wall)
             print(
-                f"{command:<15}{name:<16}{r['peak_rss_mb']:>10.1f}{rss:>10.2f}{r['wall_s']:>9.2f}{wall:>10.2f}"
+                f"{command:<17}{name:<20}{r['peak_rss_mb']:>10.1f}{rss:>10.2f}{r['wall_s']:>9.2f}{wall:>10.2f}"
                 f"{r['exit']!s:>9}"
             )
     print(f"worst bomb/honest: peak RSS {worst_rss:.2f}x, wall time {worst_wall:.2f}x (target <= 2.00)")

@@ -47,15 +47,27 @@ def evaluate(
     ] = False,
     no_log: Annotated[bool, typer.Option("--no-log", hidden=True)] = False,  # the default now (see --track)
     as_json: Annotated[bool, typer.Option("--json", help="Print the results as JSON.")] = False,
+    allow_hooks: Annotated[
+        list[str] | None,
+        typer.Option(
+            "--allow-hooks",
+            help="Import these modules (comma-separated) that an lm-eval task YAML's `!function` tags name "
+            "(Python beside the YAML or installed). Without it such a task is refused; built-in tasks need none.",
+        ),
+    ] = None,
 ) -> None:
     """Score the checkpoint on each --task; results go to RUN_DIR/eval/step_N.json (and with --track to the
     run's metrics.jsonl and trackers)."""
-    from kforge_cli.engine.inference.evaluate import log_to_trackers, run_task, task_name, write_results
+    from kforge_cli.engine.inference.evaluate import check_task, log_to_trackers, run_task, task_name, write_results
     from kforge_cli.engine.inference.source import open_for_inference
 
+    for spec in task:  # printable names; a task file's bounds and code consent, before the checkpoint is loaded
+        check_task(spec, allow_hooks)
     loaded = open_for_inference(ckpt, device=device, tokenizer=tokenizer)
     cap = max_batches if max_batches is not None else steps
-    results = {task_name(spec): run_task(loaded, spec, max_batches=cap, limit=limit) for spec in task}
+    results = {
+        task_name(spec): run_task(loaded, spec, max_batches=cap, limit=limit, allow_hooks=allow_hooks) for spec in task
+    }
     path = write_results(loaded, results)
     logged = track and not no_log
     backends = log_to_trackers(loaded, results) if logged else []

@@ -19,21 +19,48 @@ def register(app: typer.Typer) -> None:
     app.command("generate")(generate)
 
 
-def _prompts(prompt: list[str] | None, prompt_file: Path | None) -> list[str]:
-    """--prompt values, then one prompt per non-empty line of --prompt-file; stdin when neither is given."""
+MAX_PROMPT_BYTES = 8 << 20  # --prompt-file and standard input: a prompt longer than any model's context is refused
+
+
+def _decode_capped(data: bytes, what: str) -> str:
     from kforge_cli.errors import InvalidInputError
+
+    if len(data) > MAX_PROMPT_BYTES:
+        raise InvalidInputError(
+            f"{what} is longer than {MAX_PROMPT_BYTES} bytes (kforge reads at most that much): no model's "
+            "context holds it; shorten it or split it into prompts"
+        )
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise InvalidInputError(f"{what} is not UTF-8 text (byte {exc.start}: {exc.reason})") from None
+
+
+def _prompts(prompt: list[str] | None, prompt_file: Path | None) -> list[str]:
+    """--prompt values, then one prompt per non-empty line of --prompt-file; stdin when neither is given.
+
+    Both are read capped at ``MAX_PROMPT_BYTES`` (exit 2 beyond it); --prompt-file only as a
+    regular file (``/dev/zero`` or a FIFO is refused unread: pipe text on standard input instead).
+    """
+    from kforge_cli.errors import InvalidInputError
+    from kforge_cli.files import open_regular
 
     prompts = list(prompt or [])
     if prompt_file is not None:
         try:
-            lines = prompt_file.read_text(encoding="utf-8").splitlines()
-        except (OSError, UnicodeDecodeError) as exc:
-            raise InvalidInputError(f"--prompt-file {prompt_file} is unreadable ({exc})") from exc
-        prompts += [line for line in lines if line.strip()]
+            with open_regular(prompt_file) as f:
+                data = f.read(MAX_PROMPT_BYTES + 1)
+        except InvalidInputError as exc:
+            raise InvalidInputError(f"--prompt-file: {exc} (pipe a stream on standard input instead)") from None
+        except OSError as exc:
+            raise InvalidInputError(f"--prompt-file {prompt_file} is unreadable ({exc.strerror or exc})") from None
+        prompts += [line for line in _decode_capped(data, f"--prompt-file {prompt_file}").splitlines() if line.strip()]
     if not prompts and prompt_file is None:
         if sys.stdin.isatty():
             raise InvalidInputError("no prompt: pass --prompt TEXT, --prompt-file FILE, or pipe text on stdin")
-        text = sys.stdin.read()
+        stream = getattr(sys.stdin, "buffer", None)  # a test's replaced stdin may be text only
+        raw = stream.read(MAX_PROMPT_BYTES + 1) if stream is not None else sys.stdin.read(MAX_PROMPT_BYTES + 1).encode()
+        text = _decode_capped(raw, "the prompt on standard input")
         if text.strip():
             prompts.append(text.rstrip("\n"))
     if not prompts:

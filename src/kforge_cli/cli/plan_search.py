@@ -62,7 +62,13 @@ def search_command(
         path = write_best_profile(settings, result.top[0], write_profile, overwrite=overwrite)
         typer.echo(f"wrote {path}: kforge validate-config --profile {path}", err=fmt == "json")
     if trial:
-        from kforge_cli.cli.plan_trials import format_trials, run_trials
+        from kforge_cli.cli.plan_trials import failed_trials, format_trials, run_trials
 
         results = run_trials(settings, result, result.top[:trial], steps, trial_dir)
         typer.echo(format_trials(results, steps), err=fmt == "json")
+        failed = failed_trials(results)
+        if failed:  # the command fails with them: a sweep's caller must not take a missing number for a result
+            typer.echo(
+                f"{len(failed)} of {len(results)} trials failed; see {', '.join(t.log for t in failed)}", err=True
+            )
+            raise typer.Exit(1)

@@ -21,7 +21,7 @@ import statistics
 import subprocess
 import sys
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -37,6 +37,46 @@ TRIAL_OVERRIDES = [
     "--metrics.log_interval=1",
     "--metrics.progress_bar=off",
 ]
+
+
+def isolate(settings: Any, run_dir: Path) -> tuple[Any, list[str]]:
+    """`settings` for a trial in `run_dir`: everything pointing outside it set by the trial; what was overridden.
+
+    A trial never resumes from, loads, writes or deletes anything outside its run directory
+    (TRIAL_DIR/trial-K/run): its checkpoints are RUN_DIR/checkpoints and it never resumes
+    (``checkpoint.dir``, ``load_path``, ``init_from``, ``resume``), it logs to its own
+    metrics.jsonl only (no W&B, MLflow or TensorBoard run to continue) and records no
+    profiler trace. Returns a copy (`settings` is untouched) and the overridden settings the
+    user had set, as ``key=value``.
+    """
+    changes: list[str] = []
+
+    def own(section: str, values: dict[str, Any], quiet: tuple[str, ...] = ()) -> Any:
+        current = getattr(settings, section)
+        update = {k: v for k, v in values.items() if getattr(current, k) != v}
+        changes.extend(
+            f"{section}.{k}={getattr(current, k)!r}"
+            for k in update
+            if k not in quiet and getattr(current, k) not in (None, [], False)
+        )
+        return current.model_copy(update=update)
+
+    checkpoint = own(
+        "checkpoint",
+        {
+            "dir": str(run_dir / "checkpoints"),
+            "load_path": None,
+            "init_from": None,
+            "exclude_from_loading": [],
+            "resume": "never",
+        },
+        quiet=("resume",),
+    )
+    metrics = own("metrics", {"backends": ["jsonl"], "wandb_run_id": None, "mlflow_run_id": None})
+    profiling = own("profiling", {"enabled": False, "trace_dir": None})
+    train = own("train", {"run_dir": str(run_dir)})
+    update = {"checkpoint": checkpoint, "metrics": metrics, "profiling": profiling, "train": train}
+    return settings.model_copy(update=update), changes
 
 
 def warmup(steps: int) -> int:
@@ -107,6 +147,8 @@ def _trial_env(index: int, slurm: bool) -> dict[str, str]:
     env = dict(os.environ)
     for name in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK"):
         env.pop(name, None)  # stale launcher variables would make every task think it is torchrun's
+    for name in [n for n in env if n.upper().startswith("KFORGE_") and "__" in n]:
+        del env[name]  # KFORGE_SECTION__KEY: already in the trial's profile, less what isolate() set
     if slurm:
         from kforge_cli.engine.runtime.launcher import port_from_job_id
 
@@ -147,11 +189,24 @@ def run_trials(
     out = _fresh_dir(trial_dir)
     slurm = in_slurm_allocation()
     results: list[TrialResult] = []
+    _, reset = isolate(settings, out)
+    if reset:
+        typer.echo(
+            f"trials: not using {', '.join(reset)}: a trial resumes, loads and writes nothing outside {out}",
+            err=True,
+        )
     for i, cand in enumerate(candidates, 1):
         here = real_dir(out / f"trial-{i}")
         profile = here / "profile.toml"
-        atomic_write(profile, candidate_profile(settings, cand).encode())
         run_dir = here / "run"
+        own = replace(cand, settings=isolate(cand.settings, run_dir)[0])
+        try:
+            text = candidate_profile(settings, own)
+        except InvalidInputError as exc:  # the profile it extends sets a path a trial cannot unset in TOML
+            raise InvalidInputError(
+                f"cannot write trial {i}'s profile: {exc}. A trial runs only inside {out}: use a profile without it"
+            ) from None
+        atomic_write(profile, text.encode())
         sl = cand.settings.slurm
         cmd = trial_command(profile, run_dir, steps, cand.dims.world_size, sl.nodes, sl.gpus_per_node, slurm=slurm)
         log = here / "train.log"
@@ -188,6 +243,11 @@ def run_trials(
     return results
 
 
+def failed_trials(results: list[TrialResult]) -> list[TrialResult]:
+    """The trials that measured nothing (a non-zero exit, or no timed step)."""
+    return [t for t in results if t.measured_step_s is None]
+
+
 def format_trials(results: list[TrialResult], steps: int) -> str:
     """Predicted beside measured, ranked by the measured step time (failed trials last)."""
     ranked = sorted(results, key=lambda t: (t.measured_step_s is None, t.measured_step_s or 0.0))
@@ -200,10 +260,11 @@ def format_trials(results: list[TrialResult], steps: int) -> str:
     ]
     for n, t in enumerate(ranked, 1):
         if t.measured_step_s is None or t.measured_tokens_per_s is None:
+            why = f"exit {t.exit_code}" if t.exit_code else "exit 0 but no timed step measured"
             lines.append(
                 f"  {'-':>4} {t.index:>2} {t.predicted_step_s:>9.3g}s {'failed':>10} {'':>7} "
                 f"{t.predicted_tokens_per_s:>11,.0f} {'':>11} {t.planned_peak_gib:>7.2f}G {'':>14}  {t.layout} "
-                f"(exit {t.exit_code}; see {t.log})"
+                f"({why}; see {t.log})"
             )
             continue
         peak = f"{t.measured_peak_gib:.2f}G" if t.measured_peak_gib is not None else "-"

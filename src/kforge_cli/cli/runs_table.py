@@ -147,16 +147,16 @@ def _take(line: bytes, keys: tuple[str, ...], found: dict[str, tuple[int, float]
     wanted = [k for k in keys if k not in found and f'"{k}"'.encode() in line]
     if not wanted:
         return
-    try:
-        record = json.loads(line)
-    except ValueError:
-        return
-    if not isinstance(record, dict) or not isinstance(record.get("step"), int):
+    from kforge_cli.engine.observe.metrics_file import record_of
+
+    record = record_of(line)  # damaged, or holding an integer no float takes: skipped
+    step = record.get("step") if record is not None else None
+    if record is None or not isinstance(step, int):
         return
     for key in wanted:
         value = record.get(key)
         if isinstance(value, int | float) and not isinstance(value, bool):
-            found[key] = (record["step"], float(value))
+            found[key] = (step, float(value))
 
 
 def _logs(run: RunDir) -> list[Path]:

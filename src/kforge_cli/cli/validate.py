@@ -104,8 +104,7 @@ def validate_config(
         typer.echo(explain_key(resolved, explain))
         return
     n = world_size if world_size is not None else s.slurm.world_size
-    if n < 1:
-        raise InvalidInputError(f"--world-size must be >= 1 (got {n})")
+    _check_numbers(n, mfu, top, global_batch, memory_share, trial, steps)
     if search or write_profile or trial or sbatch:
         if not (plan and search):
             raise InvalidInputError("--search, --write-profile, --trial and --sbatch go with --plan --search")
@@ -146,6 +145,37 @@ def validate_config(
         _print_summary(s, dims, n)
     if plan:
         _plan(s, n, rank, fmt, 0.4 if mfu is None else mfu)
+
+
+MAX_TRIAL_STEPS = 100_000  # a trial measures step time: hundreds of steps are plenty
+MAX_TRIALS = 100
+MAX_TOP = 1000
+MAX_GLOBAL_BATCH = 1 << 40
+
+
+def _check_numbers(
+    world: int, mfu: float | None, top: int, batch: int | None, share: float, trial: int, steps: int
+) -> None:
+    """The numeric options, each within its documented range (exit 2), before anything is computed from them."""
+    import math
+
+    from kforge_cli.errors import InvalidInputError
+    from kforge_cli.settings.infrastructure import MAX_WORLD_SIZE
+
+    if not 1 <= world <= MAX_WORLD_SIZE:
+        raise InvalidInputError(f"--world-size must be from 1 to {MAX_WORLD_SIZE:,}, kforge's maximum (got {world})")
+    if mfu is not None and not (math.isfinite(mfu) and 0 < mfu <= 1):
+        raise InvalidInputError(f"--mfu must be a number in (0, 1], e.g. 0.4 (got {mfu})")
+    if not (math.isfinite(share) and 0 < share <= 1):
+        raise InvalidInputError(f"--memory-share must be a number in (0, 1] (got {share})")
+    for name, value, least, most in (
+        ("--top", top, 1, MAX_TOP),
+        ("--global-batch", batch, 1, MAX_GLOBAL_BATCH),
+        ("--trial", trial, 0, MAX_TRIALS),
+        ("--steps", steps, 2, MAX_TRIAL_STEPS),
+    ):
+        if value is not None and not least <= value <= most:
+            raise InvalidInputError(f"{name} must be from {least} to {most:,} (got {value})")
 
 
 def _print_summary(s: JobSettings, dims: ParallelDims, n: int) -> None:

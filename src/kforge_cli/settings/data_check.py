@@ -16,7 +16,7 @@ from pathlib import Path
 
 from kforge_cli.errors import ConfigIssue, InvalidInputError
 from kforge_cli.files import MAX_METADATA_BYTES, read_text_capped
-from kforge_cli.json_values import dict_of, int_of
+from kforge_cli.json_values import dict_of
 from kforge_cli.rundir.names import TOKENIZER_FILE
 from kforge_cli.settings.job import JobSettings
 
@@ -120,7 +120,21 @@ def data_issues(settings: JobSettings) -> list[ConfigIssue]:
             out += [issue] if issue else []
             continue
         tokenizer = dict_of(meta["tokenizer"], "tokenizer")  # _read_metadata checked it is one
-        vocab = int_of(meta.get("vocab_size", tokenizer.get("vocab_size", 0)))
+        where, raw = (
+            ("vocab_size", meta["vocab_size"])
+            if "vocab_size" in meta
+            else ("tokenizer.vocab_size", tokenizer.get("vocab_size", 0))
+        )
+        if isinstance(raw, bool) or not isinstance(raw, int) or not 0 <= raw < 2**63:
+            out.append(
+                ConfigIssue(
+                    key,
+                    f"{root / METADATA}: {where} is {str(raw)[:40]!r}, not a whole number of token ids: the prepared "
+                    f"directory is damaged or was edited; prepare it again with `kforge prepare-data`",
+                )
+            )
+            continue
+        vocab = raw
         if vocab > s.model.vocab_size:
             name = "byte" if tokenizer.get("kind") == "byte" else tokenizer.get("file", TOKENIZER_FILE)
             out.append(

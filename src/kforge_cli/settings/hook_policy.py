@@ -5,7 +5,9 @@ check anything about it. Hooks the user typed now (``--train.hooks=...`` or
 ``KFORGE_TRAIN__HOOKS``) are their own choice. Hooks named by a file (a profile, a
 ``--config`` file, a run's saved ``config.toml``, which a colleague may have written) are
 imported only when ``--allow-hooks`` lists their modules; otherwise the command is refused
-(exit 2) before anything is imported, naming the file and the modules. Torch-free.
+(exit 2) before anything is imported, naming the file and the modules. The same consent
+covers an lm-eval task YAML's ``!function`` tags (``kforge eval``,
+``engine/inference/lm_eval_adapter.py``). Torch-free.
 """
 
 from __future__ import annotations
@@ -45,15 +47,33 @@ def refuse_unallowed_hooks(resolved: ResolvedSettings, allowed: Sequence[str] | 
     source = resolved.source_of("train.hooks")
     if source.startswith(_TYPED_NOW):
         return
+    refuse_unallowed_code(hooks, allowed, what=f"train.hooks from {source}", command=command)
+
+
+def refuse_unallowed_code(
+    specs: Sequence[str],
+    allowed: Sequence[str] | None,
+    *,
+    what: str,
+    command: str,
+    described: Sequence[str] | None = None,
+) -> None:
+    """Raise unless ``--allow-hooks`` lists the module of every 'module:name' in `specs` (or the spec itself).
+
+    `what` says which file names the code; `described` (one per spec) says where each would come from.
+    """
     ok = parse_allowed(allowed)
-    missing = [spec for spec in hooks if spec not in ok and spec.partition(":")[0].strip() not in ok]
+    missing = [
+        i for i, spec in enumerate(specs) if not {spec, spec.replace(":", "."), spec.partition(":")[0].strip()} & ok
+    ]
     if not missing:
         return
-    modules = hook_modules(missing)
+    modules = hook_modules(specs[i] for i in missing)
+    named = [(described[i] if described else specs[i]) for i in missing]
     raise InvalidInputError(
-        f"{command}: train.hooks from {source} names Python code that would be imported and run: "
-        + ", ".join(missing)
-        + ". kforge imports hooks named by a file only when you allow them (the file may not be yours): "
+        f"{command}: {what} names Python code that would be imported and run: "
+        + ", ".join(named)
+        + f". kforge imports code named by a file only when you allow it (the file may not be yours): "
         f"check the code, then pass {ALLOW_FLAG}={','.join(modules)}"
     )
 

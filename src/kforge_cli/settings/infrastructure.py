@@ -7,6 +7,10 @@ from typing import Literal
 from kforge_cli.settings.pipeline_schedules import PipelineSchedule
 from kforge_cli.settings.section import Section, field
 
+MAX_WORLD_SIZE = 1 << 20  # processes: far above any cluster; the layout search and the rules enumerate divisors
+MAX_TIMEOUT_S = 30 * 24 * 3600  # 30 days: a timeout beyond it is no timeout (and overflows timedelta near 1e14)
+MAX_HANG_TIMEOUT_S = 7 * 24 * 3600  # 7 days without a step is a hang on any job
+
 
 class DistributedSettings(Section):
     """Parallelism over the device mesh pp x dp_replicate x dp_shard x cp x tp (dp_shard = dp_shard_mod_ep x ep)."""
@@ -38,7 +42,10 @@ class DistributedSettings(Section):
     )
     backend: str = field("cpu:gloo,cuda:nccl", "torch.distributed backend string.")
     timeout_s: int = field(
-        1800, "Timeout of collectives, in seconds (raised above an explicit resilience.hang_timeout_s).", gt=0
+        1800,
+        "Timeout of collectives, in seconds, at most 30 days (raised above an explicit resilience.hang_timeout_s).",
+        gt=0,
+        le=MAX_TIMEOUT_S,
     )
 
 
@@ -177,8 +184,9 @@ class ResilienceSettings(Section):
         "Hang watchdog: seconds without progress in a training step before every rank writes its stacks to "
         "RUN_DIR/logs/hang/ and exits 76 (requeue). None = max(10 x the median step time, 300 s), capped below "
         "the process-group timeout; 0 = off. Evaluation, saves and the first steps get the cap "
-        "(0.8 x the process-group timeout).",
+        "(0.8 x the process-group timeout). At most 604800 (7 days).",
         ge=0,
+        le=MAX_HANG_TIMEOUT_S,
     )
     hang_max_requeues: int = field(
         3, "Generated sbatch: requeue after a hang at most this many times in a row without a new checkpoint.", ge=0
@@ -208,8 +216,8 @@ class ResilienceSettings(Section):
 class SlurmSettings(Section):
     """The cluster shape and SLURM job options (also the default world size)."""
 
-    nodes: int = field(1, "Number of nodes.", gt=0)
-    gpus_per_node: int = field(1, "GPUs (= training processes) per node.", gt=0)
+    nodes: int = field(1, "Number of nodes (nodes x gpus_per_node at most 1,048,576).", gt=0, le=MAX_WORLD_SIZE)
+    gpus_per_node: int = field(1, "GPUs (= training processes) per node.", gt=0, le=MAX_WORLD_SIZE)
     gpu_type: str = field("cpu", "Accelerator type: h100, h200, a100, cpu, ...")
     gpu_memory_gb: float = field(80.0, "Memory of one accelerator in GB.", gt=0)
     partition: str | None = field(None, "SLURM partition.")

@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
+from contextvars import ContextVar
+
 from pydantic import field_validator
-from pydantic_settings import BaseSettings, SettingsConfigDict
+from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
 
 from kforge_cli.settings.data import DataSettings, EvalSettings
 from kforge_cli.settings.infrastructure import (
@@ -18,6 +22,18 @@ from kforge_cli.settings.infrastructure import (
 from kforge_cli.settings.section import field, reject_control_characters
 from kforge_cli.settings.training import ModelSettings, OptimizerSettings, SchedulerSettings, TrainSettings
 from kforge_cli.settings.vlm import AdapterSettings, VideoSettings, VisionEncoderSettings, VLMSettings
+
+_READ_ENV: ContextVar[bool] = ContextVar("kforge_read_env", default=True)
+
+
+@contextmanager
+def without_environment() -> Iterator[None]:
+    """Build :class:`JobSettings` inside from the given values only (``load_settings(use_env=False)``)."""
+    token = _READ_ENV.set(False)
+    try:
+        yield
+    finally:
+        _READ_ENV.reset(token)
 
 
 class JobSettings(BaseSettings):
@@ -56,6 +72,19 @@ class JobSettings(BaseSettings):
     adapter: AdapterSettings | None = field(None, "Vision-to-text adapter (VLM jobs only).")
     vlm: VLMSettings | None = field(None, "Vision-language architecture (VLM jobs only).")
     video: VideoSettings | None = field(None, "Video clips (video VLM jobs only).")
+
+    @classmethod
+    def settings_customise_sources(
+        cls,
+        settings_cls: type[BaseSettings],
+        init_settings: PydanticBaseSettingsSource,
+        env_settings: PydanticBaseSettingsSource,
+        dotenv_settings: PydanticBaseSettingsSource,
+        file_secret_settings: PydanticBaseSettingsSource,
+    ) -> tuple[PydanticBaseSettingsSource, ...]:
+        if not _READ_ENV.get():  # load_settings(use_env=False): the values given, nothing from the environment
+            return (init_settings,)
+        return (init_settings, env_settings, dotenv_settings, file_secret_settings)
 
     @field_validator("profile", mode="after")
     @classmethod

@@ -12,6 +12,7 @@ import difflib
 import tomllib
 import types
 import typing
+from contextlib import nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -20,7 +21,7 @@ from pydantic_core import ErrorDetails
 from pydantic_settings import EnvSettingsSource
 
 from kforge_cli.errors import ConfigError, ConfigIssue, InvalidInputError
-from kforge_cli.settings.job import JobSettings
+from kforge_cli.settings.job import JobSettings, without_environment
 from kforge_cli.settings.profiles import (
     DEFAULT_PROFILE,
     ENV_PATH,
@@ -101,7 +102,12 @@ def parse_overrides(args: list[str]) -> list[tuple[str, object]]:
             i += 1
         else:
             raise InvalidInputError(f"override {arg} has no value: write {arg}=VALUE")
-        pairs.append((key.replace("-", "_"), parse_override_value(raw)))
+        try:
+            value = parse_override_value(raw)
+        except (ValueError, RecursionError) as exc:  # a number of > 4300 digits; a value nested thousands deep
+            why = "it is nested too deeply" if isinstance(exc, RecursionError) else str(exc).split(";")[0]
+            raise InvalidInputError(f"override --{key}: its value is not usable ({why}); give a plain value") from None
+        pairs.append((key.replace("-", "_"), value))
         i += 1
     return pairs
 
@@ -185,11 +191,13 @@ def load_settings(
     from kforge_cli.settings.rules import config_warnings
 
     try:
-        settings = JobSettings.model_validate(merged)
+        with nullcontext() if use_env else without_environment():  # use_env=False: not even JobSettings' own read
+            settings = JobSettings.model_validate(merged)
     except ValidationError as exc:
         errors = exc.errors()
         problems = [_issue_from_pydantic(err, sources) for err in errors]
-        rest = _validate_without(merged, [err["loc"] for err in errors])  # the rules, in the same report
+        with nullcontext() if use_env else without_environment():
+            rest = _validate_without(merged, [err["loc"] for err in errors])  # the rules, in the same report
         if rest is not None:
             reported = {p.path for p in problems}
             problems += [p for p in _rule_issues(rest, for_run) if p.path not in reported]
@@ -278,7 +286,12 @@ def _issue_from_pydantic(err: ErrorDetails, sources: dict[str, str]) -> ConfigIs
         message = "unknown key" + (f" (from {where})" if where else "")
         return ConfigIssue(path, message + (f"; did you mean {hint}?" if hint else ""))
     value = err.get("input")
-    shown = f" (got {value!r})" if not isinstance(value, dict | list) else ""
+    text = (
+        repr(value)
+        if not isinstance(value, int) or abs(value) < 10**40
+        else f"{str(value)[:20]}... ({len(str(value))} digits)"
+    )
+    shown = f" (got {text if len(text) <= 200 else text[:200] + '...'})" if not isinstance(value, dict | list) else ""
     where = sources.get(path)
     origin = f" [from {where}]" if where else ""
     return ConfigIssue(path, f"{err['msg']}{shown}{origin}")

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from kforge_cli.errors import ConfigError, ConfigIssue
 from kforge_cli.settings.context_parallel import context_parallel_issues
+from kforge_cli.settings.infrastructure import MAX_WORLD_SIZE
 from kforge_cli.settings.job import JobSettings
 from kforge_cli.settings.moe import ep_dp_shard_issues, expert_parallel_issues, moe_issues
 from kforge_cli.settings.parallel_dims import ParallelDims
@@ -42,6 +43,14 @@ def config_issues(s: JobSettings) -> list[ConfigIssue]:
     """Cross-field and cross-section rules that need only the config."""
     out: list[ConfigIssue] = []
     m, t = s.model, s.train
+    if s.slurm.world_size > MAX_WORLD_SIZE:
+        out.append(
+            ConfigIssue(
+                "slurm.nodes",
+                f"slurm.nodes x slurm.gpus_per_node = {s.slurm.world_size:,} processes, above kforge's maximum "
+                f"world size {MAX_WORLD_SIZE:,}",
+            )
+        )
     if m.dim % m.n_heads:
         out.append(ConfigIssue("model.dim", f"{m.dim} is not divisible by model.n_heads ({m.n_heads})"))
     elif m.head_dim % 2:
@@ -214,6 +223,8 @@ def _vlm_issues(s: JobSettings) -> list[ConfigIssue]:
 def world_size_issues(s: JobSettings, world_size: int) -> list[ConfigIssue]:
     """Rules that depend on the number of processes the job runs with."""
     out: list[ConfigIssue] = []
+    if not 1 <= world_size <= MAX_WORLD_SIZE:
+        return [ConfigIssue("slurm", f"world size {world_size} is not from 1 to {MAX_WORLD_SIZE:,} (kforge's maximum)")]
     d, m = s.distributed, s.model
     fixed = d.dp_replicate * d.tp * d.pp * d.cp * (d.dp_shard if d.dp_shard > 0 else 1)
     if d.dp_shard == -1:

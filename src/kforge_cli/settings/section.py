@@ -6,8 +6,10 @@ documentation printed by ``kforge validate-config --explain KEY``.
 
 Values are checked as untrusted input: no float may be NaN or infinite (``allow_inf_nan``
 is off everywhere; ``--optimizer.lr=inf`` would otherwise train to NaN and exit 0), and no
-string may hold a control character (a newline in a name or path lands verbatim in log
-lines and generated job scripts).
+string may hold an unprintable character (a newline in a name or path lands verbatim in log
+lines and generated job scripts; a right-to-left override or zero-width space makes it read
+as something else): control, format, line/paragraph separator characters and spaces other
+than " " are refused (:data:`UNPRINTABLE_CATEGORIES`).
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validat
 
 _V = TypeVar("_V")
 
+MAX_INT = 2**63 - 1  # every integer setting fits a 64-bit integer (a tensor, a C long, a timedelta's seconds)
 SETTINGS_CONFIG = ConfigDict(extra="forbid", validate_assignment=True, frozen=False, allow_inf_nan=False)
 
 
@@ -34,13 +37,32 @@ def is_int_field(annotation: object) -> bool:
     return False
 
 
+# Unicode categories no setting string may hold: control (Cc), format (Cf: right-to-left overrides,
+# zero-width spaces and joiners, soft hyphens), line and paragraph separators (Zl, Zp), surrogates
+# (Cs) and private use (Co); of the space separators (Zs) only the plain space " ". Each can make a
+# name, path or job-script line read differently from what it is, or end a line where none shows.
+UNPRINTABLE_CATEGORIES = frozenset({"Cc", "Cf", "Zl", "Zp", "Cs", "Co"})
+
+
+def unprintable(char: str) -> bool:
+    """True for a character a name, path or script line must not hold (see ``UNPRINTABLE_CATEGORIES``)."""
+    category = unicodedata.category(char)
+    return category in UNPRINTABLE_CATEGORIES or (category == "Zs" and char != " ")
+
+
+def describe_character(char: str) -> str:
+    """``'\u202e' (U+202E RIGHT-TO-LEFT OVERRIDE)``: what a refusal names."""
+    return f"{char!r} (U+{ord(char):04X} {unicodedata.name(char, 'unnamed')})"
+
+
 def control_character(value: object, where: str = "") -> tuple[str, str] | None:
-    """(the first control character in `value`, where: "" or " in item 0" / " in key 'k'"), else None.
+    """(the first unprintable character in `value` (:func:`unprintable`), where: "" or " in item 0" /
+    " in key 'k'"), else None.
 
     Looks into strings inside lists, tuples and dicts (keys and values); sections validate their own.
     """
     if isinstance(value, str):
-        found = next((c for c in value if unicodedata.category(c) == "Cc"), None)
+        found = next((c for c in value if unprintable(c)), None)
         return (found, where) if found is not None else None
     items: list[tuple[object, str]] = []
     if isinstance(value, list | tuple):
@@ -55,8 +77,8 @@ def reject_control_characters(value: _V) -> _V:
     if hit is not None:
         char, where = hit
         raise ValueError(
-            f"contains the control character {char!r}{where}; names, paths, tags and other strings must be "
-            "printable text"
+            f"contains a control character or other unprintable one, {describe_character(char)}{where}; names, paths, tags and other "
+            "strings must be printable text (no control, format or line-separator characters, no spaces but ' ')"
         )
     return value
 
@@ -82,6 +104,8 @@ class Section(BaseModel):
             raise ValueError(f"must be an integer, not the string {value!r}: write it without quotes")
         if isinstance(value, float):
             raise ValueError(f"must be an integer, not the float {value!r}: write it without a decimal point")
+        if isinstance(value, int) and not -MAX_INT <= value <= MAX_INT:
+            raise ValueError(f"must be an integer from {-MAX_INT} to {MAX_INT}")
         return value
 
 

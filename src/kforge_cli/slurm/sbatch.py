@@ -20,7 +20,7 @@ from kforge_cli.rundir.layout import RunDir
 from kforge_cli.settings import JobSettings
 from kforge_cli.settings.hook_policy import allow_flag
 from kforge_cli.settings.infrastructure import SlurmSettings
-from kforge_cli.settings.section import control_character
+from kforge_cli.settings.section import control_character, describe_character
 from kforge_cli.slurm.template import fill, find_template, placeholders
 
 MAX_SIGNAL_S = 0xFFFF  # sbatch's limit on --signal=SIG@seconds
@@ -108,7 +108,9 @@ def _directive(option: str, value: object | None = None) -> str:
         return f"#SBATCH --{option}"
     text = str(value)
     if control_character(text) is not None:  # slurm_issues/_unsafe_paths refuse these first: never a 2nd line
-        raise ConfigError([ConfigIssue(f"slurm ({option})", f"{text!r} holds a control character")])
+        raise ConfigError(
+            [ConfigIssue(f"slurm ({option})", f"{text!r} holds a control character or other unprintable one")]
+        )
     if re.search(r"[\s\"']", text):
         text = '"' + text.replace('"', '\\"') + '"'
     return f"#SBATCH --{option}={text}"
@@ -214,12 +216,16 @@ def train_command(run_dir: Path, python: str, hooks: Sequence[str] = ()) -> list
 def _unsafe_paths(run_dir: Path, python: str, workdir: Path) -> list[ConfigIssue]:
     """Paths that enter the script unquoted (a comment, #SBATCH values) must be one line of printable text.
 
-    Settings already refuse control characters; these paths can also come from the working
+    Settings already refuse unprintable characters; these paths can also come from the working
     directory or the Python executable, so they are checked here too.
     """
     named = {"train.run_dir": str(run_dir), "working directory": str(workdir), "python executable": python}
     return [
-        ConfigIssue(name, f"{value!r} holds the control character {hit[0]!r}; it cannot go into a job script")
+        ConfigIssue(
+            name,
+            f"{value!r} holds a control character or other unprintable one, {describe_character(hit[0])}; it cannot "
+            "go into a job script",
+        )
         for name, value in named.items()
         if (hit := control_character(value)) is not None
     ]

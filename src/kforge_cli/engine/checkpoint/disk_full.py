@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import errno
 import shutil
+import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -52,15 +53,38 @@ def _free_bytes(path: Path) -> int | None:
 
 
 def is_disk_full(exc: BaseException, path: Path) -> bool:
-    if any(isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EDQUOT) for e in _chain(exc)):
+    if _full(exc):
         return True
     free = _free_bytes(path)
     return free is not None and free < LOW_FREE_BYTES
 
 
+def _full(exc: BaseException) -> bool:
+    return any(isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EDQUOT) for e in _chain(exc))
+
+
+def _quiet_writer_threads() -> None:
+    """DCP's writer threads (``_write_files_from_queue``) die of the ENOSPC themselves, and Python prints
+    their traceback before the saving thread reports it: keep that one quiet (the saving thread raises
+    :class:`DiskFullError` with the whole story). Any other thread exception is printed as before."""
+    previous = threading.excepthook
+    if getattr(previous, "kforge_disk_full", False):
+        return
+
+    def hook(args: threading.ExceptHookArgs) -> None:
+        name = getattr(args.thread, "name", "") or ""
+        if args.exc_value is not None and "_write_files_from_queue" in name and _full(args.exc_value):
+            return
+        previous(args)
+
+    hook.kforge_disk_full = True  # type: ignore[attr-defined]
+    threading.excepthook = hook
+
+
 @contextmanager
 def disk_full_explained(step_dir: Path, root: Path) -> Iterator[None]:
     """Re-raise a save failure caused by a full disk as :class:`DiskFullError` naming the path."""
+    _quiet_writer_threads()
     try:
         yield
     except KforgeError:

@@ -207,6 +207,9 @@ def _shard_path(root: Path, entry: object) -> tuple[Path, int, int | None]:
         raise _bad(root, f"shard {name}: token count {tokens!r} is not an integer >= 0")
     if max_id is not None and (isinstance(max_id, bool) or not isinstance(max_id, int)):
         raise _bad(root, f"shard {name}: max_id {max_id!r} is not an integer")
+    if max_id is not None and (max_id < -1 or (max_id == -1) != (tokens == 0)):
+        # -1 means empty: on a non-empty shard it would switch off the check of every read (tokens.py)
+        raise _bad(root, f"shard {name}: max_id {max_id} does not fit its {tokens} tokens")
     path = root / name
     if path.is_symlink() and not path.resolve().is_relative_to(root):
         raise _bad(root, f"shard {name} is a link to {path.resolve()}, outside the directory")
@@ -248,6 +251,10 @@ def load_prepared(root: str | Path) -> PreparedMeta:
     """Read metadata.json and check every shard: a plain name inside DIR, its dtype, length and token range."""
     root = Path(root).expanduser().resolve()
     meta = read_metadata(root)
+    for key in ("vocab_size", "eos_id"):
+        value = meta.get(key)
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise _bad(root, f"{METADATA}: {key} is {str(value)[:40]!r}, not a whole number")
     try:
         vocab, eos = int_of(meta["vocab_size"]), int_of(meta["eos_id"])
         dtype = np.dtype(_dtype_name(meta["dtype"]))

@@ -141,10 +141,33 @@ def task_name(spec: str) -> str:
     return Path(spec).stem
 
 
+def check_task(spec: str, allow_hooks: list[str] | None = None) -> None:
+    """What can be checked of a task before a checkpoint is loaded: a task YAML's bounds and the
+    consent for the Python it names (``--allow-hooks``); exit 2 otherwise. A task's name (it becomes a
+    key in RUN_DIR/eval/step_N.json, a tracker metric and a table row) must be printable text."""
+    from kforge_cli.settings.section import control_character, describe_character
+
+    hit = control_character(spec)
+    if hit is not None:
+        raise InvalidInputError(
+            f"--task {spec!r} holds a control character or other unprintable one, {describe_character(hit[0])}: "
+            "rename the file"
+        )
+    if spec.startswith("lm-eval:") and spec.endswith((".yaml", ".yml")):
+        from kforge_cli.engine.inference.lm_eval_adapter import refuse_unallowed_task_code
+
+        refuse_unallowed_task_code(spec[len("lm-eval:") :], allow_hooks)
+
+
 def run_task(
-    loaded: LoadedCheckpoint, spec: str, *, max_batches: int | None = None, limit: int | None = None
+    loaded: LoadedCheckpoint,
+    spec: str,
+    *,
+    max_batches: int | None = None,
+    limit: int | None = None,
+    allow_hooks: list[str] | None = None,
 ) -> dict[str, float]:
-    """One task spec (see the module docstring) -> its metrics."""
+    """One task spec (see the module docstring) -> its metrics (`allow_hooks`: see :func:`check_task`)."""
     if spec == "heldout":
         return heldout_loss(loaded, None, max_batches)
     if spec.startswith("heldout:"):
@@ -152,7 +175,7 @@ def run_task(
     if spec.startswith("lm-eval:"):
         from kforge_cli.engine.inference.lm_eval_adapter import run_lm_eval
 
-        return run_lm_eval(loaded, spec[len("lm-eval:") :], limit=limit)
+        return run_lm_eval(loaded, spec[len("lm-eval:") :], limit=limit, allowed=allow_hooks)
     if spec.endswith(".jsonl"):
         if not Path(spec).is_file():
             raise InvalidInputError(f"task file {spec} does not exist")

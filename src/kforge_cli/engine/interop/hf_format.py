@@ -23,6 +23,7 @@ from typing import Any
 from kforge_cli.engine.checkpoint.errors import CheckpointError
 from kforge_cli.errors import KforgeError
 from kforge_cli.files import read_text_capped
+from kforge_cli.hf_numbers import check_hf_numbers
 from kforge_cli.rundir.checkpoints import HF_CONFIG_FILE
 
 CONFIG_FILE = HF_CONFIG_FILE
@@ -164,6 +165,7 @@ def qwen3_config(llama: dict[str, Any], n_layers: int) -> dict[str, Any]:
 
 
 def read_hf_config(hf_dir: Path) -> dict[str, Any]:
+    """``HF_DIR/config.json``: read capped, a JSON object, its shape numbers bounded (:func:`check_hf_numbers`)."""
     path = hf_dir / CONFIG_FILE
     try:
         data = json.loads(_read_text(path))
@@ -171,6 +173,7 @@ def read_hf_config(hf_dir: Path) -> dict[str, Any]:
         raise CheckpointError(f"{path} is not a readable Hugging Face config ({exc})") from None
     if not isinstance(data, dict):
         raise CheckpointError(f"{path} does not hold a JSON object")
+    check_hf_numbers(data, path, error=CheckpointError)
     return data
 
 

@@ -67,7 +67,11 @@ def si(value: float, _pos: object = None) -> str:
 def _number(value: object) -> float | None:
     if isinstance(value, bool) or not isinstance(value, int | float):
         return None
-    return float(value) if math.isfinite(value) else None
+    try:
+        number = float(value)
+    except OverflowError:  # an integer beyond any float: not a value to draw
+        return None
+    return number if math.isfinite(number) else None
 
 
 def last_per_step(records: Sequence[dict[str, object]], metric: str) -> dict[int, float]:

@@ -111,16 +111,29 @@ def iter_metrics(path: Path) -> Iterator[dict[str, object]]:
                 yield record
 
 
-def _record(line: bytes) -> dict[str, object] | None:
+MAX_INT_DIGITS = 19  # a step, a token count or a loss kforge logs fits in 64 bits
+
+
+def _bounded_int(text: str) -> int:
+    if len(text.lstrip("-")) > MAX_INT_DIGITS:
+        raise ValueError(f"an integer of {len(text)} digits")  # the line is damaged: skipped like any other
+    return int(text)
+
+
+def record_of(line: bytes | str) -> dict[str, object] | None:
     """One line as a record; None for a blank, over-long or damaged line (not JSON, not UTF-8, nested too
-    deep, a number too long to convert: JSONDecodeError and UnicodeDecodeError are ValueErrors)."""
+    deep, an integer of more than 19 digits, which no float or tensor takes: JSONDecodeError and
+    UnicodeDecodeError are ValueErrors)."""
     if len(line) > MAX_LINE_BYTES or not line.strip():
         return None
     try:
-        value: object = json.loads(line)
+        value: object = json.loads(line, parse_int=_bounded_int)
     except (ValueError, RecursionError):
         return None
     return value if isinstance(value, dict) else None
+
+
+_record = record_of
 
 
 def tail_records(path: Path, max_bytes: int = 8 << 20) -> Iterator[dict[str, object]]:

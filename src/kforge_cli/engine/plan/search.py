@@ -59,7 +59,9 @@ from kforge_cli.engine.plan.shards import RankPlace, ShardTemplate, build_templa
 from kforge_cli.engine.runtime.dtypes import dtype_name
 from kforge_cli.errors import InvalidInputError
 from kforge_cli.settings import JobSettings, ParallelDims, config_issues, resolve_dims, world_size_issues
+from kforge_cli.settings.infrastructure import MAX_WORLD_SIZE
 
+MAX_SEARCH_S = 300.0  # the search's wall-time bound (a search at real sizes takes seconds)
 CacheKey = tuple[Hashable, ...]  # a memo key: compared and hashed, never read back
 
 
@@ -311,8 +313,16 @@ def search_layouts(
     global_batch: int | None = None,
     mfu: float | None = None,
     memory_share: float = TIGHT_FRACTION,
+    time_limit_s: float = MAX_SEARCH_S,
 ) -> SearchResult:
-    """The ``top`` fastest valid layouts whose peak is within ``memory_share`` of the GPU (module docstring)."""
+    """The ``top`` fastest valid layouts whose peak is within ``memory_share`` of the GPU (module docstring).
+
+    Refused (exit 2) above :data:`MAX_WORLD_SIZE`, and when it runs past ``time_limit_s``.
+    """
+    if not 1 <= world_size <= MAX_WORLD_SIZE:
+        raise InvalidInputError(
+            f"--world-size must be from 1 to {MAX_WORLD_SIZE:,}, kforge's maximum (got {world_size})"
+        )
     if settings.vlm is not None:
         raise InvalidInputError("--search covers text models; a VLM's vision tower is outside its cost model")
     if top < 1:
@@ -337,7 +347,16 @@ def search_layouts(
         settings.profile, world_size, settings.slurm.gpu_type, gpn, batch, settings.train.seq_len, consts, limit
     )
     predicted: list[tuple[float, int, Layout, ParallelDims, StepEstimate]] = []
+
+    def over_time() -> None:
+        if time.perf_counter() - start > time_limit_s:
+            raise InvalidInputError(
+                f"the layout search for world size {world_size} did not finish within {time_limit_s:g} s: narrow it "
+                "by fixing some of distributed.tp, pp, cp or ep, or search a smaller world size"
+            )
+
     for groups in layouts(settings, world_size, batch):
+        over_time()
         for group in groups:
             for order, layout in enumerate(group):
                 dims = ParallelDims(layout.pp, layout.dp_replicate, layout.dp_shard, layout.tp, layout.cp, layout.ep)
@@ -351,6 +370,7 @@ def search_layouts(
         family = layout.family()
         if family in done:
             continue  # a faster variant of this mesh and schedule is already in
+        over_time()
         result.checked += 1
         s = with_layout(base, layout, nodes, gpn)
         if config_issues(s) or world_size_issues(s, world_size):

@@ -24,6 +24,7 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 
 from kforge_cli.errors import InvalidInputError
 from kforge_cli.files import read_text_capped
+from kforge_cli.hf_numbers import check_hf_numbers
 from kforge_cli.settings.vlm import VisionEncoderSettings
 
 _SUPPORTED = {"siglip": "siglip", "siglip_vision_model": "siglip", "clip": "clip", "clip_vision_model": "clip"}
@@ -63,6 +64,9 @@ def _vision_config(root: Path) -> tuple[str, dict[str, Any]]:
             f"{', '.join(sorted(_SUPPORTED))}"
         )
     vision = cfg.get("vision_config", cfg) if cfg.get("model_type") in ("siglip", "clip") else cfg
+    if not isinstance(vision, dict):
+        raise InvalidInputError(f"{root}/config.json: vision_config is not a JSON object")
+    check_hf_numbers(vision, root / "config.json")  # the tower is built from these numbers
     return family, dict(vision)
 
 
