@@ -30,18 +30,37 @@ def resume(
     sbatch: SbatchOpt = False,
     submit: SubmitOpt = False,
     allow_hooks: AllowHooksOpt = None,
+    nproc_per_node: Annotated[
+        int | None,
+        typer.Option(
+            "--nproc-per-node",
+            help="Start N local processes (default: as many as the run's last job, from RUN_DIR/launch.json).",
+        ),
+    ] = None,
 ) -> None:
     """Resume RUN_DIR from its latest complete checkpoint using its saved config.toml.
 
     Overrides that do not change the model's shape or the data order are allowed
     (e.g. --train.max_steps=20000) and recorded in RUN_DIR/config_changes.jsonl;
     config.toml itself is never rewritten. Ones that do are refused (exit 2).
+    A run started with --nproc-per-node N resumes in N processes unless another N is typed
+    (a typed change of the device mesh is allowed, warned about and recorded).
     """
-    resolved = resolve_resume(run_dir, list(ctx.args), allow_hooks)
+    overrides = list(ctx.args)
+    resolved = resolve_resume(run_dir, overrides, allow_hooks)
     done = _already_done(resolved.settings)
     if done is not None:
         typer.echo(done, err=True)
         raise typer.Exit(0)
+    if not (sbatch or submit):
+        from kforge_cli.cli.train import launch_local_job, run_processes
+
+        nproc = nproc_per_node if nproc_per_node is not None else run_processes(run_dir)
+        if nproc is not None:
+            from kforge_cli.settings.hook_policy import allow_flag
+
+            child = ["resume", str(run_dir), *allow_flag(resolved.settings.train.hooks), *overrides]
+            raise typer.Exit(launch_local_job(resolved, nproc, child))
     continue_resolved(resolved, sbatch=sbatch, submit=submit)
 
 
@@ -97,12 +116,16 @@ def resolve_continuation(
 
     ``resume``, and ``train`` with no profile, config or override: the run's saved settings
     (config.toml plus its recorded changes) plus `overrides`. ``train`` with any of them: those
-    settings as for a new run, refused where they differ from the run's in what it learns from
-    (model, data, optimizer, schedule, steps, batches; see `shapes_learning`) without the
-    command line typing it: a default, a profile, a config file or the environment would
-    silently change the run. How it runs (parallelism, hooks, logging, checkpoint cadence) may
-    follow the new command. Either way, with a complete checkpoint the model's shape and the
-    data order must stay. Each refusal names the run's value and the fix (exit 2).
+    settings as for a new run, refused where they differ from the run's in any setting the
+    command line does not type, the layout (``distributed.*``) included: a default, a profile,
+    a config file or the environment would silently change the run. What the user typed counts
+    with what follows from it: ``dp_shard = -1`` takes its size from a typed
+    ``--nproc-per-node``. The processes are the run's own unless typed (``kforge resume``
+    starts the ``--nproc-per-node`` recorded in RUN_DIR/launch.json); a typed change of the
+    device mesh is allowed (the checkpoint is resharded on load), reported as a WARNING and
+    recorded in config_changes.jsonl by the job. Either way, with a complete checkpoint the
+    model's shape and the data order must stay. Each refusal names the run's value and the fix
+    (exit 2).
     """
     from kforge_cli.errors import CheckpointError, ConfigError, ConfigIssue
     from kforge_cli.rundir.layout import RunDir
@@ -111,7 +134,6 @@ def resolve_continuation(
         has_checkpoint,
         read_saved_config,
         settings_changes,
-        shapes_learning,
     )
     from kforge_cli.settings import load_settings
 
@@ -136,13 +158,13 @@ def resolve_continuation(
         untyped = [
             ConfigIssue(key, f"{old!r} -> {new!r} (the run has {old!r}; this value comes from {where}, not typed)")
             for key, old, new in settings_changes(saved, settings)
-            if shapes_learning(key) and not (where := resolved.source_of(key)).startswith("command line")
+            if not (where := resolved.source_of(key)).startswith("command line")
         ]
         if untyped:
             raise ConfigError(
                 untyped,
-                header=f"cannot continue {run.path} with these settings: kforge train on an existing run keeps what "
-                "it learns from (model, data, optimizer, schedule, steps) and changes only what you type",
+                header=f"cannot continue {run.path} with these settings: kforge train on an existing run keeps the "
+                "run's settings (model, data, optimizer, schedule, steps, layout, ...) and changes only what you type",
                 fix=f"continue the run with its own settings and your overrides: {shlex.join(fix_prefix + typed)} ; "
                 "or train with these settings in a new --run-dir",
             )

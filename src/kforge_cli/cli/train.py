@@ -62,6 +62,8 @@ def train(
         resolved = resolve_continuation(
             existing, overrides, command="train", profile=profile, config=config, allow_hooks=allow_hooks
         )
+        if nproc_per_node is None and not (sbatch or submit):
+            nproc_per_node = run_processes(existing)  # the run's own --nproc-per-node unless typed
         if nproc_per_node is None or sbatch or submit:
             continue_resolved(resolved, sbatch=sbatch, submit=submit)
     else:
@@ -72,8 +74,10 @@ def train(
 
         raise typer.Exit(sbatch_from_cli(resolved.settings, submit=submit))
     if nproc_per_node is not None:
-        child_overrides = [*allow_flag(resolved.settings.train.hooks), *overrides]  # allowed above
-        raise typer.Exit(_launch_local(resolved, nproc_per_node, profile, config, child_overrides))
+        child = ["train", *(["--profile", profile] if profile is not None else [])]
+        child += ["--config", str(config)] if config is not None else []
+        child += [*allow_flag(resolved.settings.train.hooks), *overrides]  # allowed above
+        raise typer.Exit(launch_local_job(resolved, nproc_per_node, child))
     from kforge_cli.cli.outcome import train_and_exit
 
     raise typer.Exit(train_and_exit(resolved.settings))
@@ -92,18 +96,25 @@ def _existing_run(overrides: list[str]) -> Path | None:
     return run.path if run.has_config() else None
 
 
-def _launch_local(resolved: Any, nproc: int, profile: str | None, config: Path | None, overrides: list[str]) -> int:
-    """Check the settings fit `nproc` processes, then start them (the same command minus the flag)."""
+def run_processes(run_dir: Path) -> int | None:
+    """The run's own `--nproc-per-node` (RUN_DIR/launch.json) for a command that typed none, when
+    this process is not itself a rank of a launched job (torchrun, srun)."""
+    from kforge_cli.rundir.launch import launched, recorded_local_nproc
+
+    return None if launched() else recorded_local_nproc(run_dir)
+
+
+def launch_local_job(resolved: Any, nproc: int, child: list[str]) -> int:
+    """Check the settings fit `nproc` processes, then start them, each running ``kforge <child>``."""
     from kforge_cli.settings import resolve_dims
 
     if nproc < 1:
         raise typer.BadParameter("--nproc-per-node must be at least 1")
     resolve_dims(resolved.settings, nproc)  # a ConfigError here beats N processes each printing it
-    child = ["train"]
-    if profile is not None:
-        child += ["--profile", profile]
-    if config is not None:
-        child += ["--config", str(config)]
     from kforge_cli.engine.runtime.local_launch import launch_local
 
-    return launch_local(nproc, [*child, *overrides])
+    code = launch_local(nproc, child)
+    from kforge_cli.cli.outcome import record_job_exit
+
+    record_job_exit(resolved.settings, code)  # the job's code, over rank 0's own
+    return code

@@ -13,6 +13,8 @@
       eval/step_N.json         `kforge eval` results
       profile/, tensorboard/   torch.profiler traces, TensorBoard event files
       .kforge-lock             held by the live run (pid, host, SLURM job)
+      launch.json              how the last job was started (launcher, processes, mesh)
+      exit.json                how the last job ended (exit code, step), written by the CLI
 
     step_N/
       .metadata, __R_0.distcp  DCP shards (or pp_S/ subdirectories, one per pipeline stage)
@@ -40,6 +42,8 @@ EVAL_DIR = "eval"
 PROFILE_DIR = "profile"
 TENSORBOARD_DIR = "tensorboard"
 LOCK_FILE = ".kforge-lock"
+LAUNCH_FILE = "launch.json"
+EXIT_FILE = "exit.json"
 
 COMMIT_FILE = "kforge_commit.json"
 LATEST_FILE = "latest"

@@ -220,6 +220,7 @@ def _train(session: TrainingSession, watchdog: HangWatchdog | NullWatchdog) -> T
                 handle_spike(session, event)  # a rewind leaves the last checkpoint as the one to resume
             mark("checkpoint")
             saved = _save_checkpoint(session, "signal", blocking=True)
+            session.shutdown.saved_step = state.step  # a second Ctrl-C from here on exits 75, not 130
             return TrainOutcome(
                 status="stopped",
                 step=state.step,

@@ -1,0 +1,75 @@
+"""What a stopped run says to continue it, and a second Ctrl-C once its checkpoint is saved (issue 41)."""
+
+from __future__ import annotations
+
+import json
+import signal
+from pathlib import Path
+
+import pytest
+
+from kforge_cli.cli.app import main
+
+
+def test_the_resume_command_starts_the_run_the_way_it_ran() -> None:
+    from kforge_cli.cli.outcome import resume_command
+
+    local = {"RANK": "0", "WORLD_SIZE": "4", "LOCAL_WORLD_SIZE": "4", "KFORGE_LOCAL_CHILD": "1"}
+    assert resume_command(Path("/r/x"), env=local) == "kforge resume /r/x --nproc-per-node 4"
+    hooks = ["my_pkg.hooks:Clock"]
+    assert (
+        resume_command(Path("/r/x"), hooks, env=local)
+        == "kforge resume /r/x --allow-hooks=my_pkg.hooks --nproc-per-node 4"
+    )
+    torchrun = {"RANK": "0", "WORLD_SIZE": "8", "LOCAL_WORLD_SIZE": "8"}
+    assert resume_command(Path("/r/x"), env=torchrun) == "torchrun --nproc-per-node=8 -m kforge_cli resume /r/x"
+    nodes = {"RANK": "0", "WORLD_SIZE": "16", "LOCAL_WORLD_SIZE": "8"}
+    assert resume_command(Path("/r/x"), env=nodes).startswith("torchrun on 16 processes (8 per node), each running: ")
+    assert resume_command(Path("/r/x"), env={}) == "kforge resume /r/x"
+
+
+def test_resume_starts_the_recorded_processes_unless_typed_or_already_launched(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from kforge_cli.cli.train import run_processes
+
+    for name in ("RANK", "WORLD_SIZE", "SLURM_PROCID", "SLURM_STEP_ID"):
+        monkeypatch.delenv(name, raising=False)
+    assert run_processes(tmp_path) is None  # no launch.json: one process, as before
+    (tmp_path / "launch.json").write_text(json.dumps({"launcher": "local", "nproc_per_node": 4, "world_size": 4}))
+    assert run_processes(tmp_path) == 4
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    assert run_processes(tmp_path) is None  # a rank of the launched job runs itself
+    monkeypatch.delenv("RANK")
+    (tmp_path / "launch.json").write_text(json.dumps({"launcher": "torchrun", "nproc_per_node": 8}))
+    assert run_processes(tmp_path) is None  # torchrun's job is relaunched by torchrun
+
+
+def test_a_second_ctrl_c_after_the_stop_checkpoint_exits_75(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from kforge_cli.engine.resilience import ShutdownHandler
+    from kforge_cli.errors import SavedInterrupt
+
+    previous = signal.getsignal(signal.SIGINT)
+    try:
+        handler = ShutdownHandler(["SIGINT"])
+        handler._on_signal(signal.SIGINT, None)  # the first: stop at the next step boundary
+        with pytest.raises(KeyboardInterrupt) as info:  # the second, during the save: 130
+            handler._on_signal(signal.SIGINT, None)
+        assert not isinstance(info.value, SavedInterrupt)
+        handler.saved_step = 23  # the stop's checkpoint is complete
+        with pytest.raises(SavedInterrupt):
+            handler._on_signal(signal.SIGINT, None)
+    finally:
+        signal.signal(signal.SIGINT, previous)
+
+    def interrupted(settings: object) -> object:
+        raise SavedInterrupt(23)
+
+    monkeypatch.setattr("kforge_cli.engine.train.run_training", interrupted)
+    with pytest.raises(SystemExit) as exit_info:
+        main(["train", "--train.max_steps=1"])
+    assert exit_info.value.code == 75
+    assert "interrupted after the checkpoint of step 23 was saved" in capsys.readouterr().err
