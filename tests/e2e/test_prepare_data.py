@@ -75,7 +75,10 @@ def test_sigterm_mid_run_removes_the_temporary_directory_and_keeps_the_old_outpu
         if previous:  # a finished earlier output: stays exactly as it was
             out.mkdir()
             (out / "metadata.json").write_text(json.dumps({"format": "kforge-tokens", "older": True}))
-        proc = subprocess.Popen([sys.executable, "-c", SLOW_PREPARE, *args], stderr=subprocess.PIPE, text=True)
+        replace = ["--overwrite"] if previous else []  # other data at --out: replaced only when asked
+        proc = subprocess.Popen(
+            [sys.executable, "-c", SLOW_PREPARE, *args, *replace], stderr=subprocess.PIPE, text=True
+        )
         deadline = time.monotonic() + 60
         while not temporaries() and proc.poll() is None and time.monotonic() < deadline:
             time.sleep(0.05)

@@ -143,7 +143,7 @@ def resolve_continuation(
     saved = load_settings(base=saved_raw, use_env=False, base_source=source).settings
     typed = [a for a in overrides if not a.startswith(("--train.run_dir", "--train.run-dir"))]
     as_new = command == "train" and bool(profile or config or typed)
-    extra = [f"--train.run_dir={run.path}"]
+    extra = [f"--train.run_dir={run.path}", f"--data.allow_changed_data={_allows_changed_data(typed)}"]
     if as_new:
         resolved = load_settings(profile=profile, config=config, overrides=[*typed, *extra], for_run=True)
     else:
@@ -176,6 +176,8 @@ def resolve_continuation(
             fix=f"drop those overrides to continue it ({shlex.join(['kforge', 'resume', str(run.path)])}), or start "
             f"a new run from its weights with --checkpoint.init_from={run.path}",
         )
+    if checkpoint and not settings.checkpoint.load_path and not settings.data.allow_changed_data:
+        refuse_changed_data(run.checkpoint_root(settings), settings)
     if settings.checkpoint.resume == "require" and not checkpoint and not settings.checkpoint.load_path:
         root = run.checkpoint_root(settings)
         raise CheckpointError(
@@ -188,6 +190,32 @@ def resolve_continuation(
 
     refuse_unallowed_hooks(resolved, allow_hooks, f"kforge {command}")  # code named by a file: only when allowed
     return resolved
+
+
+def _allows_changed_data(typed: list[str]) -> str:
+    """``data.allow_changed_data`` for this command: as typed, else true when it types the data's path."""
+    from kforge_cli.settings.loader import parse_overrides
+
+    keys = {key: value for key, value in parse_overrides(typed)}
+    if "data.allow_changed_data" in keys:
+        return str(keys["data.allow_changed_data"]).lower()
+    return "true" if {"data.path", "data.datasets"} & set(keys) else "false"
+
+
+def refuse_changed_data(checkpoint_root: Path, settings: JobSettings) -> None:
+    """Refuse (exit 2, before anything starts) a resume whose prepared data is not what the checkpoint
+    trained on: the fingerprints it recorded against the data's now (metadata.json and shard sizes)."""
+    from kforge_cli.errors import InvalidInputError
+    from kforge_cli.rundir.checkpoints import newest_complete
+    from kforge_cli.rundir.data_fingerprint import changed_data_message, checkpoint_data_fingerprints, data_fingerprints
+
+    newest, _ = newest_complete(checkpoint_root)
+    recorded = checkpoint_data_fingerprints(newest) if newest is not None else None
+    current = data_fingerprints(settings)
+    if recorded is None or current is None or recorded == current:
+        return
+    names = [d.name for d in settings.data.datasets] or None
+    raise InvalidInputError(f"cannot continue from {newest}: " + changed_data_message(recorded, current, names))
 
 
 def schedule_change_warning(saved: JobSettings, settings: JobSettings) -> str | None:

@@ -36,8 +36,9 @@ if TYPE_CHECKING:  # the settings (pydantic) load where they are used: reading a
     from kforge_cli.settings.job import JobSettings
 
 # Keys that belong to one command, not to the run: where the run lives now (it may have been
-# moved) and whether this command resumes. They are never recorded as changes.
-PER_COMMAND_KEYS = frozenset({"train.run_dir", "checkpoint.resume"})
+# moved), whether this command resumes and whether it accepts changed data. They are never
+# recorded as changes.
+PER_COMMAND_KEYS = frozenset({"train.run_dir", "checkpoint.resume", "data.allow_changed_data"})
 
 Change = tuple[str, object, object]  # (dotted key, the run's value, the new value)
 
