@@ -180,7 +180,7 @@ def test_runs_table_numbers_share_one_format_and_read_the_metrics_tail(tmp_path:
     assert cells["short"][2:5] == ("2/4", "5.0000", "12.0000")
 
 
-def test_train_on_an_existing_run_refuses_untyped_changes_to_what_it_learns_and_records_the_rest(
+def test_train_on_an_existing_run_refuses_every_untyped_change_and_records_the_typed_ones(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     run = tmp_path / "run"
@@ -193,11 +193,16 @@ def test_train_on_an_existing_run_refuses_untyped_changes_to_what_it_learns_and_
     start = ["--optimizer.lr=1e-4", "--metrics.log_interval=1", "--checkpoint.interval=5"]
     assert cli(*start)[0] == 0
     original = (run / "config.toml").read_bytes()
-    code, err = cli("--optimizer.lr=1e-4", "--train.max_steps=10")  # logging and cadence: how it runs
+    code, err = cli("--optimizer.lr=1e-4", "--train.max_steps=10")  # logging and cadence from the profile
+    assert code == 2 and not (run / "config_changes.jsonl").exists()  # refused too (issue 41): only typed changes
+    assert "checkpoint.interval: 5 -> 100 (the run has 5; this value comes from profile cpu-debug" in err
+    assert "metrics.log_interval: 1 -> 10 (the run has 1;" in err
+    code, err = cli(
+        "--optimizer.lr=1e-4", "--metrics.log_interval=10", "--checkpoint.interval=5", "--train.max_steps=10"
+    )
     assert code == 0, err
     [change] = [json.loads(x) for x in (run / "config_changes.jsonl").read_text().splitlines()]
     assert change["changes"] == {
-        "checkpoint.interval": {"from": 5, "to": 100},
         "metrics.log_interval": {"from": 1, "to": 10},
         "train.max_steps": {"from": 300, "to": 10},
     }
