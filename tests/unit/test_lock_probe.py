@@ -47,3 +47,28 @@ def test_a_holder_on_another_host_or_no_lock_table_falls_back_to_the_records(tmp
         assert probe_run_lock(tmp_path, proc_locks=missing) is True  # the record's process lives
     finally:
         lock.release()
+
+
+def test_runs_statuses_from_exit_records_and_the_lock(tmp_path: Path) -> None:
+    from kforge_cli.cli.runs_table import describe_run
+    from kforge_cli.rundir.launch import write_exit
+
+    run = tmp_path / "run"
+    (run / "logs").mkdir(parents=True)
+    (run / "config.toml").write_text("[train]\nmax_steps = 10\n")
+    (run / "metrics.jsonl").write_text(json.dumps({"step": 4, "loss": 2.0}) + "\n")  # written just now
+    acquire_run_lock(run, wait_s=0).release()  # a job took the lock and is gone, without a record
+    assert describe_run(run).status == "killed"  # not "running" for five minutes
+    (run / "logs" / "hang").mkdir()
+    (run / "logs" / "hang" / "summary.txt").write_text("rank 1 hung in all_reduce\n")
+    assert describe_run(run).status == "hung (watchdog)"  # one process's watchdog exits without a record
+    for code, status in ((0, "done"), (75, "stopped (signal)"), (76, "hung (watchdog)"), (130, "interrupted")):
+        write_exit(run, code, 4)
+        assert describe_run(run).status == status
+    write_exit(run, 1)
+    assert (describe_run(run).status, describe_run(run).steps_done) == ("failed", 4)
+    lock = acquire_run_lock(run, wait_s=0)
+    try:
+        assert describe_run(run).status == "running"
+    finally:
+        lock.release()

@@ -10,6 +10,8 @@ Status, first match wins:
   code ``failed``;
 - ``done``: the final checkpoint was written, or the planned steps were logged (a run from
   before exit records);
+- ``hung (watchdog)`` also when the lock is free and logs/hang/summary.txt is there (a single
+  process's watchdog exits without a record; a restart moves the report aside);
 - ``killed``: the lock is free on this host and the last job left no exit record (``kill -9``,
   the OOM killer, a lost node);
 - where the lock cannot be probed from here (its holder ran on another host, or no lock table):
@@ -41,7 +43,7 @@ from kforge_cli.rundir.checkpoints import newest_complete, step_of
 from kforge_cli.rundir.launch import read_exit
 from kforge_cli.rundir.layout import RunDir
 from kforge_cli.rundir.lock import probe_run_lock
-from kforge_cli.rundir.names import SUMMARY_FILE
+from kforge_cli.rundir.names import HANG_DIR, HANG_SUMMARY_FILE, SUMMARY_FILE
 from kforge_cli.rundir.saved_config import read_saved_config
 
 SLURM_TIMEOUT_S = 5.0
@@ -240,6 +242,8 @@ def describe_run(
         status = EXIT_STATUS.get(code, "failed")
     elif reason == "final" or (planned is not None and "loss" in last and logged >= planned):
         status = "done"
+    elif held is False and (run.logs / HANG_DIR / HANG_SUMMARY_FILE).is_file():
+        status = EXIT_STATUS[76]  # the watchdog's own exit leaves no record; its report (moved aside on a restart)
     elif held is False and run.lock_file.exists():
         status = "killed"  # a job took the lock, and ended without a word
     elif mtime is not None and now - mtime < active_s:
