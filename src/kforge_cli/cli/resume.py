@@ -48,10 +48,7 @@ def resume(
     """
     overrides = list(ctx.args)
     resolved = resolve_resume(run_dir, overrides, allow_hooks)
-    done = _already_done(resolved.settings)
-    if done is not None:
-        typer.echo(done, err=True)
-        raise typer.Exit(0)
+    refuse_before_start(resolved.settings, sbatch=sbatch or submit)
     if not (sbatch or submit):
         from kforge_cli.cli.train import launch_local_job, run_processes
 
@@ -75,6 +72,21 @@ def continue_resolved(resolved: ResolvedSettings, *, sbatch: bool, submit: bool)
     raise typer.Exit(train_and_exit(resolved.settings))
 
 
+def refuse_before_start(settings: JobSettings, *, sbatch: bool) -> None:
+    """Before torch loads: a run whose lock a live process holds is refused ("in use", exit 2), and
+    one already at its train.max_steps has nothing to do (exit 0, no banner, nothing written).
+    A rank of a launched job does not probe the lock: rank 0 takes it itself."""
+    from kforge_cli.rundir.launch import launched
+    from kforge_cli.rundir.lock import refuse_in_use
+
+    if not sbatch and not launched():  # a job script for a live run is refused by kforge_cli.slurm itself
+        refuse_in_use(Path(settings.train.run_dir or "."))
+    done = _already_done(settings)
+    if done is not None:
+        typer.echo(done, err=True)
+        raise typer.Exit(0)
+
+
 def _already_done(settings: JobSettings) -> str | None:
     """Why there is nothing to resume: the newest checkpoint is already at or past train.max_steps."""
     from kforge_cli.rundir.checkpoints import newest_complete, step_of
@@ -86,10 +98,12 @@ def _already_done(settings: JobSettings) -> str | None:
     max_steps = settings.train.max_steps
     if step is None or step < max_steps:
         return None
-    where = "already past" if step > max_steps else "already at"
+    longer = f"to train longer: kforge resume {run_dir} --train.max_steps={step + max(1, max_steps)}"
+    if step == max_steps:
+        return f"{run_dir} already completed {step}/{max_steps} steps: nothing to do; {longer}"
     return (
-        f"{run_dir} is {where} train.max_steps={max_steps} (its newest checkpoint is step {step}): nothing to do. "
-        f"To train further, raise it: kforge resume {run_dir} --train.max_steps={step + max(1, max_steps)}"
+        f"{run_dir} is already past train.max_steps={max_steps} (its newest checkpoint is step {step}): "
+        f"nothing to do; {longer}"
     )
 
 

@@ -62,6 +62,9 @@ def train(
         resolved = resolve_continuation(
             existing, overrides, command="train", profile=profile, config=config, allow_hooks=allow_hooks
         )
+        from kforge_cli.cli.resume import refuse_before_start
+
+        refuse_before_start(resolved.settings, sbatch=sbatch or submit)  # "in use", "already completed": no torch
         if nproc_per_node is None and not (sbatch or submit):
             nproc_per_node = run_processes(existing)  # the run's own --nproc-per-node unless typed
         if nproc_per_node is None or sbatch or submit:
@@ -69,6 +72,12 @@ def train(
     else:
         resolved = resolve(profile, config, overrides, for_run=True)
         refuse_unallowed_hooks(resolved, allow_hooks, "kforge train")  # before anything of them is imported
+        if resolved.settings.train.run_dir and not (sbatch or submit):
+            from kforge_cli.rundir.launch import launched
+            from kforge_cli.rundir.lock import refuse_in_use
+
+            if not launched():  # a run starting in that directory: "in use" before torch loads
+                refuse_in_use(Path(resolved.settings.train.run_dir).expanduser())
     if sbatch or submit:  # --submit implies --sbatch
         from kforge_cli.slurm import sbatch_from_cli
 

@@ -197,3 +197,16 @@ def probe_run_lock(run_dir: Path, *, proc_locks: Path = PROC_LOCKS) -> bool | No
     if record and record.get("host") is None:
         return None
     return False
+
+
+def refuse_in_use(run_dir: Path) -> None:
+    """Raise :class:`RunDirInUseError` when a live process holds `run_dir`'s lock (probed, not taken).
+
+    The command that starts a job calls it before anything slow (torch) is imported; the job's
+    rank 0 still takes the lock itself (a run may start in between)."""
+    if probe_run_lock(run_dir):
+        raise RunDirInUseError(
+            f"{run_dir} is in use by another kforge run ({_describe(_read_record(RunDir(run_dir).lock_file))}); "
+            "wait for it to end, or use another --run-dir. Two runs in one directory would mix their metrics and "
+            "checkpoints"
+        )
