@@ -41,6 +41,7 @@ NOT_RUN = {
     "pip install torch==2.13.0 --index-url https://download.pytorch.org/whl/cpu": "installs from the network",
     "pip install -e .": "installs from the network",
     "bash .ci/run": "runs the whole suite, this test included",
+    "python -m pytest -q tests/unit -x": "runs the unit tests (a suite of its own)",
 }
 ENV = {"KFORGE_TRAIN__MAX_STEPS": "20", "KFORGE_METRICS__PROGRESS_BAR": "off", "KFORGE_METRICS__LOG_INTERVAL": "5"}
 
