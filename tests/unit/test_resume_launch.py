@@ -73,3 +73,24 @@ def test_a_second_ctrl_c_after_the_stop_checkpoint_exits_75(
         main(["train", "--train.max_steps=1"])
     assert exit_info.value.code == 75
     assert "interrupted after the checkpoint of step 23 was saved" in capsys.readouterr().err
+
+
+def test_the_schedule_warning_is_worded_for_a_longer_and_a_shorter_run() -> None:
+    from kforge_cli.cli.resume import schedule_change_warning
+    from kforge_cli.settings import load_settings
+
+    def s(steps: int) -> object:
+        return load_settings(overrides=[f"--train.max_steps={steps}"], use_env=False).settings
+
+    longer, shorter = schedule_change_warning(s(40), s(80)), schedule_change_warning(s(80), s(40))  # type: ignore[arg-type]
+    assert longer is not None and "it rises again where the old schedule had decayed" in longer
+    assert shorter is not None and "rises again" not in shorter
+    assert "it decays faster from the checkpoint on, to its end at step 40" in shorter
+
+
+@pytest.mark.parametrize("typo", ["--run-dri", "--run-dri=runs/x"])
+def test_a_misspelt_option_suggests_the_option(typo: str, capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exit_info:
+        main(["train", typo, *(["runs/x"] if "=" not in typo else [])])
+    err = capsys.readouterr().err
+    assert exit_info.value.code == 2 and "did you mean --run-dir" in err and "train.run_dir" not in err, err

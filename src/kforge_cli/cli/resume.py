@@ -237,16 +237,20 @@ def schedule_change_warning(saved: JobSettings, settings: JobSettings) -> str | 
 
     Cosine, linear and rex decay over every step after warmup and WSD's stable phase ends
     ``decay_steps`` before the last step, unless ``scheduler.decay_steps`` fixes the decay's length
-    (not for WSD): the learning rate from the checkpoint on then follows the new length, and may
-    jump up where the old schedule had decayed.
+    (not for WSD): the learning rate from the checkpoint on then follows the new length: a longer run
+    may jump up where the old schedule had decayed, a shorter one decays faster.
     """
     old, new, sch = saved.train.max_steps, settings.train.max_steps, settings.scheduler
     if old == new or sch.name == "constant" or (sch.decay_steps is not None and sch.name != "wsd"):
         return None
+    how = (
+        "it rises again where the old schedule had decayed"
+        if new > old
+        else f"it decays faster from the checkpoint on, to its end at step {new}"
+    )
     return (
         f"warning: train.max_steps {old} -> {new} reshapes the {sch.name} learning-rate schedule, which spans "
-        "train.max_steps: from the checkpoint on the learning rate follows the new length (it rises again where "
-        "the old schedule had decayed)"
+        f"train.max_steps: from the checkpoint on the learning rate follows the new length ({how})"
         + ("; set scheduler.decay_steps to keep the decay's length fixed" if sch.name != "wsd" else "")
     )
 
