@@ -94,3 +94,16 @@ def test_a_misspelt_option_suggests_the_option(typo: str, capsys: pytest.Capture
         main(["train", typo, *(["runs/x"] if "=" not in typo else [])])
     err = capsys.readouterr().err
     assert exit_info.value.code == 2 and "did you mean --run-dir" in err and "train.run_dir" not in err, err
+
+
+def test_explain_shows_a_readable_type_and_a_comma_list_gets_the_bracket_form(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    with pytest.raises(SystemExit) as exit_info:
+        main(["validate-config", "--explain", "optimizer.betas"])
+    out = capsys.readouterr().out
+    assert exit_info.value.code == 0 and "  type:    tuple[float, float], each in [0, 1)\n" in out, out
+    with pytest.raises(SystemExit) as exit_info:
+        main(["validate-config", "--optimizer.betas=0.9,0.95"])
+    err = capsys.readouterr().err
+    assert exit_info.value.code == 2 and "write a list in brackets: --optimizer.betas=[0.9,0.95]" in err, err

@@ -281,6 +281,10 @@ def _issue_from_pydantic(err: ErrorDetails, sources: dict[str, str]) -> ConfigIs
     shown = f" (got {value!r})" if not isinstance(value, dict | list) else ""
     where = sources.get(path)
     origin = f" [from {where}]" if where else ""
+    if (
+        err["type"] in ("tuple_type", "list_type") and isinstance(value, str) and "," in value
+    ):  # --optimizer.betas=0.9,0.95
+        origin += f"; write a list in brackets: --{path}=[{value.strip('()')}]"
     return ConfigIssue(path, f"{err['msg']}{shown}{origin}")
 
 
