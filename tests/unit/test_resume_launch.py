@@ -107,3 +107,18 @@ def test_explain_shows_a_readable_type_and_a_comma_list_gets_the_bracket_form(
         main(["validate-config", "--optimizer.betas=0.9,0.95"])
     err = capsys.readouterr().err
     assert exit_info.value.code == 2 and "write a list in brackets: --optimizer.betas=[0.9,0.95]" in err, err
+
+
+def test_a_hook_that_cannot_be_imported_names_sys_path_and_the_fix() -> None:
+    from kforge_cli.engine.train.hooks import load_hook
+    from kforge_cli.errors import InvalidInputError
+    from kforge_cli.settings import load_settings
+
+    settings = load_settings(use_env=False).settings
+    with pytest.raises(InvalidInputError) as info:
+        load_hook("my_pkg_not_here.hooks:BestEvalLoss", settings)
+    message = str(info.value)
+    assert "cannot import module 'my_pkg_not_here.hooks'" in message and "sys.path" in message
+    assert "run from the directory that holds my_pkg_not_here/ with PYTHONPATH=." in message
+    extending = (Path(__file__).parents[2] / "docs" / "extending.md").read_text()
+    assert "    PYTHONPATH=. kforge train --eval.interval=100 --train.hooks=" in extending
