@@ -122,3 +122,17 @@ def test_a_hook_that_cannot_be_imported_names_sys_path_and_the_fix() -> None:
     assert "run from the directory that holds my_pkg_not_here/ with PYTHONPATH=." in message
     extending = (Path(__file__).parents[2] / "docs" / "extending.md").read_text()
     assert "    PYTHONPATH=. kforge train --eval.interval=100 --train.hooks=" in extending
+
+
+def test_a_profile_error_names_its_source_once(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    bad, unknown = tmp_path / "bad.toml", tmp_path / "unknown.toml"
+    bad.write_text('[optimizer]\nlr = "abc"\n')
+    unknown.write_text("[optimizr]\nlr = 1\n")
+    for path, line in (
+        (bad, f"(got 'abc') [from profile {bad}]\n"),
+        (unknown, f"optimizr: unknown key (from profile {unknown}); did you mean optimizer?"),
+    ):
+        with pytest.raises(SystemExit) as exit_info:
+            main(["validate-config", "-p", str(path)])
+        err = capsys.readouterr().err
+        assert exit_info.value.code == 2 and line in err and err.count(path.name) == 1, err
