@@ -18,13 +18,14 @@ def evaluate(
         Path, typer.Argument(help="A run dir, RUN_DIR/checkpoints/step_N, or a Hugging Face dir (an export-hf output).")
     ],
     task: Annotated[
-        list[str],
+        list[str] | None,
         typer.Option(
             "--task",
             "-t",
-            help="heldout, heldout:PREPARED_DIR, FILE.jsonl (multiple choice), lm-eval:NAME or lm-eval:TASK.yaml.",
+            help="heldout, heldout:PREPARED_DIR, FILE.jsonl (multiple choice), lm-eval:NAME or lm-eval:TASK.yaml "
+            "(default: heldout).",
         ),
-    ],
+    ] = None,
     max_batches: Annotated[
         int | None,
         typer.Option(
@@ -55,7 +56,8 @@ def evaluate(
 
     loaded = open_for_inference(ckpt, device=device, tokenizer=tokenizer)
     cap = max_batches if max_batches is not None else steps
-    results = {task_name(spec): run_task(loaded, spec, max_batches=cap, limit=limit) for spec in task}
+    tasks = task or ["heldout"]  # the run's own validation split
+    results = {task_name(spec): run_task(loaded, spec, max_batches=cap, limit=limit) for spec in tasks}
     path = write_results(loaded, results)
     logged = track and not no_log
     backends = log_to_trackers(loaded, results) if logged else []
