@@ -1,4 +1,4 @@
-"""Shared test fixtures: paths, the kforge command, and the shared data directory."""
+"""Shared test fixtures: paths and the kforge command (no test needs a file outside the repository)."""
 
 from __future__ import annotations
 
@@ -8,8 +8,7 @@ import pytest
 
 from tests.helpers.launch import REPO, kforge_cmd, run_kforge
 
-__all__ = ["REPO", "SHARED_DATA", "kforge_cmd", "run_kforge"]
-SHARED_DATA = REPO.parent / "shared" / "data"
+__all__ = ["REPO", "kforge_cmd", "run_kforge"]
 
 
 @pytest.fixture

@@ -14,6 +14,7 @@ EXIT_OK = 0
 EXIT_FAILURE = 1
 EXIT_INVALID_INPUT = 2
 EXIT_REQUEUE = 75  # stopped on a signal after saving a checkpoint: requeue me
+EXIT_INTERRUPTED = 130  # a second Ctrl-C before the stop's checkpoint was complete (as a shell reports SIGINT)
 EXIT_HANG = 76  # the hang watchdog stopped a rank that made no progress: requeue me (resume from the last checkpoint)
 
 
@@ -30,6 +31,14 @@ def bug_report_hint() -> str:
         if label.strip().lower() in ("issues", "bug tracker", "bugs", "source", "repository", "homepage"):
             return f"Please report it at {url.strip()} with the command and the traceback above."
     return "Please report it to the kforge maintainers (the project's issue tracker) with the command and the traceback above."
+
+
+class SavedInterrupt(KeyboardInterrupt):
+    """A second Ctrl-C after the stop's checkpoint of the current step was complete: exit 75, not 130."""
+
+    def __init__(self, step: int) -> None:
+        super().__init__(step)
+        self.step = step
 
 
 class KforgeError(Exception):

@@ -10,25 +10,31 @@ import pytest
 
 pytestmark = pytest.mark.e2e
 
-SHAKESPEARE = Path(__file__).parents[2].parent / "shared/data/tinyshakespeare.txt"
+
+def stories_file(path: Path, documents: int = 1500) -> Path:
+    """A text file of the built-in corpus's stories (no file outside the repository is needed)."""
+    from kforge_cli.engine.data.builtin_corpus import generate_documents
+
+    path.write_text("".join(doc.rstrip("\n") + "\n" for doc in generate_documents(documents)))
+    return path
 
 
-@pytest.mark.skipif(not SHAKESPEARE.is_file(), reason=f"{SHAKESPEARE} is absent (the shared data directory)")
-def test_prepare_tinyshakespeare_byte_level(kforge, tmp_path: Path) -> None:
-    out = tmp_path / "shakespeare"
-    r = kforge("prepare-data", str(SHAKESPEARE), "--tokenizer", "byte", "--out", str(out))
+def test_prepare_a_text_file_byte_level(kforge, tmp_path: Path) -> None:
+    text = stories_file(tmp_path / "stories.txt")
+    out = tmp_path / "stories"
+    r = kforge("prepare-data", str(text), "--tokenizer", "byte", "--out", str(out))
     assert r.returncode == 0, r.stderr
     assert "tokens/s" in r.stdout
     meta = json.loads((out / "metadata.json").read_text())
-    size = SHAKESPEARE.stat().st_size
+    size = text.stat().st_size
     assert (meta["vocab_size"], meta["dtype"]) == (257, "uint16")
     train, val = (np.load(out / f"{split}-00000.npy") for split in ("train", "val"))
     assert train.dtype == np.uint16 and len(train) == meta["splits"]["train"]["tokens"]
     assert len(val) > 0 and 0.005 < len(val) / size < 0.02  # --val-fraction defaults to 1%
     # every byte of the file is in exactly one split; the rest are EOS separators
     assert int((train != 256).sum() + (val != 256).sum()) == size
-    assert bytes(train[:10].astype(np.uint8)) == SHAKESPEARE.read_bytes()[:10]
-    again = kforge("prepare-data", str(SHAKESPEARE), "--tokenizer", "byte", "--out", str(out))
+    assert bytes(train[:10].astype(np.uint8)) == text.read_bytes()[:10]
+    again = kforge("prepare-data", str(text), "--tokenizer", "byte", "--out", str(out))
     assert again.returncode == 0 and "up to date" in again.stdout
 
 
@@ -75,7 +81,10 @@ def test_sigterm_mid_run_removes_the_temporary_directory_and_keeps_the_old_outpu
         if previous:  # a finished earlier output: stays exactly as it was
             out.mkdir()
             (out / "metadata.json").write_text(json.dumps({"format": "kforge-tokens", "older": True}))
-        proc = subprocess.Popen([sys.executable, "-c", SLOW_PREPARE, *args], stderr=subprocess.PIPE, text=True)
+        replace = ["--overwrite"] if previous else []  # other data at --out: replaced only when asked
+        proc = subprocess.Popen(
+            [sys.executable, "-c", SLOW_PREPARE, *args, *replace], stderr=subprocess.PIPE, text=True
+        )
         deadline = time.monotonic() + 60
         while not temporaries() and proc.poll() is None and time.monotonic() < deadline:
             time.sleep(0.05)

@@ -38,9 +38,10 @@ RUN = [
 NOT_RUN = {
     "python3 -m venv .venv": "creates a virtual environment (the tests already run in one)",
     ". .venv/bin/activate": "activates that environment",
-    "pip install torch==2.13.0": "installs from the network",
+    "pip install torch==2.13.0 --index-url https://download.pytorch.org/whl/cpu": "installs from the network",
     "pip install -e .": "installs from the network",
     "bash .ci/run": "runs the whole suite, this test included",
+    "python -m pytest -q tests/unit -x": "runs the unit tests (a suite of its own)",
 }
 ENV = {"KFORGE_TRAIN__MAX_STEPS": "20", "KFORGE_METRICS__PROGRESS_BAR": "off", "KFORGE_METRICS__LOG_INTERVAL": "5"}
 

@@ -146,3 +146,11 @@ def test_a_refused_command_leaves_every_file_of_the_run_byte_identical(
     assert exit_info.value.code == 2 and message in err and "Traceback" not in err, err
     assert snapshot(trained) == before, what
     assert not (tmp_path / "hf").exists()
+
+
+def test_eval_without_a_task_scores_heldout(trained: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """Issue 41: `kforge eval RUN` without --task failed; it scores the held-out loss."""
+    with pytest.raises(SystemExit) as exit_info:
+        main(["eval", str(trained), "--max-batches", "1"])
+    out = capsys.readouterr().out
+    assert exit_info.value.code in (0, None) and "heldout" in out, out

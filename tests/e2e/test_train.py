@@ -61,12 +61,10 @@ def test_bad_hook_path_is_a_clear_error(kforge, tmp_path: Path) -> None:
 
 
 def test_prepare_data_then_train_reports_eval_loss(kforge, tmp_path: Path) -> None:
-    from tests.conftest import SHARED_DATA
+    from tests.e2e.test_prepare_data import stories_file
 
-    text = SHARED_DATA / "tinyshakespeare.txt"
-    if not text.is_file():
-        pytest.skip(f"{text} not found")
-    data = tmp_path / "shakespeare"
+    text = stories_file(tmp_path / "stories.txt")  # the built-in corpus's stories: no file outside the repo
+    data = tmp_path / "stories"
     p = kforge("prepare-data", str(text), "--tokenizer", "byte", "--out", str(data), "--quiet")
     assert p.returncode == 0, p.stderr[-2000:]
     run = tmp_path / "run"

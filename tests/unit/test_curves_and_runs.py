@@ -56,8 +56,8 @@ def test_runs_table_statuses(tmp_path: Path, capsys: pytest.CaptureFixture[str])
             os.utime(f, (old, old))
     rows = {r.name: r for r in list_runs(tmp_path)}
     assert {n: r.status for n, r in rows.items()} == {
-        "done": "completed",
-        "stopped": "stopped",
+        "done": "done",
+        "stopped": "stopped (signal)",
         "failed": "failed",
         "live": "running",
     }

@@ -102,7 +102,7 @@ def test_rerun_is_a_no_op_and_a_changed_dataset_rebuilds(tmp_path: Path) -> None
     assert not prepare_data([disk], out, workers=1).reused
     assert prepare_data([disk], out, workers=1).reused
     _disk(tmp_path, "ds", {"text": ["changed"] * 3})
-    assert not prepare_data([disk], out, val_fraction=0.0, workers=1).reused
+    assert not prepare_data([disk], out, val_fraction=0.0, workers=1, overwrite=True).reused
     assert _docs(_tokens(out, "train")) == ["changed"] * 3
 
 

@@ -94,7 +94,9 @@ def test_out_replaces_only_prepare_datas_own_directories(tmp_path: Path, prepare
     a_file.write_bytes(b"x")
     with pytest.raises(InvalidInputError, match="is a file, not a directory"):
         prepare_data([src], a_file, workers=1)
-    prepare_data([src], prepared, val_fraction=0.5, workers=1)  # its own output: replaced
+    with pytest.raises(InvalidInputError, match="holds data prepared from other inputs or options"):
+        prepare_data([src], prepared, val_fraction=0.5, workers=1)  # other data there: not without --overwrite
+    prepare_data([src], prepared, val_fraction=0.5, workers=1, overwrite=True)  # its own output: replaced
     assert _meta(prepared)["options"]["val_fraction"] == 0.5
     assert not [p for p in tmp_path.iterdir() if p.name.startswith(".data.tmp")]
 

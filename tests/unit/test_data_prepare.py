@@ -106,7 +106,10 @@ def test_rerun_is_a_no_op_and_a_changed_input_rebuilds(tmp_path: Path) -> None:
     assert again.reused and again.tokens == {"train": 5, "val": 0}
     assert (out / "metadata.json").stat().st_mtime_ns == stamp
     _write(f, "abcd\n")
-    assert not prepare_data([f], out, workers=1).reused
+    with pytest.raises(InvalidInputError, match="holds data prepared from other inputs") as refused:
+        prepare_data([f], out, workers=1)  # other data: a run may be training on what is there
+    assert "--overwrite" in str(refused.value) and (out / "metadata.json").stat().st_mtime_ns == stamp
+    assert not prepare_data([f], out, workers=1, overwrite=True).reused
     assert _docs(_tokens(out, "train")) == [b"abcd\n"]
     (out / "train-00000.npy").unlink()  # a damaged output is rebuilt, not trusted
     assert not prepare_data([f], out, workers=1).reused

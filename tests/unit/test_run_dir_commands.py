@@ -88,6 +88,39 @@ def test_runs_and_resume_import_no_torch_and_no_engine(tmp_path: Path) -> None:
     assert change["changes"] == {"train.max_steps": {"from": 4, "to": 8}}
 
 
+def test_in_use_and_already_completed_are_refused_before_torch_loads(tmp_path: Path) -> None:
+    """Issue 41: a second `train` on a live run waited 20 s for torch before "in use"; `train` on a
+    finished run loaded torch, printed the banner and appended a record to do nothing."""
+    from kforge_cli.rundir.lock import acquire_run_lock
+
+    root = tmp_path / "runs"
+    done = make_run(root, "done", steps=4, planned=4, reason="final")
+    live = make_run(root, "live", steps=2, planned=8, reason="signal")
+    starting = root / "starting"
+    starting.mkdir()
+    age(done)
+    done_before = {p: p.read_bytes() for p in done.rglob("*") if p.is_file()}
+    cases = {
+        "train, already completed": (["train", "--run-dir", str(done)], 0, f"{done} already completed 4/4 steps"),
+        "resume, already completed": (["resume", str(done)], 0, f"to train longer: kforge resume {done} --train"),
+        "train, in use": (["train", "--run-dir", str(live)], 2, f"{live} is in use by another kforge run (pid"),
+        "resume, in use": (["resume", str(live), "--train.max_steps=9"], 2, "is in use by another kforge run"),
+        "train, a run starting": (["train", "--run-dir", str(starting)], 2, f"{starting} is in use"),
+        "train --nproc-per-node, in use": (["train", "--run-dir", str(live), "--nproc-per-node", "2"], 2, "in use"),
+    }
+    locks = [acquire_run_lock(live, wait_s=0), acquire_run_lock(starting, wait_s=0)]
+    try:
+        for what, (argv, expected_rc, message) in cases.items():
+            rc, heavy, err = cli_modules(argv, tmp_path)
+            assert (rc, heavy) == (expected_rc, []), (what, heavy, err[-2000:])
+            assert message in err and "loading PyTorch" not in err and "Traceback" not in err, (what, err[-2000:])
+    finally:
+        for lock in locks:
+            lock.release()
+    assert {p: p.read_bytes() for p in done.rglob("*") if p.is_file()} == done_before  # no record appended
+    assert not (live / "config_changes.jsonl").exists()
+
+
 def fake_slurm(bin_dir: Path, squeue: str | None, sacct: str | None) -> None:
     """`squeue`/`sacct` on PATH that print the given lines (None: the command does not exist)."""
     bin_dir.mkdir(exist_ok=True)
@@ -180,7 +213,7 @@ def test_runs_table_numbers_share_one_format_and_read_the_metrics_tail(tmp_path:
     assert cells["short"][2:5] == ("2/4", "5.0000", "12.0000")
 
 
-def test_train_on_an_existing_run_refuses_untyped_changes_to_what_it_learns_and_records_the_rest(
+def test_train_on_an_existing_run_refuses_every_untyped_change_and_records_the_typed_ones(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     run = tmp_path / "run"
@@ -193,11 +226,16 @@ def test_train_on_an_existing_run_refuses_untyped_changes_to_what_it_learns_and_
     start = ["--optimizer.lr=1e-4", "--metrics.log_interval=1", "--checkpoint.interval=5"]
     assert cli(*start)[0] == 0
     original = (run / "config.toml").read_bytes()
-    code, err = cli("--optimizer.lr=1e-4", "--train.max_steps=10")  # logging and cadence: how it runs
+    code, err = cli("--optimizer.lr=1e-4", "--train.max_steps=10")  # logging and cadence from the profile
+    assert code == 2 and not (run / "config_changes.jsonl").exists()  # refused too (issue 41): only typed changes
+    assert "checkpoint.interval: 5 -> 100 (the run has 5; this value comes from profile cpu-debug" in err
+    assert "metrics.log_interval: 1 -> 10 (the run has 1;" in err
+    code, err = cli(
+        "--optimizer.lr=1e-4", "--metrics.log_interval=10", "--checkpoint.interval=5", "--train.max_steps=10"
+    )
     assert code == 0, err
     [change] = [json.loads(x) for x in (run / "config_changes.jsonl").read_text().splitlines()]
     assert change["changes"] == {
-        "checkpoint.interval": {"from": 5, "to": 100},
         "metrics.log_interval": {"from": 1, "to": 10},
         "train.max_steps": {"from": 300, "to": 10},
     }

@@ -18,13 +18,14 @@ def evaluate(
         Path, typer.Argument(help="A run dir, RUN_DIR/checkpoints/step_N, or a Hugging Face dir (an export-hf output).")
     ],
     task: Annotated[
-        list[str],
+        list[str] | None,
         typer.Option(
             "--task",
             "-t",
-            help="heldout, heldout:PREPARED_DIR, FILE.jsonl (multiple choice), lm-eval:NAME or lm-eval:TASK.yaml.",
+            help="heldout, heldout:PREPARED_DIR, FILE.jsonl (multiple choice), lm-eval:NAME or lm-eval:TASK.yaml "
+            "(default: heldout).",
         ),
-    ],
+    ] = None,
     max_batches: Annotated[
         int | None,
         typer.Option(
@@ -61,12 +62,13 @@ def evaluate(
     from kforge_cli.engine.inference.evaluate import check_task, log_to_trackers, run_task, task_name, write_results
     from kforge_cli.engine.inference.source import open_for_inference
 
-    for spec in task:  # printable names; a task file's bounds and code consent, before the checkpoint is loaded
+    tasks = task or ["heldout"]  # the run's own validation split
+    for spec in tasks:  # printable names; a task file's bounds and code consent, before the checkpoint is loaded
         check_task(spec, allow_hooks)
     loaded = open_for_inference(ckpt, device=device, tokenizer=tokenizer)
     cap = max_batches if max_batches is not None else steps
     results = {
-        task_name(spec): run_task(loaded, spec, max_batches=cap, limit=limit, allow_hooks=allow_hooks) for spec in task
+        task_name(spec): run_task(loaded, spec, max_batches=cap, limit=limit, allow_hooks=allow_hooks) for spec in tasks
     }
     path = write_results(loaded, results)
     logged = track and not no_log

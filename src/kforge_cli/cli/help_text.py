@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import inspect
 import re
+from collections.abc import Callable
+from typing import Any
 
 import typer
 
@@ -69,11 +71,34 @@ def plain_metavars(command: object) -> None:
     """Help that names things as the text does: ``RUN_DIR`` rather than ``run_dir``, and no ``<bool>``
     after a flag (a flag takes no value). Applied to the click command typer built, every subcommand."""
     for param in getattr(command, "params", []):
+        if getattr(param, "param_type_name", "") == "argument" and getattr(param, "required", False):
+            param._usage_display_name = _bare_usage(param)  # `RUN_DIR`, not typer's `{RUN_DIR}`
         if getattr(param, "metavar", "") is not None:
             continue
         if getattr(param, "param_type_name", "") == "argument" and param.name:
             param.metavar = param.name.upper()
         elif getattr(param, "is_flag", False):
             param.metavar = ""
+    help_option = getattr(command, "get_help_option", None)
+    if help_option is not None and not getattr(command, "_kforge_plain_help", False):
+        setattr(command, "get_help_option", _flag_help(help_option))  # noqa: B010 (`--help`, not `--help <bool>`)
+        setattr(command, "_kforge_plain_help", True)  # noqa: B010
     for sub in (getattr(command, "commands", None) or {}).values():
         plain_metavars(sub)
+
+
+def _bare_usage(param: Any) -> Callable[[], str]:
+    def usage() -> str:
+        return str(param.display_name_raw) + ("..." if param.nargs != 1 else "")
+
+    return usage
+
+
+def _flag_help(get_help_option: Callable[[Any], Any]) -> Callable[[Any], Any]:
+    def plain(ctx: Any) -> Any:
+        option = get_help_option(ctx)
+        if option is not None:
+            option.metavar = ""
+        return option
+
+    return plain

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import difflib
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated
 
@@ -56,7 +57,8 @@ def resolve(
 
 
 def refuse_underscored_options(args: list[str]) -> None:
-    """``--nproc_per_node=2`` (torchrun's spelling) for this command's ``--nproc-per-node``: say so (exit 2)."""
+    """``--nproc_per_node=2`` (torchrun's spelling) for this command's ``--nproc-per-node``, or a misspelt
+    option (``--run-dri``): name the option meant (exit 2)."""
     from kforge_cli.errors import InvalidInputError
 
     try:  # typer >= 0.2x carries its own copy of click
@@ -73,6 +75,19 @@ def refuse_underscored_options(args: list[str]) -> None:
         if arg.startswith("--") and "." not in name and dashed != name and dashed in options:
             fix = f"{dashed} {value}" if sep else dashed
             raise InvalidInputError(f"unexpected argument {arg!r}: did you mean {fix}?")
+        close = difflib.get_close_matches(dashed, sorted(options), n=1, cutoff=0.8)
+        if arg.startswith("--") and "." not in name and dashed not in options and close and not _a_key(name):
+            fix = f"{close[0]} {value}" if sep else close[0]  # --run-dri: --run-dir, not --train.run_dir
+            raise InvalidInputError(f"unexpected argument {arg!r}: did you mean {fix}?")
+
+
+def _a_key(name: str) -> bool:
+    """``--max_steps``: a setting's name without its section (the settings' own did-you-mean says which)."""
+    from kforge_cli.settings.loader import suggest_key
+
+    leaf = name.lstrip("-").replace("-", "_")
+    key = suggest_key([leaf])
+    return key is not None and key.rsplit(".", 1)[-1] == leaf
 
 
 LOCAL_CHILD_ENV = "KFORGE_LOCAL_CHILD"  # set by `--nproc-per-node` for its processes (it printed the warnings)

@@ -50,6 +50,13 @@ def plot(
     One colour per run in every panel; the eval loss is drawn dashed over the training loss, and a
     dotted vertical line marks where a job resumed the run.
     """
+    import importlib.util
+
+    if importlib.util.find_spec("matplotlib") is None:
+        from kforge_cli.errors import InvalidInputError
+        from kforge_cli.settings.tracking_check import install_command
+
+        raise InvalidInputError(f"kforge plot draws with matplotlib, which is not installed: {install_command('plot')}")
     from kforge_cli.engine.observe.curves import DEFAULT_METRICS, plot_runs
 
     scales = None

@@ -44,6 +44,10 @@ def prepare_data(
         int, typer.Option("--workers", help="Tokenizer processes (0 = all cores the input keeps busy).", min=0)
     ] = 0,
     quiet: Annotated[bool, typer.Option("--quiet", "-q", help="No progress bar.")] = False,
+    overwrite: Annotated[
+        bool,
+        typer.Option("--overwrite", help="Replace a prepared --out that holds other data (refused without)."),
+    ] = False,
 ) -> None:
     """Tokenize inputs into .npy shards plus metadata.json (streaming, all cores).
 
@@ -53,7 +57,9 @@ def prepare_data(
 
     Exit codes: 0 done (or already up to date), 2 invalid input (the file and line named),
     130 Ctrl-C, 143 SIGTERM. A stopped run leaves --out as it was: the output is written
-    to a temporary directory, made durable, then renamed into place.
+    to a temporary directory, made durable, then renamed into place. Running it again on
+    unchanged inputs does nothing; an --out prepared from other inputs or options is
+    replaced only with --overwrite.
     """
     from rich.console import Console
     from rich.progress import BarColumn, DownloadColumn, Progress, TimeRemainingColumn, TransferSpeedColumn
@@ -80,6 +86,7 @@ def prepare_data(
             skip_bad_records=skip_bad_records,
             workers=workers or None,
             hf_split=hf_split,
+            overwrite=overwrite,
             on_progress=lambda done, total: progress.update(task, completed=done, total=total),
         )
     if result.reused:

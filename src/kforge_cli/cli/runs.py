@@ -44,8 +44,11 @@ def runs(
 ) -> None:
     """Name, profile, steps done/planned, last loss, eval loss, latest checkpoint, status, last update.
 
-    Runs written by --sbatch show their SLURM job's state (squeue/sacct when available):
-    queued, running, not submitted, unknown, or the state SLURM ended it with.
+    Status: running (its lock is held), done (exit 0), stopped (signal) (75), hung (watchdog)
+    (76), interrupted (130), failed (another code), killed (the lock is free and the last job
+    left no exit record). Runs written by --sbatch show their SLURM job's state
+    (squeue/sacct when available): queued, running, not submitted, unknown, or the state SLURM
+    ended it with. Steps: the newest complete checkpoint's or the last logged, whichever is later.
     """
     from kforge_cli.cli.runs_table import list_runs
 

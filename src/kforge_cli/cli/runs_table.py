@@ -2,17 +2,28 @@
 
 Status, first match wins:
 
-- ``completed``: the final checkpoint was written, or the planned steps were logged;
+- ``running``: a live process holds the run directory's lock (probed without taking it:
+  `kforge_cli.rundir.lock.probe_run_lock`);
 - ``queued`` / ``running``: SLURM says the run's job is pending / running (``squeue``);
-- ``running``: metrics.jsonl or a log changed within ``active_s`` seconds;
-- ``stopped``: the newest checkpoint was saved on a signal (requeue or resume it);
+- how the last job ended, from RUN_DIR/exit.json (`kforge_cli.rundir.launch`): exit 0
+  ``done``, 75 ``stopped (signal)``, 76 ``hung (watchdog)``, 130 ``interrupted``, any other
+  code ``failed``;
 - ``early_stop`` (or another loop component's stop): the newest checkpoint was saved when it stopped the run;
-- a run written by ``--sbatch``: the state ``sacct`` reports for its last job (lower case:
-  ``cancelled``, ``timeout``, ``failed`` ...), else ``not submitted`` (no job was ever
-  submitted or started) or ``unknown`` (no SLURM here to ask);
-- ``failed``: none of these (it ended without a final checkpoint).
+- ``done``: the final checkpoint was written, or the planned steps were logged (a run from
+  before exit records);
+- ``hung (watchdog)`` also when the lock is free and logs/hang/summary.txt is there (a single
+  process's watchdog exits without a record; a restart moves the report aside);
+- ``killed``: the lock is free on this host and the last job left no exit record (``kill -9``,
+  the OOM killer, a lost node);
+- where the lock cannot be probed from here (its holder ran on another host, or no lock table):
+  ``running`` when metrics.jsonl or a log changed within ``active_s`` seconds; ``stopped
+  (signal)`` when the newest checkpoint was saved on a signal; a run written by ``--sbatch``:
+  the state ``sacct`` reports for its last job (lower case: ``cancelled``, ``timeout``,
+  ``failed`` ...), else ``not submitted`` or ``unknown``; else ``failed``.
 
-Metrics are read from the end of metrics.jsonl, so a long run costs no more than a short one.
+The steps column is the step of the newest complete checkpoint or of the last logged step,
+whichever is later. Metrics are read from the end of metrics.jsonl, so a long run costs no more
+than a short one.
 """
 
 from __future__ import annotations
@@ -28,9 +39,11 @@ from pathlib import Path
 
 from kforge_cli.errors import InvalidInputError, KforgeError
 from kforge_cli.files import open_regular, read_text_capped
-from kforge_cli.rundir.checkpoints import newest_complete
+from kforge_cli.rundir.checkpoints import newest_complete, step_of
+from kforge_cli.rundir.launch import read_exit
 from kforge_cli.rundir.layout import RunDir
-from kforge_cli.rundir.names import SUMMARY_FILE
+from kforge_cli.rundir.lock import probe_run_lock
+from kforge_cli.rundir.names import HANG_DIR, HANG_SUMMARY_FILE, SUMMARY_FILE
 from kforge_cli.rundir.saved_config import read_saved_config
 
 SLURM_TIMEOUT_S = 5.0
@@ -38,6 +51,8 @@ MAX_SMALL_FILE = 1 << 20  # a job list or checkpoint summary kforge writes is a 
 _TAIL_BLOCK = 64 * 1024
 _TAIL_LIMIT = 8 * 1024 * 1024  # look back at most this far for the last eval loss
 _SQUEUE_LIVE = {"PENDING": "queued", "REQUEUED": "queued", "CONFIGURING": "running", "RUNNING": "running"}
+EXIT_STATUS = {0: "done", 75: "stopped (signal)", 76: "hung (watchdog)", 130: "interrupted"}
+STOPPED = EXIT_STATUS[75]
 
 
 @dataclass
@@ -206,8 +221,10 @@ def describe_run(
     max_steps = train.get("max_steps") if isinstance(train, dict) else None
     planned = max_steps if isinstance(max_steps, int) else None
     last = _tail_values(run.metrics, ("loss", "eval_loss"))
-    step = last["loss"][0] if "loss" in last else 0
+    logged = last["loss"][0] if "loss" in last else 0
     latest, reason = _checkpoint(run, config)
+    saved = step_of(Path(latest)) if latest is not None else None
+    step = max(logged, saved or 0)
     mtime = _mtime(run, (run.metrics, *_logs(run)))
     updated = _updated(run)
     ids = job_ids(run) if run.job_script.is_file() else []
@@ -215,14 +232,27 @@ def describe_run(
     if run.job_script.is_file() and slurm is not None and job is None:
         job = slurm.scripts.get(str(run.job_script.resolve()))  # submitted by hand: squeue knows its script
     live = slurm.live.get(job) if slurm is not None and job is not None else None
-    if reason == "final" or (planned is not None and "loss" in last and step >= planned):
-        status = "completed"
+    held = probe_run_lock(run.path)
+    ended = read_exit(run.path)
+    code = ended.get("code") if ended is not None else None
+    if held:
+        status = "running"
     elif live is not None:
         status = _SQUEUE_LIVE.get(live, live.lower())
+    elif code == 0 and reason not in (None, "interval", "final", "signal"):
+        status = reason  # exit 0 from a loop component's stop (e.g. early_stop)
+    elif isinstance(code, int) and not isinstance(code, bool):
+        status = EXIT_STATUS.get(code, "failed")
+    elif reason == "final" or (planned is not None and "loss" in last and logged >= planned):
+        status = "done"
+    elif held is False and (run.logs / HANG_DIR / HANG_SUMMARY_FILE).is_file():
+        status = EXIT_STATUS[76]  # the watchdog's own exit leaves no record; its report (moved aside on a restart)
+    elif held is False and run.lock_file.exists():
+        status = "killed"  # a job took the lock, and ended without a word
     elif mtime is not None and now - mtime < active_s:
         status = "running"
     elif reason == "signal":
-        status = "stopped"
+        status = STOPPED
     elif reason not in (None, "interval", "final"):  # a loop component stopped the run (e.g. early_stop)
         status = reason
     elif run.job_script.is_file():

@@ -65,18 +65,31 @@ def train(
         resolved = resolve_continuation(
             existing, overrides, command="train", profile=profile, config=config, allow_hooks=allow_hooks
         )
+        from kforge_cli.cli.resume import refuse_before_start
+
+        refuse_before_start(resolved.settings, sbatch=sbatch or submit)  # "in use", "already completed": no torch
+        if nproc_per_node is None and not (sbatch or submit):
+            nproc_per_node = run_processes(existing)  # the run's own --nproc-per-node unless typed
         if nproc_per_node is None or sbatch or submit:
             continue_resolved(resolved, sbatch=sbatch, submit=submit)
     else:
         resolved = resolve(profile, config, overrides, for_run=True)
         refuse_unallowed_hooks(resolved, allow_hooks, "kforge train")  # before anything of them is imported
+        if resolved.settings.train.run_dir and not (sbatch or submit):
+            from kforge_cli.rundir.launch import launched
+            from kforge_cli.rundir.lock import refuse_in_use
+
+            if not launched():  # a run starting in that directory: "in use" before torch loads
+                refuse_in_use(Path(resolved.settings.train.run_dir).expanduser())
     if sbatch or submit:  # --submit implies --sbatch
         from kforge_cli.slurm import sbatch_from_cli
 
         raise typer.Exit(sbatch_from_cli(resolved.settings, submit=submit))
     if nproc_per_node is not None:
-        child_overrides = [*allow_flag(resolved.settings.train.hooks), *overrides]  # allowed above
-        raise typer.Exit(_launch_local(resolved, nproc_per_node, profile, config, child_overrides))
+        child = ["train", *(["--profile", profile] if profile is not None else [])]
+        child += ["--config", str(config)] if config is not None else []
+        child += [*allow_flag(resolved.settings.train.hooks), *overrides]  # allowed above
+        raise typer.Exit(launch_local_job(resolved, nproc_per_node, child))
     from kforge_cli.cli.outcome import train_and_exit
 
     raise typer.Exit(train_and_exit(resolved.settings))
@@ -95,20 +108,25 @@ def _existing_run(overrides: list[str]) -> Path | None:
     return run.path if run.has_config() else None
 
 
-def _launch_local(
-    resolved: ResolvedSettings, nproc: int, profile: str | None, config: Path | None, overrides: list[str]
-) -> int:
-    """Check the settings fit `nproc` processes, then start them (the same command minus the flag)."""
+def run_processes(run_dir: Path) -> int | None:
+    """The run's own `--nproc-per-node` (RUN_DIR/launch.json) for a command that typed none, when
+    this process is not itself a rank of a launched job (torchrun, srun)."""
+    from kforge_cli.rundir.launch import launched, recorded_local_nproc
+
+    return None if launched() else recorded_local_nproc(run_dir)
+
+
+def launch_local_job(resolved: ResolvedSettings, nproc: int, child: list[str]) -> int:
+    """Check the settings fit `nproc` processes, then start them, each running ``kforge <child>``."""
     from kforge_cli.settings import resolve_dims
 
     if nproc < 1:
         raise typer.BadParameter("--nproc-per-node must be at least 1")
     resolve_dims(resolved.settings, nproc)  # a ConfigError here beats N processes each printing it
-    child = ["train"]
-    if profile is not None:
-        child += ["--profile", profile]
-    if config is not None:
-        child += ["--config", str(config)]
     from kforge_cli.engine.runtime.local_launch import launch_local
 
-    return launch_local(nproc, [*child, *overrides])
+    code = launch_local(nproc, child)
+    from kforge_cli.cli.outcome import record_job_exit
+
+    record_job_exit(resolved.settings, code)  # the job's code, over rank 0's own
+    return code

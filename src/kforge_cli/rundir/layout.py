@@ -110,6 +110,14 @@ class RunDir:
     def lock_file(self) -> Path:
         return self.path / names.LOCK_FILE
 
+    @property
+    def launch_file(self) -> Path:
+        return self.path / names.LAUNCH_FILE
+
+    @property
+    def exit_file(self) -> Path:
+        return self.path / names.EXIT_FILE
+
     def slurm_log(self, job_id: str = "%j") -> Path:
         """logs/slurm-JOBID.out (``%j``: the pattern sbatch fills in)."""
         return self.logs / f"slurm-{job_id}.out"

@@ -9,6 +9,12 @@ leases): then it waits a while for the lock instead of failing at once. Where th
 filesystem has no ``flock`` (some Lustre mounts), the record alone decides: a live process
 on this host blocks, anything else is taken over with a warning.
 
+Whether a run lives is asked without taking its lock (:func:`probe_run_lock`): even a shared
+lock held for an instant could make a run that starts at that moment fail "in use". The
+kernel's table of held locks (``/proc/locks``) answers for this host; a holder on another host
+(a SLURM node) or a filesystem without ``flock`` cannot be seen, and the caller falls back to
+the run's records.
+
 A directory that exists, is not empty and holds nothing kforge wrote is refused rather
 than written into: that rule is :meth:`RunDir.refuse_foreign
 <kforge_cli.rundir.layout.RunDir.refuse_foreign>`, so `--sbatch` applies it too.
@@ -148,3 +154,59 @@ def acquire_run_lock(run_dir: Path, *, wait_s: float | None = None) -> RunLock:
     handle.write(json.dumps(_record()) + "\n")
     handle.flush()
     return RunLock(run_dir, handle)
+
+
+PROC_LOCKS = Path("/proc/locks")
+
+
+def _held_inodes(table: str) -> set[tuple[str, int]]:
+    """(device, inode) of every lock in a /proc/locks text (device as printed: ``fe:00``)."""
+    held = set()
+    for line in table.splitlines():
+        for field in line.split():
+            parts = field.split(":")
+            if len(parts) == 3 and parts[2].isdigit():
+                held.add((f"{parts[0]}:{parts[1]}", int(parts[2])))
+                break
+    return held
+
+
+def probe_run_lock(run_dir: Path, *, proc_locks: Path = PROC_LOCKS) -> bool | None:
+    """Whether a live kforge process holds `run_dir`'s lock, never taking it (see the module docstring).
+
+    True: held; False: free (no lock file, or its holder ran on this host and holds nothing
+    now); None: cannot tell from here (the holder's host is another one, or this system shows no
+    lock table), so the caller decides from the run's records.
+    """
+    path = RunDir(run_dir).lock_file
+    try:
+        inode = path.stat().st_ino
+    except FileNotFoundError:
+        return False
+    except OSError:
+        return None
+    record = _read_record(path)
+    if record.get("host") not in (None, socket.gethostname()):
+        return None  # its holder ran elsewhere: this host's lock table cannot see it
+    try:
+        table = proc_locks.read_text()
+    except OSError:
+        return _alive_here(record) if record else None  # no lock table: the record's process, if any
+    if any(ino == inode for _, ino in _held_inodes(table)):
+        return True
+    if record and record.get("host") is None:
+        return None
+    return False
+
+
+def refuse_in_use(run_dir: Path) -> None:
+    """Raise :class:`RunDirInUseError` when a live process holds `run_dir`'s lock (probed, not taken).
+
+    The command that starts a job calls it before anything slow (torch) is imported; the job's
+    rank 0 still takes the lock itself (a run may start in between)."""
+    if probe_run_lock(run_dir):
+        raise RunDirInUseError(
+            f"{run_dir} is in use by another kforge run ({_describe(_read_record(RunDir(run_dir).lock_file))}); "
+            "wait for it to end, or use another --run-dir. Two runs in one directory would mix their metrics and "
+            "checkpoints"
+        )

@@ -15,6 +15,8 @@
       memory/                  CUDA memory snapshots: rankR_stepsA-B.pickle (profiling.memory_snapshot_steps),
                                rankR_oom.pickle (the allocator at an out-of-memory error)
       .kforge-lock             held by the live run (pid, host, SLURM job)
+      launch.json              how the last job was started (launcher, processes, mesh)
+      exit.json                how the last job ended (exit code, step), written by the CLI
 
     step_N/
       .metadata, __R_0.distcp  DCP shards (or pp_S/ subdirectories, one per pipeline stage)
@@ -45,6 +47,8 @@ MEMORY_DIR = "memory"
 MEMORY_STEPS_FILE = "rank{rank}_steps{first}-{last}.pickle"  # inside memory/: str.format(rank=, first=, last=)
 MEMORY_OOM_FILE = "rank{rank}_oom.pickle"  # inside memory/: str.format(rank=)
 LOCK_FILE = ".kforge-lock"
+LAUNCH_FILE = "launch.json"
+EXIT_FILE = "exit.json"
 
 COMMIT_FILE = "kforge_commit.json"
 LATEST_FILE = "latest"

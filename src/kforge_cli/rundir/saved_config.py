@@ -36,15 +36,16 @@ if TYPE_CHECKING:  # the settings (pydantic) load where they are used: reading a
     from kforge_cli.settings.job import JobSettings
 
 # Keys that belong to one command, not to the run: where the run lives now (it may have been
-# moved) and whether this command resumes. They are never recorded as changes.
-PER_COMMAND_KEYS = frozenset({"train.run_dir", "checkpoint.resume"})
+# moved), whether this command resumes and whether it accepts changed data. They are never
+# recorded as changes.
+PER_COMMAND_KEYS = frozenset({"train.run_dir", "checkpoint.resume", "data.allow_changed_data"})
 
 Change = tuple[str, object, object]  # (dotted key, the run's value, the new value)
 
 # What the run learns from: the model, the data and its order, the optimizer and schedule, the
-# steps and batches, the numerics. A continuation by `kforge train` with other arguments must
-# type a change to these; how it runs (parallelism, checkpoint cadence, logging, hooks,
-# threads, compile, activation checkpointing, loader workers, SLURM) may follow the new command.
+# steps and batches, the numerics (as opposed to how it runs: parallelism, checkpoint cadence,
+# logging, hooks, threads, loader workers, SLURM). A continuation by `kforge train` with other
+# arguments must type a change to any setting, these and the others alike (cli.resume).
 _LEARNING_SECTIONS = frozenset({"model", "optimizer", "scheduler", "data", "vision_encoder", "adapter", "vlm", "video"})
 _LEARNING_TRAIN_KEYS = frozenset(
     {
@@ -279,6 +280,20 @@ def record_changes(run_dir: Path, changes: list[Change], *, command: str | None 
         "changes": {key: {"from": old, "to": new} for key, old, new in changes},
     }
     with open_append(RunDir(run_dir).config_changes) as f:  # never through a planted link
+        f.write(json.dumps(record, sort_keys=True) + "\n")
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def record_layout_change(run_dir: Path, old: str, new: str, *, command: str | None = None) -> None:
+    """Append a record of a typed change of the device mesh (no setting changed: ``changes`` is empty)."""
+    record = {
+        "time": _dt.datetime.now(_dt.UTC).isoformat(timespec="seconds"),
+        "command": command if command is not None else shlex.join(["kforge", *sys.argv[1:]]),
+        "changes": {},
+        "layout": {"from": old, "to": new},
+    }
+    with open_append(RunDir(run_dir).config_changes) as f:
         f.write(json.dumps(record, sort_keys=True) + "\n")
         f.flush()
         os.fsync(f.fileno())

@@ -39,6 +39,12 @@ class DataSettings(Section):
     num_workers: int = field(0, "Data loader worker processes per rank.", ge=0)
     prefetch_factor: int = field(2, "Batches prefetched per worker (num_workers > 0).", gt=0)
     pin_memory: bool = field(True, "Pin host memory for faster copies to the GPU.")
+    allow_changed_data: bool = field(
+        False,
+        "Resume a checkpoint on data whose fingerprint differs from the one it trained on (re-prepared "
+        "or changed data): the order continues at the same position on the new data, not exactly. "
+        "For one command; typing data.path or data.datasets on it does the same.",
+    )
 
 
 class EvalSettings(Section):

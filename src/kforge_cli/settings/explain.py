@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import types
 import typing
 
 import tomli_w
@@ -28,8 +29,56 @@ def _drop_none(value: object) -> object:
 
 
 def _type_name(annotation: object) -> str:
-    text = str(annotation) if typing.get_origin(annotation) else getattr(annotation, "__name__", str(annotation))
-    return text.replace("typing.", "").replace("kforge_cli.settings.", "")
+    """The type as a user reads it: ``tuple[float, float], each in [0, 1)``, not pydantic's internals."""
+    text, bound = _render(annotation)
+    if not bound:
+        return text
+    return f"{text} in {bound}" if text.endswith(", each") else f"{text}, in {bound}"
+
+
+def _bound(metadata: typing.Iterable[object]) -> str | None:
+    """``[0, 1)`` from annotated-types' Ge/Gt/Le/Lt (those of a FieldInfo too); ``>= 0`` with one side."""
+    low = high = None
+    for item in metadata:
+        for inner in [item, *getattr(item, "metadata", [])]:
+            for name, side, bracket in (
+                ("ge", "low", "["),
+                ("gt", "low", "("),
+                ("le", "high", "]"),
+                ("lt", "high", ")"),
+            ):
+                value = getattr(inner, name, None)
+                if value is not None and side == "low":
+                    low = (bracket, value)
+                elif value is not None:
+                    high = (bracket, value)
+    if low and high:
+        return f"{low[0]}{low[1]}, {high[1]}{high[0]}"
+    if low or high:
+        (bracket, value), op = (low, ">=" if low[0] == "[" else ">") if low else (high, "<=" if high[0] == "]" else "<")  # type: ignore[misc]
+        return f"{op} {value}"
+    return None
+
+
+def _render(annotation: object) -> tuple[str, str | None]:
+    """(the type's text, the bound its values share, if any)."""
+    origin, args = typing.get_origin(annotation), typing.get_args(annotation)
+    if origin is typing.Annotated:
+        text, _ = _render(args[0])
+        return text, _bound(args[1:])
+    if origin is None:
+        name = getattr(annotation, "__name__", None) or str(annotation)
+        return name.replace("typing.", "").replace("kforge_cli.settings.", "").replace("NoneType", "None"), None
+    parts = [_render(a) if a is not Ellipsis else ("...", None) for a in args]
+    bounds = {b for _, b in parts}
+    inner = ", ".join(text for text, _ in parts)
+    if origin in (typing.Union, types.UnionType):
+        text = " | ".join(t for t, _ in parts)
+    else:
+        text = f"{getattr(origin, '__name__', str(origin))}[{inner}]"
+    if len(bounds) == 1 and None not in bounds and len(parts) > 1:
+        return f"{text}, each", bounds.pop()
+    return text, bounds.pop() if len(bounds) == 1 else None
 
 
 def explain_key(resolved: ResolvedSettings, key: str) -> str:

@@ -168,7 +168,8 @@ def load_settings(
         data, path = load_profile(name)  # refuses a ./profiles file shadowing a shipped profile
         chain = profile_chain(name)
         data = {"profile": name, **data}
-        layers.append((f"profile {name} ({path})", data))
+        named_by_path = name.endswith(".toml") or "/" in name  # its source once: the path typed
+        layers.append((f"profile {name}" if named_by_path else f"profile {name} ({path})", data))
     if config is not None:
         layers.append((f"config {config}", read_toml(Path(config), "config file")))
     if use_env:
@@ -282,7 +283,7 @@ def _issue_from_pydantic(err: ErrorDetails, sources: dict[str, str]) -> ConfigIs
     path = ".".join(loc)
     if err["type"] == "extra_forbidden":
         hint = suggest_key(loc)
-        where = sources.get(path)
+        where = sources.get(path) or next((v for k, v in sources.items() if k.startswith(path + ".")), None)
         message = "unknown key" + (f" (from {where})" if where else "")
         return ConfigIssue(path, message + (f"; did you mean {hint}?" if hint else ""))
     value = err.get("input")
@@ -294,6 +295,10 @@ def _issue_from_pydantic(err: ErrorDetails, sources: dict[str, str]) -> ConfigIs
     shown = f" (got {text if len(text) <= 200 else text[:200] + '...'})" if not isinstance(value, dict | list) else ""
     where = sources.get(path)
     origin = f" [from {where}]" if where else ""
+    if (
+        err["type"] in ("tuple_type", "list_type") and isinstance(value, str) and "," in value
+    ):  # --optimizer.betas=0.9,0.95
+        origin += f"; write a list in brackets: --{path}=[{value.strip('()')}]"
     return ConfigIssue(path, f"{err['msg']}{shown}{origin}")
 
 

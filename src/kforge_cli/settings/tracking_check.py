@@ -1,6 +1,9 @@
 """Tracker settings against the installed packages, before the model is built.
 
-kforge depends on ``mlflow-skinny`` (the client: an HTTP tracking server is all it needs).
+The default job logs to metrics.jsonl only, so the trackers' packages are extras: a backend
+in ``metrics.backends`` whose package is not installed is an exit 2 naming the exact install
+command (``pip install 'kforge[wandb]'``, ``'kforge[mlflow]'``, ``'kforge[tensorboard]'``).
+The ``mlflow`` extra is ``mlflow-skinny`` (the client: an HTTP tracking server is all it needs).
 A database store (``sqlite:///...``, ``postgresql://...``), MLflow's own default when no URI is
 set, is opened by the client itself through SQLAlchemy and Alembic, which only the full
 ``mlflow`` package brings (``pip install 'kforge[mlflow-server]'``). Checking for them here (by
@@ -48,15 +51,45 @@ def mlflow_store_issue(configured: str | None, env_uri: str | None = None) -> Co
         what = f"is not set and MLFLOW_TRACKING_URI = {uri!r} is a database store"
     return ConfigIssue(
         "metrics.mlflow_tracking_uri",
-        f"{what}, which needs the full mlflow package ({', '.join(missing)} not installed; kforge installs only "
+        f"{what}, which needs the full mlflow package ({', '.join(missing)} not installed; kforge[mlflow] installs only "
         f"the mlflow-skinny client): run `{INSTALL_HINT}`, or log to a tracking server with "
         "--metrics.mlflow_tracking_uri=http://HOST:5000",
     )
 
 
+# backend -> (the module it imports, the extra that installs it)
+BACKEND_PACKAGES = {
+    "wandb": ("wandb", "wandb"),
+    "mlflow": ("mlflow", "mlflow"),
+    "tensorboard": ("tensorboard", "tensorboard"),
+}
+
+
+def install_command(extra: str) -> str:
+    """The exact command that installs kforge's `extra` (quoted for any shell)."""
+    return f"pip install 'kforge[{extra}]'"
+
+
+def missing_backend_issues(metrics: MetricsSettings) -> list[ConfigIssue]:
+    """One issue per configured tracker whose package is not installed (by module spec: nothing imported)."""
+    issues = []
+    for backend in metrics.backends:
+        module, extra = BACKEND_PACKAGES.get(backend, (None, ""))
+        if module is not None and importlib.util.find_spec(module) is None:
+            issues.append(
+                ConfigIssue(
+                    "metrics.backends",
+                    f"{backend!r} needs the {module} package, which is not installed: run `{install_command(extra)}` "
+                    f"(or drop {backend!r} from metrics.backends; metrics.jsonl is always written)",
+                )
+            )
+    return issues
+
+
 def tracking_issues(metrics: MetricsSettings) -> list[ConfigIssue]:
     """Problems of the configured trackers that the installed packages reveal."""
-    if "mlflow" not in metrics.backends:
-        return []
+    issues = missing_backend_issues(metrics)
+    if "mlflow" not in metrics.backends or issues:
+        return issues
     issue = mlflow_store_issue(metrics.mlflow_tracking_uri, os.environ.get("MLFLOW_TRACKING_URI"))
     return [issue] if issue else []

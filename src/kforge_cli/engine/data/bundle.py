@@ -20,6 +20,7 @@ from typing import Protocol
 import numpy as np
 import torch
 
+from kforge_cli.engine.data.builtin_corpus import VERSION as BUILTIN_VERSION
 from kforge_cli.engine.data.builtin_corpus import builtin_tokens
 from kforge_cli.engine.data.loader import BatchFetcher, StatefulLoader, training_loader
 from kforge_cli.engine.data.mixture import MixtureSchedule
@@ -27,6 +28,7 @@ from kforge_cli.engine.data.shards import load_prepared
 from kforge_cli.engine.data.tokenizer import ByteTokenizer, HFTokenizer, Tokenizer
 from kforge_cli.engine.data.tokens import ArrayTokens, ShardedTokens, TokenStream, Windows, make_batch
 from kforge_cli.errors import InvalidInputError
+from kforge_cli.rundir.data_fingerprint import builtin_fingerprint, prepared_fingerprint
 from kforge_cli.settings import JobSettings
 from kforge_cli.settings.data import DataSettings
 from kforge_cli.settings.data_check import TOKENIZER_FILE
@@ -69,6 +71,7 @@ class Source:
     tokenizer: Mapping[str, object]  # metadata.json's tokenizer identity (or the byte tokenizer's)
     root: Path | None = None
     top_shard: tuple[int, str] = (-1, "")  # (largest token id, the shard holding it): checked against the model
+    fingerprint: str = ""  # what a checkpoint records of this data (rundir.data_fingerprint)
 
 
 class ValData:
@@ -144,6 +147,7 @@ def _prepared_source(name: str, path: str) -> Source:
         tokenizer=meta.tokenizer,
         root=meta.root,
         top_shard=top,
+        fingerprint=prepared_fingerprint(meta.root),
     )
 
 
@@ -165,6 +169,7 @@ def _training_sources(data: DataSettings) -> list[Source]:
             ArrayTokens(tokens["train"]),
             ArrayTokens(tokens["val"]),
             ByteTokenizer().describe(),
+            fingerprint=builtin_fingerprint(BUILTIN_VERSION),
         )
     ]
 
@@ -279,6 +284,7 @@ def build_data(settings: JobSettings, *, dp_rank: int, dp_size: int) -> DataBund
         seq_len=train.seq_len,
         dp_rank=dp_rank,
         dp_size=dp_size,
+        fingerprints=[s.fingerprint for s in sources],
     )
     val = _val_data(
         settings.eval.path,

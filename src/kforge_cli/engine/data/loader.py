@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Iterator, Mapping, Sequence
-from typing import Protocol, TypedDict, TypeVar
+from typing import NotRequired, Protocol, TypedDict, TypeVar
 
 import numpy as np
 import torch
@@ -23,6 +23,8 @@ from kforge_cli.engine.data.sampler import BatchPlan, Cursor, SampleOrder
 from kforge_cli.engine.data.tokens import Windows, make_batch
 from kforge_cli.errors import KforgeError
 from kforge_cli.json_values import int_of
+from kforge_cli.rundir.data_fingerprint import changed_data_message
+from kforge_cli.rundir.data_fingerprint import describe as describe_prints
 from kforge_cli.settings.data import DataSettings
 from kforge_cli.settings.training import TrainSettings
 
@@ -107,6 +109,7 @@ class LoaderState(TypedDict):
     batch_size: int
     dp_size: int
     grad_accum_steps: int
+    dataset_fingerprints: NotRequired[list[str]]  # rundir.data_fingerprint; absent in older checkpoints
 
 
 class StatefulLoader:
@@ -121,8 +124,11 @@ class StatefulLoader:
         num_workers: int = 0,
         prefetch_factor: int = 2,
         pin_memory: bool = False,
+        fingerprints: list[str] | None = None,
+        allow_changed_data: bool = False,
     ) -> None:
         self.order, self.fetch, self.seq_len = order, fetch, seq_len
+        self.fingerprints, self.allow_changed_data = fingerprints, allow_changed_data
         self.num_workers, self.prefetch_factor = num_workers, prefetch_factor
         self.pin_memory = pin_memory and torch.cuda.is_available()
         self.cursor = Cursor.start(len(order.names))
@@ -155,7 +161,7 @@ class StatefulLoader:
     def state_dict(self) -> LoaderState:
         """JSON-serialisable position plus the facts a resume must agree with."""
         o = self.order
-        return {
+        state: LoaderState = {
             "version": STATE_VERSION,
             "batch": self.cursor.batch,
             "sample": self.cursor.sample,
@@ -169,6 +175,9 @@ class StatefulLoader:
             "dp_size": o.dp_size,
             "grad_accum_steps": o.grad_accum_steps,
         }
+        if self.fingerprints is not None:
+            state["dataset_fingerprints"] = list(self.fingerprints)
+        return state
 
     def load_state_dict(self, state: Mapping[str, object]) -> None:
         """Continue from ``state``; call before iterating. Refuses a state for other data."""
@@ -181,6 +190,17 @@ class StatefulLoader:
             "seq_len": self.seq_len,
             "data_seed": o.seed,
         }
+        theirs = state.get("dataset_fingerprints")
+        if isinstance(theirs, list) and self.fingerprints is not None and theirs != self.fingerprints:
+            if not self.allow_changed_data:
+                raise DataStateError(changed_data_message(theirs, self.fingerprints, list(o.names)))
+            log.warning(
+                "continuing on changed data (data.allow_changed_data): the checkpoint trained on %s, this run has %s; "
+                "the data order continues at the same position, not exactly",
+                describe_prints(theirs, list(o.names)),
+                describe_prints(self.fingerprints, list(o.names)),
+            )
+            fixed.pop("dataset_windows")
         for key, ours in fixed.items():
             if state.get(key) != ours:
                 raise DataStateError(
@@ -224,6 +244,7 @@ def training_loader(
     seq_len: int,
     dp_rank: int,
     dp_size: int,
+    fingerprints: list[str] | None = None,
 ) -> StatefulLoader:
     """The resumable loader of one data-parallel rank over datasets of ``sizes`` samples each.
 
@@ -247,4 +268,6 @@ def training_loader(
         num_workers=data.num_workers,
         prefetch_factor=data.prefetch_factor,
         pin_memory=data.pin_memory,
+        fingerprints=fingerprints,
+        allow_changed_data=data.allow_changed_data,
     )

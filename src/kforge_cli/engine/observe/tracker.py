@@ -39,10 +39,12 @@ from kforge_cli.engine.observe.tracking_types import (
     TrackerStatus,
 )
 from kforge_cli.engine.observe.wandb_backend import WandbBackend
+from kforge_cli.errors import ConfigError
 from kforge_cli.json_values import int_of
 from kforge_cli.rundir.layout import RunDir
 from kforge_cli.settings import JobSettings
 from kforge_cli.settings.infrastructure import MetricsSettings
+from kforge_cli.settings.tracking_check import missing_backend_issues
 
 log = logging.getLogger("kforge")
 
@@ -342,6 +344,9 @@ def tracker_backends(m: MetricsSettings, info: RunInfo, run_ids: Mapping[str, st
     Per backend that is ``metrics.<backend>_run_id`` when set (an explicit request),
     else the id restored from the checkpoint (``run_ids``), else none: a new run.
     """
+    missing = missing_backend_issues(m)
+    if missing:  # settings validation says so first; this covers settings built without it
+        raise ConfigError(missing, header="a configured tracker's package is not installed")
     backends: list[TrackerBackend] = []
     if "wandb" in m.backends:
         backends.append(WandbBackend(m, info, run_id=m.wandb_run_id or run_ids.get("wandb")))

@@ -8,7 +8,8 @@ on a host tensor, so it never waits on (or stalls) a GPU stream. One process che
 flag at every step boundary (nothing to agree on, nothing to wait for).
 SIGINT (Ctrl-C) is one of the default signals, so a first Ctrl-C saves and stops like a
 cluster's SIGTERM; a second Ctrl-C raises KeyboardInterrupt at once (exit 130) for a user
-who does not want to wait for the save. A repeated SIGTERM stays a no-op (launchers send one
+who does not want to wait for the save, or, once the checkpoint of the step it stopped at is
+complete (`saved_step`), :class:`~kforge_cli.errors.SavedInterrupt` (exit 75: nothing is lost). A repeated SIGTERM stays a no-op (launchers send one
 again while a rank tears down).
 """
 
@@ -23,7 +24,7 @@ from types import FrameType
 import torch
 import torch.distributed as dist
 
-from kforge_cli.errors import InvalidInputError
+from kforge_cli.errors import InvalidInputError, SavedInterrupt
 
 log = logging.getLogger("kforge")
 
@@ -33,6 +34,7 @@ class ShutdownHandler:
 
     def __init__(self, signals: list[str]) -> None:
         self.signal_name: str | None = None
+        self.saved_step: int | None = None  # set once the stop's checkpoint is complete (engine.train.loop)
         self._previous: dict[int, signal._HANDLER] = {}  # pyright: ignore[reportPrivateUsage]
         self._installed = False
         self._signals = [self._lookup(name) for name in signals]
@@ -63,6 +65,8 @@ class ShutdownHandler:
             )
         elif signum == signal.SIGINT:
             signal.signal(signal.SIGINT, signal.default_int_handler)
+            if self.saved_step is not None:
+                raise SavedInterrupt(self.saved_step)
             raise KeyboardInterrupt
 
     @property

@@ -102,7 +102,8 @@ class StragglerMonitor:
             self.hosts = [str(h) for h in hosts]
         mine = torch.tensor([self._take(), float(self.local_params)], dtype=torch.float64, device=self.device)
         everyone = torch.empty(self.world_size * 2, dtype=torch.float64, device=self.device)
-        dist.all_gather_into_tensor(everyone, mine)
+        gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor  # torch 2.13 renamed it
+        gather(everyone, mine)
         rows = everyone.view(self.world_size, 2).tolist()
         found = worst_group(rows)
         if found is None:

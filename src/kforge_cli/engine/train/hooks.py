@@ -30,7 +30,12 @@ def load_hook(spec: str, settings: JobSettings) -> TrainHook:
     try:
         module = importlib.import_module(module_name)
     except ImportError as exc:
-        raise InvalidInputError(f"train.hooks: cannot import module {module_name!r} ({exc})") from None
+        top = module_name.split(".", 1)[0]
+        raise InvalidInputError(
+            f"train.hooks: cannot import module {module_name!r} ({exc}). Python looks for it on sys.path, which "
+            f"holds the installed packages but not the working directory: run from the directory that holds "
+            f"{top}/ with PYTHONPATH=. (e.g. `PYTHONPATH=. kforge train ...`), or install {top} into this environment"
+        ) from None
     cls = getattr(module, attr, None)
     if cls is None:
         raise InvalidInputError(f"train.hooks: module {module_name!r} has no attribute {attr!r}")

@@ -137,6 +137,8 @@ def _end(session: TrainingSession, how: Stop, last: StepResult | None) -> TrainO
     session.components.on_loop_end(session, how)  # NaN tallies, the last evaluation, a last spike check
     session.components.phase("checkpoint", step)
     saved = _save(session, session.checkpointer.save_reason(step, how.status), blocking=True)
+    if how.status == "stopped":
+        session.shutdown.saved_step = step  # a second Ctrl-C from here on exits 75, not 130
     return TrainOutcome(
         status=how.status,
         step=step,

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+from collections.abc import Mapping
 from pathlib import Path
 
 import torch.distributed as dist
@@ -11,15 +12,22 @@ from kforge_cli.engine.data.run_tokenizer import record_run_tokenizer
 from kforge_cli.engine.runtime import RuntimeContext
 from kforge_cli.errors import InvalidInputError
 from kforge_cli.files import check_run_dir, real_dir
+from kforge_cli.rundir.launch import clear_exit, launch_of_env, read_launch, write_launch
 from kforge_cli.rundir.layout import RunDir, claim_default_run_dir
 from kforge_cli.rundir.lock import RunLock, acquire_run_lock
-from kforge_cli.rundir.saved_config import describe_changes, write_or_record
-from kforge_cli.settings import JobSettings
+from kforge_cli.rundir.saved_config import describe_changes, record_layout_change, write_or_record
+from kforge_cli.settings import JobSettings, resolve_dims
 
 log = logging.getLogger("kforge")
 
 
 _LOCKS: dict[Path, RunLock] = {}
+_CLAIMED: list[Path] = []  # the run directory this process took (rank 0), for the exit record
+
+
+def claimed_run_dir() -> Path | None:
+    """The run directory this process locked for its job (rank 0 only; None elsewhere)."""
+    return _CLAIMED[-1] if _CLAIMED else None
 
 
 def _claim(settings: JobSettings) -> Path:
@@ -31,6 +39,8 @@ def _claim(settings: JobSettings) -> Path:
         run_dir = claim_default_run_dir(settings).resolve()
     real_dir(RunDir(run_dir).logs)
     _LOCKS[run_dir] = acquire_run_lock(run_dir)
+    _CLAIMED.append(run_dir)
+    clear_exit(run_dir)  # the previous job's ending; this job's is written when it ends (cli.outcome)
     return run_dir
 
 
@@ -40,6 +50,7 @@ def resolve_run_dir(settings: JobSettings, runtime: RuntimeContext) -> Path:
     A refusal on rank 0 (a file, a foreign directory, a run in progress) is broadcast so
     every rank raises it instead of waiting. Release the lock with :func:`release_run_dir`.
     """
+    _CLAIMED.clear()
     chosen: list[str | None] = [None, None]  # (run dir, error)
     if runtime.is_main:
         try:
@@ -71,6 +82,7 @@ def write_config(settings: JobSettings, run_dir: Path) -> Path:
     `kforge generate` and `kforge eval` still find it if the data directory goes away.
     """
     run = RunDir(run_dir)
+    continued = run.has_config()
     changes = write_or_record(settings, run.path)
     record_run_tokenizer(settings.data, run.path)
     if changes:
@@ -80,4 +92,40 @@ def write_config(settings: JobSettings, run_dir: Path) -> Path:
             run.config_changes.name,
             describe_changes(changes),
         )
+    record_launch(settings, run.path, continued=continued)
     return run.config
+
+
+def record_launch(settings: JobSettings, run_dir: Path, *, continued: bool) -> None:
+    """RUN_DIR/launch.json for this job; a continued run whose mesh changed gets a WARNING and a
+    record in config_changes.jsonl (the checkpoint is resharded onto the new mesh on load)."""
+    launch = launch_of_env()
+    world = launch["world_size"]
+    assert isinstance(world, int)
+    mesh = mesh_of(settings, world)
+    previous = (read_launch(run_dir) if continued else None) or {}
+    old_mesh = previous.get("mesh")
+    if isinstance(old_mesh, dict) and old_mesh != mesh:
+        old, new = describe_mesh(old_mesh, previous.get("world_size")), describe_mesh(mesh, world)
+        log.warning(
+            "continuing %s on another device mesh: %s -> %s (as typed; the checkpoint is resharded on load; "
+            "recorded in %s)",
+            run_dir,
+            old,
+            new,
+            RunDir(run_dir).config_changes.name,
+        )
+        record_layout_change(run_dir, old, new)
+    write_launch(run_dir, {**launch, "mesh": mesh})
+
+
+def mesh_of(settings: JobSettings, world_size: int) -> dict[str, int]:
+    dims = resolve_dims(settings, world_size)
+    return {"pp": dims.pp, "dp_replicate": dims.dp_replicate, "dp_shard": dims.dp_shard, "cp": dims.cp, "tp": dims.tp}
+
+
+def describe_mesh(mesh: Mapping[str, object], world_size: object) -> str:
+    """`4 processes (dp_shard=2, tp=2)`: the world size and the dimensions above 1."""
+    dims = ", ".join(f"{k}={v}" for k, v in mesh.items() if v != 1) or "no parallelism"
+    count = f"{world_size} process{'' if world_size == 1 else 'es'}"
+    return f"{count} ({dims})"

@@ -45,8 +45,10 @@ def replace_dir(tmp: Path, out: Path) -> None:
             signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGTERM})
 
 
-def check_out(out: Path) -> None:
-    """`out` may be missing, empty, or a directory prepare-data wrote (its format marker); nothing else is replaced."""
+def check_out(out: Path, *, overwrite: bool = False) -> None:
+    """`out` may be missing, empty, or (with `overwrite`) a directory prepare-data wrote (its format
+    marker); nothing else is replaced. Called only when `out` is not up to date with the inputs: a
+    prepared directory there holds other data, which a run may be training on."""
     if out.is_symlink():
         raise InvalidInputError(f"--out {out} is a symbolic link: pass the real directory (or a new path)")
     if out.exists() and not out.is_dir():
@@ -61,6 +63,12 @@ def check_out(out: Path) -> None:
         raise InvalidInputError(
             f"--out {out} exists and was not written by `kforge prepare-data` (no {METADATA} with format "
             f"{FORMAT!r}): refusing to replace it. Choose another path, or remove it yourself"
+        )
+    if not overwrite:
+        raise InvalidInputError(
+            f"--out {out} holds data prepared from other inputs or options (its {METADATA} does not match these): "
+            "refusing to replace it. Pass --overwrite to replace it (a run trained on it then refuses to resume "
+            "on the new data unless you allow it), or choose another --out"
         )
 
 

@@ -166,6 +166,15 @@ def _inputs_key(files: list[InputFile], tokenizer: dict[str, object], options: d
     return hashlib.sha256(json.dumps(ident, sort_keys=True).encode()).hexdigest()
 
 
+def _recorded_key(out: Path) -> str | None:
+    """The inputs key of the prepared directory at `out` (None when there is none to read)."""
+    try:
+        key = json.loads((out / METADATA).read_text(encoding="utf-8")).get("inputs_key")
+    except (OSError, ValueError, AttributeError):
+        return None
+    return key if isinstance(key, str) else None
+
+
 def _up_to_date(out: Path, key: str) -> bool:
     meta_path = out / METADATA
     if not meta_path.is_file():
@@ -226,11 +235,13 @@ def prepare_data(
     workers: int | None = None,
     on_progress: Callable[[int, int], None] | None = None,
     hf_split: str | None = None,
+    overwrite: bool = False,
 ) -> PrepareResult:
     """Tokenize ``inputs`` into ``out``; ``on_progress(bytes_done, bytes_total)`` after each unit.
 
     ``workers``: processes to tokenize with (None or 0 = :func:`auto_workers`).
     ``hf_split``: the split of a DatasetDict input (default ``train``, or its only split).
+    ``overwrite``: replace a prepared directory at ``out`` that holds other data (refused without).
     """
     if not 0 <= val_fraction < 1:
         raise InvalidInputError(f"--val-fraction must be in [0, 1), got {val_fraction}")
@@ -274,7 +285,7 @@ def prepare_data(
             prepared.dtype.name,
             prepared.vocab_size,
         )
-    check_out(out)
+    check_out(out, overwrite=overwrite or _recorded_key(out) == key)  # a damaged copy of these inputs: rebuilt
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}-{secrets.token_hex(4)}")
     restore_sigterm = sigterm_cleans_up()  # before the directory exists: no moment leaves it behind
