@@ -68,7 +68,7 @@ def test_a_plateau_stops_the_run_with_exit_0_a_record_and_a_checkpoint(tmp_path:
     # patience off: the run trains to train.max_steps
     done = run_training(_settings(run, "--train.early_stop_patience=0"))
     assert done.status == "completed" and done.step == 8
-    assert describe_run(run, now=10**12).status == "completed"
+    assert describe_run(run, now=10**12).status == "done"
 
 
 def test_off_by_default(tmp_path: Path) -> None:

@@ -243,6 +243,8 @@ def describe_run(
         status = reason  # exit 0 from a loop component's stop (e.g. early_stop)
     elif isinstance(code, int) and not isinstance(code, bool):
         status = EXIT_STATUS.get(code, "failed")
+    elif reason not in (None, "interval", "final", "signal"):  # a loop component stopped the run (early_stop)
+        status = reason
     elif reason == "final" or (planned is not None and "loss" in last and logged >= planned):
         status = "done"
     elif held is False and (run.logs / HANG_DIR / HANG_SUMMARY_FILE).is_file():
@@ -253,8 +255,6 @@ def describe_run(
         status = "running"
     elif reason == "signal":
         status = STOPPED
-    elif reason not in (None, "interval", "final"):  # a loop component stopped the run (e.g. early_stop)
-        status = reason
     elif run.job_script.is_file():
         status = _job_status(run, job, slurm, started="loss" in last)
     else:
