@@ -261,7 +261,7 @@ def test_no_layout_of_any_mesh_breaks_a_rule() -> None:
 
 
 def test_trial_commands_local_and_under_srun(tmp_path) -> None:
-    from kforge_cli.cli.plan_trials import in_slurm_allocation, trial_command
+    from kforge_cli.engine.trials.runner import in_slurm_allocation, trial_command
 
     profile, run = tmp_path / "p.toml", tmp_path / "run"
     local = trial_command(profile, run, 10, 4, 1, 4, slurm=False)
@@ -275,17 +275,18 @@ def test_trial_commands_local_and_under_srun(tmp_path) -> None:
     )
 
 
-def test_sweep_script_runs_the_search_and_trials_in_one_allocation(tmp_path, monkeypatch, capsys) -> None:
-    from kforge_cli.cli.plan_trials import write_sweep_script
+def test_sweep_script_runs_the_search_and_trials_in_one_allocation(tmp_path, monkeypatch) -> None:
+    from kforge_cli.engine.trials.runner import write_sweep_script
 
     monkeypatch.chdir(tmp_path)
     s = _settings(*SMALL, "--slurm.nodes=2", "--slurm.partition=gpu")
-    argv = ["validate-config", "--plan", "--search", "--trial", "3", "--sbatch", "--trial-dir", "old", "--top=2"]
-    script = write_sweep_script(s, argv, tmp_path / "sweep")
+    argv = ["plan", "trial", "--best", "3", "--sbatch", "--trial-dir", "old", "--steps=20"]
+    said: list[str] = []
+    script, printed = write_sweep_script(s, argv, tmp_path / "sweep", say=said.append)
     text = script.read_text()
     assert "#SBATCH --nodes=2" in text and "#SBATCH --ntasks-per-node=8" in text and "#SBATCH --partition=gpu" in text
     assert "--requeue" not in text
     command = text.strip().splitlines()[-1]
-    assert command.endswith(f"validate-config --plan --search --trial 3 --top=2 --trial-dir {tmp_path}/sweep/results")
+    assert command.endswith(f"plan trial --best 3 --steps=20 --trial-dir {tmp_path}/sweep/results")
     assert "--sbatch" not in command and "old" not in command
-    assert capsys.readouterr().out == text
+    assert printed == text and said == [f"wrote {script}; submit with: sbatch {script}"]
