@@ -60,7 +60,7 @@ class Hardware:
     inter_node_gbps: float
     source: str
     peak_tflops: float | None = None  # only where engine.observe.mfu has no peak (the CPU)
-    full_speed_tokens: int = 4096  # the --plan warning for tiny per-GPU batches
+    full_speed_tokens: int = 4096  # the plan's warning for tiny per-GPU batches
 
 
 def _link(per_direction_gbps: float) -> float:
@@ -111,7 +111,7 @@ HARDWARE: dict[str, Hardware] = {
         1.0,
         2.0,
         1.0,
-        "placeholders for gloo on one machine (not a GPU): fit them with bench/plan_calibrate.py",
+        "placeholders for gloo on one machine (not a GPU): fit them with kforge plan calibrate",
         peak_tflops=0.05,
     ),
 }
@@ -370,7 +370,9 @@ def rank_work(
         block = f.split / dims.tp + f.whole
         flops += block
         recompute += block * recompute_share(settings, i, cuda, attention / block)
-    if place.has_head:  # the head (vocab-parallel under TP) and the final norm, 6 x parameters as --plan counts
+    if (
+        place.has_head
+    ):  # the head (vocab-parallel under TP) and the final norm, 6 x parameters as the FLOPs count has it
         flops += 6.0 * m.vocab_size * m.dim / dims.tp
         flops += sum(6.0 * p.numel for p in template.tail if not p.suffix.endswith(HEAD_NAME))
     dense = expert = dense_update = expert_update = 0

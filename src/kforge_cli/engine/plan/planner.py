@@ -114,7 +114,7 @@ class ParallelPlan:
         raise KeyError(name)
 
     def to_dict(self) -> dict[str, Any]:
-        """A JSON-ready view (``validate-config --plan --format json``)."""
+        """A JSON-ready view (``kforge plan --format json``)."""
         out = asdict(self)
         out["activations"] = self.activations.as_dict()
         out["step"] = self.step.as_dict() if self.step is not None else None

@@ -32,6 +32,7 @@ from kforge_cli.engine.parallel.build import compute_dtype
 from kforge_cli.engine.parallel.fsdp import resolve_reshard_after_forward
 from kforge_cli.engine.plan.activations import pipeline_in_flight
 from kforge_cli.engine.plan.cost_model import (
+    KINDS,
     CostConstants,
     RankWork,
     StepEstimate,
@@ -439,7 +440,7 @@ COMPONENTS = {
 def _components(e: StepEstimate) -> dict[str, float]:
     out = {"compute": e.compute_s - e.recompute_s, "recompute": e.recompute_s, "bubble": e.bubble_s}
     out["optimizer"] = e.optimizer_s
-    for kind in ("fsdp", "tp", "cp", "ep", "pp"):
+    for kind in KINDS:
         out[kind] = e.exposed.get(kind, 0.0)
     return out
 
@@ -470,7 +471,7 @@ def explain(result: SearchResult) -> None:
         delta = {k: c[k] - b[k] for k in c}
         key = max(delta, key=lambda k: delta[k])
         slower = cand.estimate.step_s / best.estimate.step_s - 1
-        what = COMPONENTS[key]
+        what = COMPONENTS.get(key, f"exposed {key} communication")
         if key == "compute":
             if cand.estimate.efficiency < best.estimate.efficiency:
                 what = f"smaller matmuls (micro-batch runs at {cand.estimate.efficiency:.0%} speed)"
