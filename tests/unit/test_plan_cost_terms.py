@@ -92,3 +92,21 @@ def test_every_pipeline_rank_is_timed() -> None:
     slowest = max(range(4), key=lambda r: by_rank[r].step_s)
     assert slowest == step.pp_rank == 1
     assert step.step_s == by_rank[1].step_s > max(by_rank[0].step_s, by_rank[3].step_s)
+
+
+@pytest.mark.parametrize(
+    "n_layers,pp,schedule,v",
+    [(6, 4, "1f1b", 1), (7, 3, "gpipe", 1), (8, 3, "interleaved_1f1b", 2), (10, 2, "interleaved_1f1b", 3), (9, 4, "1f1b", 1)],
+)
+def test_the_step_is_the_slowest_of_all_pipeline_ranks(n_layers: int, pp: int, schedule: str, v: int) -> None:
+    """The search skips a rank another dominates; the result is still the maximum over every rank."""
+    over = [f"--model.n_layers={n_layers}", f"--distributed.pp={pp}", f"--distributed.pp_schedule={schedule}"]
+    over += [f"--distributed.pp_stages_per_rank={v}", "--train.grad_accum_steps=8", f"--slurm.gpus_per_node={pp}"]
+    s = load_settings(profile="moe-debug", overrides=over, use_env=False).settings
+    dims, template = resolve_dims(s, pp), build_template(s)
+    consts = cost_constants(s, "float32")
+    every = [
+        estimate_step(s, StepShape.of(s), dims, rank_work(s, dims, template, rank_place(s, r), cuda=False), consts, 4)
+        for r in range(pp)
+    ]
+    assert predict_step(s, pp).step_s == max(e.step_s for e in every)

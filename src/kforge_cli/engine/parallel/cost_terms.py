@@ -11,13 +11,12 @@ them; it knows no parallelism's formula. Teaching the planner a parallelism is a
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from typing import NamedTuple
 
 FP32 = 4
 
 
-@dataclass(frozen=True)
-class Traffic:
+class Traffic(NamedTuple):
     """Bytes one rank sends per optimizer step in collectives of one kind over a group of
     ``size`` ranks whose neighbours are ``stride`` ranks apart (the link: inside a node when
     ``size x stride`` fits in it)."""

@@ -184,7 +184,7 @@ def cost_constants(settings: JobSettings, compute_dtype: str, mfu: float | None 
             table = hw.peak_tflops * 1e12
         if table is None:
             raise InvalidInputError(
-                f"the layout search needs the peak FLOP/s of slurm.gpu_type={gpu!r} in {compute_dtype}, which kforge's "
+                f"the step-time model needs the peak FLOP/s of slurm.gpu_type={gpu!r} in {compute_dtype}, which kforge's "
                 "table does not know: set --metrics.peak_tflops=N (dense TFLOP/s per device)"
             )
         peak, sources["peak"] = table, f"GPU table ({gpu})"
@@ -356,6 +356,23 @@ class RankWork:
     expert_update_bytes: int = 0  # the same of the routed experts under EP
     muon_flops: float = 0.0  # Newton-Schulz FLOPs of the full matrices Muon manages on this pipeline rank
 
+    def dominated_by(self, other: RankWork) -> bool:
+        """Every quantity the step grows with is at most ``other``'s: this rank's step cannot be the longer
+        (every part of the model is non-decreasing in each of them, and the bubble share is the same)."""
+        return (
+            self.flops_per_token <= other.flops_per_token
+            and self.recompute_per_token <= other.recompute_per_token
+            and self.n_blocks <= other.n_blocks
+            and self.rerun_blocks <= other.rerun_blocks
+            and self.moe_blocks <= other.moe_blocks
+            and self.n_stages <= other.n_stages
+            and self.dense_numel <= other.dense_numel
+            and self.expert_numel <= other.expert_numel
+            and self.dense_update_bytes <= other.dense_update_bytes
+            and self.expert_update_bytes <= other.expert_update_bytes
+            and self.muon_flops <= other.muon_flops
+        )
+
 
 def rank_work(
     settings: JobSettings, dims: ParallelDims, template: ShardTemplate, place: RankPlace, *, cuda: bool
@@ -524,8 +541,9 @@ def estimate_step(
     recompute_s = n_micro * steps * work.recompute_per_token / rate
 
     comm: dict[str, float] = {}
-    for t in comm_traffic(settings, shape, dims, work, compute_bytes):
-        comm[t.kind] = comm.get(t.kind, 0.0) + t.bytes / _group_link(consts, dims.world_size, t.stride, t.size)
+    world = dims.world_size
+    for kind, size_bytes, size, stride in comm_traffic(settings, shape, dims, work, compute_bytes):
+        comm[kind] = comm.get(kind, 0.0) + size_bytes / _group_link(consts, world, stride, size)
     total_compute = compute_s + recompute_s
     hidden = {k: v * consts.overlap[k] for k, v in comm.items()}
     exposed = {k: v - hidden[k] for k, v in comm.items()}

@@ -164,6 +164,7 @@ class _Memo:
         self.places: dict[CacheKey, RankPlace] = {}
         self.work: dict[CacheKey, RankWork] = {}
         self.bounds: dict[CacheKey, float] = {}
+        self.candidates: dict[CacheKey, list[tuple[RankWork, int]]] = {}
         self.reshard_setting = settings.distributed.reshard_after_forward
 
     @staticmethod
@@ -189,7 +190,7 @@ class _Memo:
         return found
 
     def estimate(self, s: JobSettings, layout: Layout, dims: ParallelDims, consts: CostConstants) -> StepEstimate:
-        """The step of the slowest pipeline rank (every rank is timed; ranks with the same work once).
+        """The step of the slowest pipeline rank (every rank is considered: :meth:`slowest_candidates`).
 
         ``s`` is the base settings: what the layout changes is read from ``layout``.
         """
@@ -201,8 +202,24 @@ class _Memo:
             self.reshard(layout.pp),
             layout.activation_checkpointing == "full",
         )
+        ranks = self.slowest_candidates(s, layout, dims)
         best: StepEstimate | None = None
-        seen: set[RankWork] = set()
+        for work, r in ranks:
+            e = estimate_step(s, shape, dims, work, consts, self.cbytes, pp_rank=r)
+            if best is None or e.step_s > best.step_s:
+                best = e
+        assert best is not None
+        return best
+
+    def slowest_candidates(self, s: JobSettings, layout: Layout, dims: ParallelDims) -> list[tuple[RankWork, int]]:
+        """The pipeline ranks that may be the slowest (cached): each distinct work once, with its first rank,
+        less those another rank dominates (does at least as much of everything: never the slower)."""
+        ckey = (layout.pp, layout.pp_stages_per_rank, layout.pp_schedule, dims.tp, dims.ep)
+        ckey += (layout.activation_checkpointing, layout.ac_selective_mode)
+        found = self.candidates.get(ckey)
+        if found is not None:
+            return found
+        works: dict[RankWork, int] = {}
         for r in range(dims.pp):
             pkey = (layout.pp, layout.pp_stages_per_rank, layout.pp_schedule, r)
             place = self.places.get(pkey)
@@ -214,14 +231,11 @@ class _Memo:
                 work = self.work[key] = rank_work(
                     self.ac_settings(s, layout), dims, self.template, place, cuda=self.cuda
                 )
-            if work in seen:
-                continue
-            seen.add(work)
-            e = estimate_step(s, shape, dims, work, consts, self.cbytes, pp_rank=r)
-            if best is None or e.step_s > best.step_s:
-                best = e
-        assert best is not None
-        return best
+            works.setdefault(work, r)
+        found = self.candidates[ckey] = [
+            (w, r) for w, r in works.items() if not any(o is not w and w.dominated_by(o) for o in works)
+        ]
+        return found
 
     def reshard(self, pp: int) -> bool:
         """``resolve_reshard_after_forward`` of the base settings at this ``pp``."""
@@ -317,7 +331,7 @@ def search_layouts(
 ) -> SearchResult:
     """The ``top`` fastest valid layouts whose peak is within ``memory_share`` of the GPU (module docstring)."""
     if settings.vlm is not None:
-        raise InvalidInputError("--search covers text models; a VLM's vision tower is outside its cost model")
+        raise InvalidInputError("kforge plan search covers text models; a VLM's vision tower is outside its cost model")
     if top < 1:
         raise InvalidInputError(f"--top must be at least 1 (got {top})")
     if not 0 < memory_share <= 1:
