@@ -96,7 +96,13 @@ def test_every_pipeline_rank_is_timed() -> None:
 
 @pytest.mark.parametrize(
     "n_layers,pp,schedule,v",
-    [(6, 4, "1f1b", 1), (7, 3, "gpipe", 1), (8, 3, "interleaved_1f1b", 2), (10, 2, "interleaved_1f1b", 3), (9, 4, "1f1b", 1)],
+    [
+        (6, 4, "1f1b", 1),
+        (7, 3, "gpipe", 1),
+        (8, 3, "interleaved_1f1b", 2),
+        (10, 2, "interleaved_1f1b", 3),
+        (9, 4, "1f1b", 1),
+    ],
 )
 def test_the_step_is_the_slowest_of_all_pipeline_ranks(n_layers: int, pp: int, schedule: str, v: int) -> None:
     """The search skips a rank another dominates; the result is still the maximum over every rank."""
