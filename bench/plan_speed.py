@@ -1,4 +1,4 @@
-"""Benchmark: how long `validate-config --plan` takes for a 70B model at world size 64 and 1024.
+"""Benchmark: how long `kforge plan` takes for a 70B model at world size 64 and 1024.
 
 Two numbers per layout: the plan itself in this process (``build_plan``: the meta build
 under a fake process group plus the estimates; median of ``--repeat`` runs, torch already
@@ -66,14 +66,12 @@ def command(profile: str, overrides: list[str], world: int, rank: int, data: Pat
         sys.executable,
         "-m",
         "kforge_cli",
-        "validate-config",
+        "plan",
         "--profile",
         profile,
         *overrides,
-        f"--data.path={data}",
         "--world-size",
         str(world),
-        "--plan",
         "--rank",
         str(rank),
     ]
@@ -87,7 +85,7 @@ def command(profile: str, overrides: list[str], world: int, rank: int, data: Pat
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description="Time validate-config --plan for a 70B model at world 64 and 1024.")
+    parser = argparse.ArgumentParser(description="Time kforge plan for a 70B model at world 64 and 1024.")
     parser.add_argument("--repeat", type=int, default=3)
     args = parser.parse_args()
     rows = []

@@ -1,8 +1,9 @@
-"""`validate-config --plan --search --trial 3 --steps 10` on 4 gloo ranks: predicted beside measured.
+"""`kforge plan trial --best 3 --steps 10` on 4 gloo ranks: predicted beside measured, then calibrated.
 
 A tiny model on the CPU: this checks the machinery (the three best layouts trained for 10
 steps each by the built-in launcher, their metrics read back, the table ranked by the
-measurement) and that each trial's prediction is the search's, not GPU truth.
+measurement), that each trial's prediction is the search's and the one `kforge plan` prints for
+the trial's profile, and that `kforge plan calibrate` fits the trials it wrote. Not GPU truth.
 """
 
 from __future__ import annotations
@@ -19,8 +20,8 @@ TINY = ["--model.dim=64", "--model.n_layers=4", "--model.n_heads=4", "--model.n_
 
 def test_three_trials_on_four_gloo_ranks(kforge, tmp_path: Path) -> None:
     out = tmp_path / "trials"
-    args = ["validate-config", "--plan", "--search", "--world-size", "4", "--slurm.gpus_per_node=4", *TINY]
-    r = kforge(*args, "--format", "json", "--trial", "3", "--steps", "10", "--trial-dir", str(out))
+    args = ["plan", "trial", "--world-size", "4", "--best", "3", "--steps", "10", "--trial-dir", str(out)]
+    r = kforge(*args, "--format", "json", "--slurm.gpus_per_node=4", *TINY)
     assert r.returncode == 0, r.stderr[-3000:]
     search = json.loads(r.stdout)
     summary = json.loads((out / "trials.json").read_text())
@@ -36,3 +37,12 @@ def test_three_trials_on_four_gloo_ranks(kforge, tmp_path: Path) -> None:
     table = r.stderr[r.stderr.index("trials: 10 steps each") :].splitlines()[2:5]
     measured = sorted(trials, key=lambda t: t["measured_step_s"])
     assert [int(line.split()[1]) for line in table] == [t["index"] for t in measured]  # ranked by the measurement
+    first = kforge("plan", "--profile", trials[0]["profile"], "--format", "json")
+    assert first.returncode == 0, first.stderr
+    assert json.loads(first.stdout)["step"]["step_s"] == trials[0]["predicted_step_s"]  # one figure per layout
+    fit = tmp_path / "fit.toml"
+    c = kforge("plan", "calibrate", str(out), "--output", str(fit))
+    assert c.returncode == 0, c.stderr
+    assert "mean |error|: defaults" in c.stdout and fit.is_file()
+    tuned = kforge("plan", "--profile", str(fit), "--format", "json")
+    assert tuned.returncode == 0, tuned.stderr

@@ -27,7 +27,8 @@ README = Path(__file__).parents[2] / "README.md"
 RUN = [
     "kforge prepare-data my_corpus/ --tokenizer byte --out data/mine",
     "kforge train --data.path=data/mine --run-dir runs/mine",
-    "kforge validate-config --profile h100x64 --data.path=data/mine --plan",
+    "kforge plan --profile h100x64",
+    "kforge plan search --profile h100x64 --write-profile best.toml",
     'kforge generate runs/mine -p "Once upon a time" --max-new-tokens 40',
     "kforge train",
     "kforge train --optimizer.lr=1e-3 --train.max_steps=30 --run-dir runs/quick",

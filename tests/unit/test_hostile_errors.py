@@ -208,7 +208,7 @@ def test_device_memory_and_a_failed_collective_are_not_called_kforge_bugs(
     monkeypatch.setattr(runs_table, "list_runs", oom)
     code, err = cli(capsys, "runs", str(tmp_path / "runs"))
     assert code == 1 and "out of device memory (CUDA out of memory. Tried to allocate 2.00 GiB)" in err, err
-    assert "--plan" in err and "Traceback" not in err and "kforge bug" not in err
+    assert "`kforge plan`" in err and "Traceback" not in err and "kforge bug" not in err
 
     def collective(*args: Any, **kwargs: Any) -> Any:
         raise torch.distributed.DistBackendError("Connection closed by peer")

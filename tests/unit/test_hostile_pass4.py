@@ -147,9 +147,9 @@ def test_class3_a_trial_never_touches_another_run(
     )
     monkeypatch.setenv("KFORGE_CHECKPOINT__LOAD_PATH", str(real / "checkpoints" / "step_2"))
     out = tmp_path / "trials"
-    argv = ["validate-config", "--plan", "--search", "--world-size", "1", "--config", str(config), *TRIAL_MODEL]
+    argv = ["plan", "trial", "--world-size", "1", "--config", str(config), *TRIAL_MODEL]
     capsys.readouterr()
-    code, _, err = run_cli([*argv, "--trial", "1", "--steps", "3", "--trial-dir", str(out)], capsys)
+    code, _, err = run_cli([*argv, "--best", "1", "--steps", "3", "--trial-dir", str(out)], capsys)
     assert code == 0 and "Traceback" not in err, err[-3000:]
     assert "not using checkpoint.dir=" in err and "checkpoint.init_from=" in err and "checkpoint.load_path=" in err
     assert _snapshot(real) == before  # nothing resumed, retained, written or deleted there
@@ -163,13 +163,13 @@ def test_class3_a_trial_never_touches_another_run(
 
     import subprocess
 
-    import kforge_cli.cli.plan_trials as trials
+    import kforge_cli.engine.trials.runner as trials
 
     def ran_nothing(cmd: list[str], **kwargs: object) -> subprocess.CompletedProcess[bytes]:
         return subprocess.CompletedProcess(cmd, 0)  # exit 0, no step measured
 
     monkeypatch.setattr(trials.subprocess, "run", ran_nothing)
-    code, out_text, err = run_cli([*argv, "--trial", "1", "--steps", "3", "--trial-dir", str(tmp_path / "t2")], capsys)
+    code, out_text, err = run_cli([*argv, "--best", "1", "--steps", "3", "--trial-dir", str(tmp_path / "t2")], capsys)
     assert code == 1 and "exit 0 but no timed step measured" in out_text and "1 of 1 trials failed" in err, err
 
 
@@ -237,10 +237,10 @@ def test_class5_a_crafted_hf_config_is_refused_naming_the_key(
             "resilience.hang_timeout_s: Input should be less than or equal to 604800",
         ),
         (["--distributed.timeout_s=" + "9" * 15], "distributed.timeout_s: Input should be less than or equal to"),
-        (["--plan", "--search", "--mfu", "nan"], "--mfu must be a number in (0, 1]"),
-        (["--plan", "--search", "--mfu", "-1"], "--mfu must be a number in (0, 1]"),
-        (["--plan", "--search", "--world-size", "1000000007"], "--world-size must be from 1 to 1,048,576"),
-        (["--plan", "--search", "--trial", "1", "--steps", "1" + "0" * 23], "--steps must be from 2 to 100,000"),
+        (["plan", "search", "--mfu", "nan"], "--mfu must be a number in (0, 1]"),
+        (["plan", "search", "--mfu", "-1"], "--mfu must be a number in (0, 1]"),
+        (["plan", "search", "--world-size", "1000000007"], "--world-size must be from 1 to 1,048,576"),
+        (["plan", "trial", "--best", "1", "--steps", "1" + "0" * 23], "--steps must be from 2 to 100,000"),
         (["--slurm.nodes=1048576", "--slurm.gpus_per_node=8"], "above kforge's maximum world size 1,048,576"),
     ],
     ids=[
@@ -262,7 +262,8 @@ def test_class6_numbers_at_the_edges_are_refused(
     import time
 
     start = time.monotonic()
-    code, _, err = run_cli(["validate-config", *argv], capsys)
+    command = argv if argv[0] == "plan" else ["validate-config", *argv]
+    code, _, err = run_cli(command, capsys)
     assert code == 2 and "Traceback" not in err and said in err, err[-2000:]
     assert len(err) < 2000 and time.monotonic() - start < 10  # the value is not echoed whole; no search ran
 

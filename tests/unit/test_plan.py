@@ -65,13 +65,25 @@ def test_70b_tp8_dp8_parameters(llama70b: tuple) -> None:
     assert plan.build_seconds < 60  # sanity only: the bench measures speed
 
 
-def test_70b_throughput_at_40_percent_mfu(llama70b: tuple) -> None:
-    _, plan = llama70b
-    t = plan.throughput
+def test_70b_step_is_the_cost_models_with_its_parts(llama70b: tuple) -> None:
+    """The plan's step time is the search's cost model (one figure per layout): compute at 40% MFU
+    (without recompute it is the FLOPs count's), plus full AC's recompute, exposed TP and FSDP
+    communication and the optimizer step; the parts add up to the step."""
+    from kforge_cli.engine.plan.search import predict_step
+
+    s, plan = llama70b
+    t, e = plan.throughput, plan.step
+    assert e is not None and plan.constants is not None and plan.constants.mfu == 0.4
     assert t.tokens_per_step == 1 * 8192 * 8 * 8  # batch x seq x accumulation x dp
     assert t.flops_per_step == pytest.approx(t.flops_per_token * t.tokens_per_step)
-    assert t.step_time_s == pytest.approx(t.flops_per_step / (64 * H100_BF16 * 0.4))
-    assert t.tokens_per_s == pytest.approx(t.tokens_per_step / t.step_time_s)
+    assert e.compute_s - e.recompute_s == pytest.approx(t.flops_per_step / (64 * H100_BF16 * 0.4), rel=1e-3)
+    base = e.compute_s - e.recompute_s
+    assert 0.3 * base < e.recompute_s < base / 3  # AC full: a third of the blocks' FLOPs again (not the head's)
+    assert set(e.exposed) == {"fsdp", "tp"} and e.bubble_s == 0 and e.optimizer_s > 0
+    assert sum(e.parts().values()) == pytest.approx(e.step_s)
+    assert t.step_time_s == e.step_s == predict_step(s, 64).step_s
+    assert t.tokens_per_s == pytest.approx(t.tokens_per_step / e.step_s)
+    assert "= compute 13.245 s (recompute 3.279) + exposed comm fsdp 0.695, tp 2.505" in format_plan(plan)
 
 
 def test_70b_on_8_gpus_does_not_fit() -> None:

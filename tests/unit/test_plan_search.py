@@ -1,4 +1,4 @@
-"""`validate-config --plan --search`: the analytic shards, the search's validity and memory, the cost model.
+"""`kforge plan search`: the analytic shards, the search's validity and memory, the cost model.
 
 The search never builds a model per layout: its parameter shards come from a one-block
 template (plan.shards), checked here against the meta build parameter by parameter on
@@ -181,18 +181,23 @@ def test_predict_layout_matches_the_search(small_search) -> None:
 
 
 def test_cost_model_compute_equals_the_plans_throughput_and_fsdp_bytes() -> None:
-    """Pure FSDP over one node of 8 H100: compute = FLOPs / (8 x peak x MFU) as --plan says; FSDP moves
-    2 x accumulation bf16 all-gathers and one fp32 reduce-scatter of 7/8 of the parameters, at 360 GB/s."""
+    """Pure FSDP over one node of 8 H100: compute = FLOPs / (8 x peak x MFU) of the plan's FLOPs count; FSDP
+    moves 2 x accumulation bf16 all-gathers and one fp32 reduce-scatter of 7/8 of the parameters, at 360 GB/s;
+    AdamW reads and writes 7 fp32 tensors of the rank's 1/8 of the parameters at 3.35 TB/s x 0.8."""
     s = _settings(*SMALL, "--train.batch_size=16", "--train.grad_accum_steps=2")
     estimate, _ = predict_layout(s, 8)
     plan = build_plan(s, 8, 0, mfu=0.4)
-    assert estimate.compute_s == pytest.approx(plan.throughput.step_time_s, rel=1e-9)
+    flops = plan.throughput.flops_per_step
+    assert estimate.compute_s == pytest.approx(flops / (8 * 989.4e12 * 0.4), rel=1e-9)
+    assert plan.step is not None and plan.throughput.step_time_s == plan.step.step_s == estimate.step_s
     assert estimate.efficiency == 1.0  # 16 x 256 tokens per micro-batch: at full speed
     n = s.model.param_count()
     expected = (2 * 2 * 2 + 4) * n * 7 / 8 / 360e9
     assert estimate.comm["fsdp"] == pytest.approx(expected, rel=1e-9)
     assert estimate.exposed["fsdp"] == pytest.approx(0.1 * expected, rel=1e-9)  # 0.9 hidden under compute
-    assert estimate.step_s == pytest.approx(estimate.compute_s + 0.1 * expected, rel=1e-9)
+    optimizer = 7 * 4 * s.model.param_count() / 8 / (3.35e12 * 0.8)
+    assert estimate.optimizer_s == pytest.approx(optimizer, rel=1e-9)
+    assert estimate.step_s == pytest.approx(estimate.compute_s + 0.1 * expected + optimizer, rel=1e-9)
 
 
 def test_bubble_shares() -> None:
@@ -256,7 +261,7 @@ def test_no_layout_of_any_mesh_breaks_a_rule() -> None:
 
 
 def test_trial_commands_local_and_under_srun(tmp_path) -> None:
-    from kforge_cli.cli.plan_trials import in_slurm_allocation, trial_command
+    from kforge_cli.engine.trials.runner import in_slurm_allocation, trial_command
 
     profile, run = tmp_path / "p.toml", tmp_path / "run"
     local = trial_command(profile, run, 10, 4, 1, 4, slurm=False)
@@ -270,17 +275,18 @@ def test_trial_commands_local_and_under_srun(tmp_path) -> None:
     )
 
 
-def test_sweep_script_runs_the_search_and_trials_in_one_allocation(tmp_path, monkeypatch, capsys) -> None:
-    from kforge_cli.cli.plan_trials import write_sweep_script
+def test_sweep_script_runs_the_search_and_trials_in_one_allocation(tmp_path, monkeypatch) -> None:
+    from kforge_cli.engine.trials.runner import write_sweep_script
 
     monkeypatch.chdir(tmp_path)
     s = _settings(*SMALL, "--slurm.nodes=2", "--slurm.partition=gpu")
-    argv = ["validate-config", "--plan", "--search", "--trial", "3", "--sbatch", "--trial-dir", "old", "--top=2"]
-    script = write_sweep_script(s, argv, tmp_path / "sweep")
+    argv = ["plan", "trial", "--best", "3", "--sbatch", "--trial-dir", "old", "--steps=20"]
+    said: list[str] = []
+    script, printed = write_sweep_script(s, argv, tmp_path / "sweep", say=said.append)
     text = script.read_text()
     assert "#SBATCH --nodes=2" in text and "#SBATCH --ntasks-per-node=8" in text and "#SBATCH --partition=gpu" in text
     assert "--requeue" not in text
     command = text.strip().splitlines()[-1]
-    assert command.endswith(f"validate-config --plan --search --trial 3 --top=2 --trial-dir {tmp_path}/sweep/results")
+    assert command.endswith(f"plan trial --best 3 --steps=20 --trial-dir {tmp_path}/sweep/results")
     assert "--sbatch" not in command and "old" not in command
-    assert capsys.readouterr().out == text
+    assert printed == text and said == [f"wrote {script}; submit with: sbatch {script}"]

@@ -18,6 +18,7 @@ from kforge_cli.cli import (
     export_hf,
     generate,
     inspect_ckpt,
+    plan,
     plot,
     prepare_data,
     profiles,
@@ -52,7 +53,7 @@ def _root(
     """kforge: typed pre-training for LLMs and VLMs."""
 
 
-for module in (train, resume, convert_mot, inspect_ckpt, export_hf, validate, prepare_data):
+for module in (train, resume, convert_mot, inspect_ckpt, export_hf, validate, plan, prepare_data):
     module.register(app)
 for module in (generate, evaluate, plot, runs, profiles):  # after training
     module.register(app)
@@ -100,7 +101,7 @@ def _not_a_bug(exc: Exception) -> bool:
     if kind == "OutOfMemoryError":
         first = str(exc).splitlines()[0] if str(exc) else kind
         typer.echo(
-            f"error: out of device memory ({first}). `kforge validate-config --plan` estimates the memory per GPU; "
+            f"error: out of device memory ({first}). `kforge plan` estimates the memory per GPU; "
             "lower train.batch_size (raise train.grad_accum_steps to keep the batch), turn on "
             'train.activation_checkpointing = "full", or shard more (distributed.dp_shard, tp, pp)'
             + _oom_snapshot_note(),

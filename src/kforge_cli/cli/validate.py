@@ -3,16 +3,39 @@
 from __future__ import annotations
 
 import json
-import sys
-from pathlib import Path
-from typing import TYPE_CHECKING, Annotated, Literal
+from typing import Annotated, Any, Literal
 
 import typer
 
 from kforge_cli.cli.options import OVERRIDES, ConfigOpt, ProfileOpt, resolve
 
-if TYPE_CHECKING:  # imported when a command runs, not for --help
-    from kforge_cli.settings import JobSettings, ParallelDims
+# The layout search, trials and --mfu moved to `kforge plan` (issue 45): each old flag -> the command now.
+MOVED = {
+    "--search": "kforge plan search",
+    "--top": "kforge plan search --top N",
+    "--global-batch": "kforge plan search --global-batch N",
+    "--memory-share": "kforge plan search --memory-share X",
+    "--write-profile": "kforge plan search --write-profile FILE",
+    "--overwrite": "kforge plan search --write-profile FILE --overwrite",
+    "--trial": "kforge plan trial --best K",
+    "--steps": "kforge plan trial --steps N",
+    "--trial-dir": "kforge plan trial --trial-dir DIR",
+    "--sbatch": "kforge plan trial --sbatch",
+    "--mfu": "kforge plan --mfu X",
+}
+
+
+def _refuse_moved(args: list[str]) -> None:
+    """A plan flag that moved to `kforge plan` (left in the overrides: validate-config no longer has it): exit 2
+    naming the command that has it now."""
+    from kforge_cli.errors import InvalidInputError
+
+    flag = next((a.partition("=")[0] for a in args if a.partition("=")[0] in MOVED), None)
+    if flag is not None:
+        raise InvalidInputError(
+            f"validate-config {flag}: the layout search, trials and --mfu moved to `kforge plan`: use `{MOVED[flag]}` "
+            "(see `kforge plan --help`); `validate-config --plan` still prints the plan"
+        )
 
 
 def register(app: typer.Typer) -> None:
@@ -35,100 +58,31 @@ def validate_config(
     explain: Annotated[
         str | None, typer.Option("--explain", help="Describe one key (e.g. model.dim): type, default, value, source.")
     ] = None,
-    plan: Annotated[bool, typer.Option("--plan", help="Also simulate the parallel plan and per-GPU memory.")] = False,
+    plan: Annotated[
+        bool, typer.Option("--plan", help="Also print the plan: what `kforge plan` prints (memory per GPU, step time).")
+    ] = False,
     rank: Annotated[int, typer.Option("--rank", help="With --plan: the rank to report.")] = 0,
-    mfu: Annotated[
-        float | None,
-        typer.Option(
-            "--mfu",
-            help="With --plan: the model FLOP utilisation the step time assumes (default 0.4; with --search: "
-            "plan.mfu, else the GPU table's).",
-        ),
-    ] = None,
-    search: Annotated[
-        bool,
-        typer.Option(
-            "--search", help="With --plan: search the layouts (tp, pp, cp, ep, FSDP/HSDP, micro-batch, AC) that fit."
-        ),
-    ] = False,
-    top: Annotated[int, typer.Option("--top", help="With --search: how many layouts to print.")] = 5,
-    global_batch: Annotated[
-        int | None,
-        typer.Option(
-            "--global-batch", help="With --search: sequences per step every layout keeps (default: the profile's)."
-        ),
-    ] = None,
-    memory_share: Annotated[
-        float,
-        typer.Option(
-            "--memory-share",
-            help="With --search: keep layouts whose planned peak is within this share of the GPU's memory "
-            "(above 0.9 the plan calls it tight: allocator fragmentation may still OOM).",
-        ),
-    ] = 0.9,
-    write_profile: Annotated[
-        Path | None,
-        typer.Option("--write-profile", help="With --search: write the best layout as a profile FILE.toml."),
-    ] = None,
-    overwrite: Annotated[bool, typer.Option("--overwrite", help="With --write-profile: replace FILE.")] = False,
-    trial: Annotated[
-        int, typer.Option("--trial", help="With --search: run the K best layouts and measure them (K).")
-    ] = 0,
-    steps: Annotated[int, typer.Option("--steps", help="With --trial: training steps per trial.")] = 10,
-    trial_dir: Annotated[
-        Path | None,
-        typer.Option(
-            "--trial-dir", help="With --trial: a new directory for the trial runs (default runs/plan-trials-*)."
-        ),
-    ] = None,
-    sbatch: Annotated[
-        bool,
-        typer.Option("--sbatch", help="With --trial: write a SLURM script that runs the search and trials with srun."),
-    ] = False,
 ) -> None:
     """Check a configuration: fields, cross-section rules and world-size rules, all at once.
 
     Overrides follow the options: `kforge validate-config -p h100x64 --model.n_layers=48`.
     Exit code 0 when valid, 2 when not (every problem listed with its dotted key). With
-    `--plan` (`--format json` prints only the plan), 1 when the plan does not fit the GPU.
-    `--plan --search` lists the fastest layouts that fit (1 when none does), and can write
-    the best as a profile (`--write-profile`) or measure the best K (`--trial K --steps N`).
+    `--plan` (`--format json` prints only the plan), also what `kforge plan` prints, and 1 when
+    the plan does not fit the GPU. The layout search, trials and calibration are `kforge plan`'s.
     """
     from kforge_cli.errors import InvalidInputError
     from kforge_cli.settings import resolve_dims
     from kforge_cli.settings.explain import explain_key, to_toml
 
+    _refuse_moved(list(ctx.args))
     resolved = resolve(profile, config, list(ctx.args), for_run=explain is None)  # data checks too
     s = resolved.settings
     if explain:
         typer.echo(explain_key(resolved, explain))
         return
     n = world_size if world_size is not None else s.slurm.world_size
-    _check_numbers(n, mfu, top, global_batch, memory_share, trial, steps)
-    if search or write_profile or trial or sbatch:
-        if not (plan and search):
-            raise InvalidInputError("--search, --write-profile, --trial and --sbatch go with --plan --search")
-        if fmt not in (None, "json"):
-            raise InvalidInputError(f"--search prints a table, or JSON with --format json (got --format {fmt!r})")
-        from kforge_cli.cli.plan_search import search_command
-
-        search_command(
-            resolved,
-            n,
-            fmt=fmt,
-            mfu=mfu,
-            top=top,
-            global_batch=global_batch,
-            memory_share=memory_share,
-            write_profile=write_profile,
-            overwrite=overwrite,
-            trial=trial,
-            steps=steps,
-            trial_dir=trial_dir,
-            sbatch=sbatch,
-            argv=sys.argv[1:],
-        )
-        return
+    if n < 1:
+        raise InvalidInputError(f"--world-size must be >= 1 (got {n})")
     dims = resolve_dims(s, n)
     if plan and fmt not in (None, "json"):
         raise InvalidInputError(f"--plan prints a table, or JSON with --format json (got --format {fmt!r})")
@@ -144,41 +98,14 @@ def validate_config(
     else:
         _print_summary(s, dims, n)
     if plan:
-        _plan(s, n, rank, fmt, 0.4 if mfu is None else mfu)
+        from kforge_cli.cli.plan import print_plan
+
+        if fmt != "json":
+            typer.echo("")
+        print_plan(s, n, rank, fmt, None)
 
 
-MAX_TRIAL_STEPS = 100_000  # a trial measures step time: hundreds of steps are plenty
-MAX_TRIALS = 100
-MAX_TOP = 1000
-MAX_GLOBAL_BATCH = 1 << 40
-
-
-def _check_numbers(
-    world: int, mfu: float | None, top: int, batch: int | None, share: float, trial: int, steps: int
-) -> None:
-    """The numeric options, each within its documented range (exit 2), before anything is computed from them."""
-    import math
-
-    from kforge_cli.errors import InvalidInputError
-    from kforge_cli.settings.infrastructure import MAX_WORLD_SIZE
-
-    if not 1 <= world <= MAX_WORLD_SIZE:
-        raise InvalidInputError(f"--world-size must be from 1 to {MAX_WORLD_SIZE:,}, kforge's maximum (got {world})")
-    if mfu is not None and not (math.isfinite(mfu) and 0 < mfu <= 1):
-        raise InvalidInputError(f"--mfu must be a number in (0, 1], e.g. 0.4 (got {mfu})")
-    if not (math.isfinite(share) and 0 < share <= 1):
-        raise InvalidInputError(f"--memory-share must be a number in (0, 1] (got {share})")
-    for name, value, least, most in (
-        ("--top", top, 1, MAX_TOP),
-        ("--global-batch", batch, 1, MAX_GLOBAL_BATCH),
-        ("--trial", trial, 0, MAX_TRIALS),
-        ("--steps", steps, 2, MAX_TRIAL_STEPS),
-    ):
-        if value is not None and not least <= value <= most:
-            raise InvalidInputError(f"{name} must be from {least} to {most:,} (got {value})")
-
-
-def _print_summary(s: JobSettings, dims: ParallelDims, n: int) -> None:
+def _print_summary(s: Any, dims: Any, n: int) -> None:
     """The valid configuration in a few lines: mesh, model size, MoE, tokens per step."""
     from kforge_cli.settings.explain import vision_param_counts
 
@@ -209,14 +136,3 @@ def _print_summary(s: JobSettings, dims: ParallelDims, n: int) -> None:
             f"{moe.num_experts} experts (top {moe.top_k}, {moe.num_shared_experts} shared)"
         )
     typer.echo(f"  tokens per step: {tokens:,} (global batch {tokens // s.train.seq_len} x {s.train.seq_len})")
-
-
-def _plan(settings: JobSettings, world_size: int, rank: int, fmt: str | None, mfu: float) -> None:
-    """Build rank ``rank``'s plan (imports torch) and print it; exit 1 when it does not fit."""
-    from kforge_cli.engine.plan.planner import build_plan
-    from kforge_cli.engine.plan.report import format_plan, plan_json
-
-    result = build_plan(settings, world_size, rank, mfu=mfu)
-    typer.echo(plan_json(result) if fmt == "json" else "\n" + format_plan(result))
-    if not result.fits:
-        raise typer.Exit(1)

@@ -102,10 +102,10 @@ class MetricsSettings(Section):
 
 
 class PlanSettings(Section):
-    """The step-time cost model of `validate-config --plan` and `--plan --search` (None = the GPU table).
+    """The step-time cost model of `kforge plan` (and its search, trials and calibration; None = the GPU table).
 
     Defaults and their sources: docs/distributed.md ("The layout search"); fit them to
-    measured trials with bench/plan_calibrate.py.
+    measured trials with `kforge plan calibrate`, which writes this section.
     """
 
     mfu: float | None = field(
@@ -119,6 +119,12 @@ class PlanSettings(Section):
     )
     inter_node_gbps: float | None = field(
         None, "Collective bandwidth per GPU between nodes, GB/s (None: the GPU table's, e.g. 40 for H100).", gt=0
+    )
+    hbm_gbps: float | None = field(
+        None,
+        "Memory bandwidth per GPU the optimizer step reads and writes at, GB/s (None: the GPU table's, e.g. 2680 "
+        "for H100: 3.35 TB/s x 0.8).",
+        gt=0,
     )
     fsdp_overlap: float = field(
         0.9, "Share of FSDP all-gather/reduce-scatter time hidden under compute (prefetch).", ge=0, le=1

@@ -67,7 +67,7 @@ class JobSettings(BaseSettings):
     profiling: ProfilingSettings = field(ProfilingSettings, "torch.profiler window.")
     resilience: ResilienceSettings = field(ResilienceSettings, "NaN policy and signals.")
     slurm: SlurmSettings = field(SlurmSettings, "Cluster shape and SLURM options.")
-    plan: PlanSettings = field(PlanSettings, "Step-time cost model of validate-config --plan / --search.")
+    plan: PlanSettings = field(PlanSettings, "Step-time cost model of kforge plan (show, search, trial, calibrate).")
     vision_encoder: VisionEncoderSettings | None = field(None, "Vision encoder (VLM jobs only).")
     adapter: AdapterSettings | None = field(None, "Vision-to-text adapter (VLM jobs only).")
     vlm: VLMSettings | None = field(None, "Vision-language architecture (VLM jobs only).")

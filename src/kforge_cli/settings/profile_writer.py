@@ -1,8 +1,8 @@
 """A profile file from resolved settings: what differs from the profile they extend (torch-free).
 
-Used by ``validate-config --plan --search --write-profile FILE``: the file says ``extends = BASE``
+Used by ``kforge plan search --write-profile FILE``: the file says ``extends = BASE``
 and holds every value the resolved settings have that BASE alone does not give (the layout,
-and the command line's overrides), so ``kforge validate-config --profile FILE`` resolves to
+and the command line's overrides), so ``kforge plan --profile FILE`` resolves to
 the same settings with nothing else on the command line.
 """
 

@@ -26,10 +26,12 @@ import torch
 from torch import nn
 
 from kforge_cli.engine.model.sequence_shard import SequenceShard, enable_ring_attention, load_balanced_indices
+from kforge_cli.engine.parallel.cost_terms import Traffic, ring_share
 from kforge_cli.engine.runtime import RuntimeContext
 from kforge_cli.engine.runtime.mesh import sub_mesh
 from kforge_cli.errors import ConfigError, ConfigIssue
 from kforge_cli.settings.context_parallel import RING_CPU
+from kforge_cli.settings.training import ModelSettings
 
 SEQUENCE_KEYS = ("input_ids", "labels", "positions", "doc_ids")  # batch entries of shape [B, T]
 
@@ -71,3 +73,31 @@ def shard_batch(batch: dict[str, torch.Tensor], cp_rank: int, cp_size: int) -> d
         if key in out:
             out[key] = out[key].index_select(1, index)
     return out
+
+
+# Cost terms (pure, for the planner: engine.parallel.cost_terms).
+
+
+def kv_bytes(model: ModelSettings, tokens: int, *, ring: bool, tp: int, compute_bytes: int) -> int:
+    """K and V of one layer over ``tokens`` on one TP rank (its KV heads): what CP gathers per layer.
+
+    Ring attention (``cp_attention = ring``) passes K/V repeated to the query heads (torch's ring
+    kernels run without SDPA's GQA), and its default rotation all-gathers them too.
+    """
+    heads = model.n_heads if ring else model.kv_heads
+    return 2 * tokens * heads * model.head_dim // tp * compute_bytes
+
+
+def comm_terms(*, cp: int, tp: int, n_blocks: int, rerun_blocks: int, micro_batches: int, kv: int) -> list[Traffic]:
+    """CP's traffic of one rank per step: per block and micro-batch the K/V all-gather forward (again
+    in a recomputed forward) and the reduce-scatter of their gradients backward; ``kv`` is
+    :func:`kv_bytes` of one micro-batch's whole sequences."""
+    if cp <= 1:
+        return []
+    passes = 2 * micro_batches * n_blocks + micro_batches * rerun_blocks
+    return [Traffic("cp", passes * kv * ring_share(cp), cp, tp)]
+
+
+def buffer_bytes(*, cp: int, kv: int) -> int:
+    """One layer's gathered K/V gradient, reduce-scattered over the CP group."""
+    return kv if cp > 1 else 0

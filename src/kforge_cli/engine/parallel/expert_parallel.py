@@ -39,7 +39,9 @@ from torch.distributed.fsdp import FSDPModule, fully_shard
 from torch.distributed.tensor import Shard, distribute_tensor
 
 from kforge_cli.engine.model.moe import moe_layers
+from kforge_cli.engine.parallel.cost_terms import Traffic
 from kforge_cli.engine.parallel.fsdp import mixed_precision_policy
+from kforge_cli.settings.training import ModelSettings
 
 
 def apply_expert_parallel(module: nn.Module, ep_mesh: Any) -> int:
@@ -73,3 +75,29 @@ def shard_experts(
             # which gloo lacks. Only with a real reduce-scatter: over one rank torch 2.13 divides in its
             # copy path and would divide a second time after it.
             experts.set_force_sum_reduction_for_comms(True)
+
+
+# Cost terms (pure, for the planner: engine.parallel.cost_terms).
+
+
+def all_to_all_bytes(
+    model: ModelSettings, ep: int, tokens: int, full_ac: bool, n_moe_layers: int, compute_bytes: int
+) -> int:
+    """Bytes one rank sends by all-to-all for ``tokens`` of its own: each MoE layer sends every routed
+    copy of a token (``tokens x top_k x dim``) to its expert's rank and back (dispatch + combine),
+    forward, backward and again in a fully checkpointed block's recompute; the ``(ep - 1) / ep``
+    share leaves the rank (a balanced router's average). Under TP every TP rank sends it."""
+    moe = model.moe
+    if moe is None or ep <= 1:
+        return 0
+    one_way = tokens * moe.top_k * model.dim * compute_bytes * (ep - 1) // ep
+    passes = 3 if full_ac else 2  # forward, backward (+ the recompute)
+    return 2 * passes * one_way * n_moe_layers  # dispatch + combine in each pass
+
+
+def comm_terms(
+    model: ModelSettings, *, ep: int, stride: int, tokens: int, full_ac: bool, n_moe_layers: int, compute_bytes: int
+) -> list[Traffic]:
+    """EP's traffic of one rank per step (:func:`all_to_all_bytes`) over its EP group (ranks ``stride`` apart)."""
+    sent = all_to_all_bytes(model, ep, tokens, full_ac, n_moe_layers, compute_bytes)
+    return [Traffic("ep", sent, ep, stride)] if sent else []

@@ -22,6 +22,7 @@ import torch
 from torch import nn
 
 from kforge_cli.engine.model import Transformer
+from kforge_cli.engine.parallel.cost_terms import Traffic
 from kforge_cli.settings import JobSettings
 from kforge_cli.settings.pipeline_schedules import schedule_facts
 from kforge_cli.settings.training import ModelSettings
@@ -193,3 +194,30 @@ def build_pipeline(
         schedule=schedule,
         loss=loss,
     )
+
+
+# Cost terms (pure, for the planner: engine.parallel.cost_terms).
+
+
+def bubble_share(schedule: str, pp: int, stages_per_rank: int, microbatches: int) -> float:
+    """The idle share of a pipeline step: ``(pp-1) / (v m + pp-1)`` for GPipe, 1F1B and interleaved 1F1B
+    (``v`` stages per rank, ``m`` micro-batches); zero-bubble schedules split the backward and fill
+    about two thirds of that, ``(pp-1) / (3 v m + pp-1)`` (Qi et al. 2023, ZB-H1)."""
+    if pp == 1:
+        return 0.0
+    v, m = stages_per_rank, microbatches
+    fill = 3 if schedule_facts(schedule).zero_bubble else 1
+    return (pp - 1) / (fill * v * m + pp - 1)
+
+
+def comm_terms(*, pp: int, stride: int, n_stages: int, micro_batches: int, activation_bytes: int) -> list[Traffic]:
+    """PP's traffic of one rank per step: one activation forward and one gradient backward per
+    micro-batch and stage it holds, to the neighbouring pipeline rank (``stride`` ranks away)."""
+    if pp <= 1:
+        return []
+    return [Traffic("pp", 2 * micro_batches * n_stages * activation_bytes, 2, stride)]
+
+
+def buffer_bytes(*, pp: int, n_stages: int, activation_bytes: int) -> int:
+    """Send/receive buffers of activations and gradients, per stage this rank holds."""
+    return 2 * activation_bytes * n_stages if pp > 1 else 0

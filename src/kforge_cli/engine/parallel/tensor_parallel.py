@@ -56,8 +56,8 @@ from torch.distributed.tensor.parallel import (
     parallelize_module,
 )
 
-from kforge_cli.engine.data.tokens import IGNORE_INDEX
 from kforge_cli.engine.model.moe import MoEFeedForward
+from kforge_cli.engine.parallel.cost_terms import Traffic, ring_share
 
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
@@ -238,6 +238,8 @@ def vocab_parallel_loss_sum(logits: DTensor, labels: torch.Tensor, z_loss_weight
     """
     if not isinstance(logits, DTensor) or not logits.placements[0].is_shard(logits.ndim - 1):
         raise TypeError("vocab_parallel_loss_sum expects logits as a DTensor sharded on the last (vocab) dim")
+    from kforge_cli.engine.data.tokens import IGNORE_INDEX  # here: the planner builds TP without the data package
+
     mesh = logits.device_mesh
     group = mesh.get_group()
     local = logits.to_local().float()
@@ -259,3 +261,24 @@ def vocab_parallel_loss_sum(logits: DTensor, labels: torch.Tensor, z_loss_weight
     if z_loss_weight:
         per_token = per_token + z_loss_weight * lse.square()
     return torch.where(valid, per_token, torch.zeros_like(per_token)).sum()
+
+
+# Cost terms (pure, for the planner: engine.parallel.cost_terms).
+
+
+def comm_terms(
+    *, tp: int, n_blocks: int, rerun_blocks: int, micro_batches: int, activation_bytes: int
+) -> list[Traffic]:
+    """TP's traffic of one rank per step: per block and micro-batch four activation-sized collectives
+    forward and four backward (all-gather / reduce-scatter under sequence parallelism, all-reduce
+    without), four more in the forward a checkpointed block runs again; ``activation_bytes`` is one
+    micro-batch's ``tokens x dim`` on this rank, in the compute dtype."""
+    if tp <= 1:
+        return []
+    passes = 8 * micro_batches * n_blocks + 4 * micro_batches * rerun_blocks
+    return [Traffic("tp", passes * activation_bytes * ring_share(tp), tp, 1)]
+
+
+def buffer_bytes(*, tp: int, activation_bytes: int) -> int:
+    """One all-gathered activation in flight (multi-process)."""
+    return activation_bytes if tp > 1 else 0

@@ -1,6 +1,10 @@
-"""The step-time cost model of `validate-config --plan --search`: compute, exposed communication, bubble.
+"""The step-time cost model of `kforge plan`: one figure per layout, summed from its parts.
 
-For one rank of a layout (the slowest pipeline rank), per optimizer step:
+Every output (``kforge plan``, ``plan search``'s table, the written profile's description, the
+trial comparison) prints this model's step, for the slowest pipeline rank (every pipeline rank
+is timed), as
+
+    step = (compute + exposed communication) / (1 - bubble share) + optimizer step
 
 - **compute**: the rank's FLOPs (its blocks' and the head's matmuls on its tokens, TP-split
   where TP splits them; an MoE block's routed experts whole on every TP rank, top_k of them
@@ -8,44 +12,43 @@ For one rank of a layout (the slowest pipeline rank), per optimizer step:
   forward again: a third of its FLOPs; op-level AC recomputes the elementwise work,
   ``OP_AC_RECOMPUTE`` of the block), at ``peak x mfu``. Micro-batches of fewer than
   ``plan.full_speed_tokens`` tokens per rank run proportionally slower (small matmuls).
-- **communication**, bytes per rank over the link its group spans (a group inside a node
-  uses ``intra_node_gbps``, one across nodes ``inter_node_gbps``, each GPU at that rate):
-  FSDP all-gathers of the TP-local parameters in the compute dtype (twice per micro-batch
-  with ``reshard_after_forward``, else once), one fp32 reduce-scatter per step, an fp32
-  all-reduce of the shards over ``dp_replicate``; TP: per block and micro-batch four
-  activation-sized collectives forward and four backward (all-gather / reduce-scatter
-  under sequence parallelism, all-reduce without), again in a recomputed forward; CP:
-  the K/V all-gather per block forward (and recompute) and its reduce-scatter backward;
-  EP: the all-to-all volume of ``plan.moe``; PP: one activation forward and one gradient
-  backward per micro-batch and stage. A collective over ``k`` ranks moves ``(k-1)/k`` of
-  its buffer through each rank (an all-reduce twice that).
+- **communication**: each parallelism's module exports its traffic (``comm_terms`` in
+  ``engine.parallel.fsdp``, ``tensor_parallel``, ``context_parallel``, ``expert_parallel``,
+  ``pipeline``: bytes per rank and step over a group of ranks); :func:`comm_traffic` collects
+  them and each term runs over the link its group spans (a group inside a node at
+  ``intra_node_gbps``, one across nodes at ``inter_node_gbps``, each GPU at that rate).
 - **overlap**: a share ``plan.<kind>_overlap`` of each kind's time runs under compute, the
   rest is exposed; together the hidden parts cannot exceed the compute time.
-- **bubble**: the step is ``(compute + exposed) / (1 - bubble)``, with the idle share of
-  the schedule: ``(pp-1) / (v m + pp-1)`` for GPipe, 1F1B and interleaved 1F1B (``v``
-  stages per rank, ``m`` micro-batches); zero-bubble schedules split the backward and
-  fill about two thirds of that (``(pp-1) / (3 v m + pp-1)``; Qi et al. 2023, ZB-H1).
+- **bubble**: the idle share of the pipeline schedule (``engine.parallel.pipeline.bubble_share``).
+- **optimizer step**: after the backward (and the pipeline's flush), every rank updates its
+  parameter shards: the bytes the optimizer reads and writes per parameter
+  (``costs.optimizer_step_bytes``: AdamW 7, Lion 5, Muon's momentum 5 parameter-sized
+  passes) at ``plan.hbm_gbps``, plus Muon's Newton-Schulz FLOPs on its full matrices, split
+  over the ranks of a stage (``optimizer.muon_distributed``), at ``peak x mfu``.
 
-The optimizer step and the data loader are not counted. Constants: :data:`HARDWARE` (per
-GPU type, with sources) unless set in ``[plan]``; docs/distributed.md lists them.
+The data loader is not counted. Constants: :data:`HARDWARE` (per GPU type, with sources)
+unless set in ``[plan]``; docs/distributed.md lists them.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from kforge_cli.engine.observe.mfu import match_device, peak_flops
-from kforge_cli.engine.plan.costs import kv_bytes
-from kforge_cli.engine.plan.moe import all_to_all_bytes
+from kforge_cli.engine.parallel import context_parallel, expert_parallel, fsdp, pipeline, tensor_parallel
+from kforge_cli.engine.parallel.cost_terms import Traffic
+from kforge_cli.engine.parallel.pipeline import bubble_share
+from kforge_cli.engine.plan.costs import newton_schulz_flops, optimizer_step_bytes
 from kforge_cli.engine.plan.shards import HEAD_NAME, ParamSpec, RankPlace, ShardTemplate
+from kforge_cli.engine.runtime.device_peaks import match_device, peak_flops
 from kforge_cli.errors import InvalidInputError
 from kforge_cli.settings import JobSettings, ParallelDims
-from kforge_cli.settings.pipeline_schedules import schedule_facts
 
 GB = 1e9
 FP32 = 4
 OP_AC_RECOMPUTE = 0.05  # op-level AC: norms, activations and other elementwise work run again (assumed share)
 LINK_EFFICIENCY = 0.8  # achieved collective bandwidth over the datasheet's per-direction figure (assumed)
+HBM_EFFICIENCY = 0.8  # achieved memory bandwidth of the optimizer's elementwise kernels over the datasheet's (assumed)
+KINDS = ("fsdp", "tp", "cp", "ep", "pp")  # communication kinds, each with its plan.<kind>_overlap
 
 
 @dataclass(frozen=True)
@@ -57,7 +60,7 @@ class Hardware:
     inter_node_gbps: float
     source: str
     peak_tflops: float | None = None  # only where engine.observe.mfu has no peak (the CPU)
-    full_speed_tokens: int = 4096  # the --plan warning for tiny per-GPU batches
+    full_speed_tokens: int = 4096  # the plan's warning for tiny per-GPU batches
 
 
 def _link(per_direction_gbps: float) -> float:
@@ -108,9 +111,26 @@ HARDWARE: dict[str, Hardware] = {
         1.0,
         2.0,
         1.0,
-        "placeholders for gloo on one machine (not a GPU): fit them with bench/plan_calibrate.py",
+        "placeholders for gloo on one machine (not a GPU): fit them with kforge plan calibrate",
         peak_tflops=0.05,
     ),
+}
+# HBM bandwidth per GPU, TB/s (datasheets); achieved: x HBM_EFFICIENCY. Keys matched like HARDWARE's.
+HBM_TBPS: dict[str, float] = {
+    "GH200": 4.0,  # 96 GB HBM3
+    "H200 NVL": 4.8,
+    "H200": 4.8,
+    "H100 NVL": 3.9,
+    "H100 PCIE": 2.0,
+    "H100": 3.35,
+    "A100": 2.0,  # 80 GB SXM: 2.04
+    "B200": 8.0,
+    "MI300X": 5.3,
+    "L40S": 0.864,
+    "L40": 0.864,
+    "L4": 0.3,
+    "V100": 0.9,
+    "CPU": 0.025,  # a placeholder, like the CPU's other constants
 }
 
 
@@ -125,7 +145,29 @@ class CostConstants:
     gpus_per_node: int
     overlap: dict[str, float]  # fsdp, tp, cp, ep, pp
     full_speed_tokens: int
+    hbm_bps: float = 0.0  # bytes/s per GPU the optimizer step reads and writes at (0: not timed)
     sources: dict[str, str] = field(default_factory=dict)
+
+    def as_dict(self) -> dict[str, object]:
+        return {
+            "peak_tflops": self.peak_flops / 1e12,
+            "mfu": self.mfu,
+            "intra_node_gbps": self.intra_bps / GB,
+            "inter_node_gbps": self.inter_bps / GB,
+            "hbm_gbps": self.hbm_bps / GB,
+            "overlap": self.overlap,
+            "full_speed_tokens": self.full_speed_tokens,
+            "sources": self.sources,
+        }
+
+    def describe(self) -> str:
+        """One line: what the step time assumes, and where each constant came from."""
+        return (
+            f"{self.peak_flops / 1e12:.4g} TFLOP/s x MFU {self.mfu:.2f} ({self.sources.get('mfu', '')}); "
+            f"{self.intra_bps / GB:g} GB/s per GPU in a node, {self.inter_bps / GB:g} GB/s between nodes "
+            f"({self.sources.get('intra_node_gbps', '')}); HBM {self.hbm_bps / GB:g} GB/s; overlap "
+            + " ".join(f"{k} {v:g}" for k, v in self.overlap.items())
+        )
 
 
 def cost_constants(settings: JobSettings, compute_dtype: str, mfu: float | None = None) -> CostConstants:
@@ -142,7 +184,7 @@ def cost_constants(settings: JobSettings, compute_dtype: str, mfu: float | None 
             table = hw.peak_tflops * 1e12
         if table is None:
             raise InvalidInputError(
-                f"the layout search needs the peak FLOP/s of slurm.gpu_type={gpu!r} in {compute_dtype}, which kforge's "
+                f"the step-time model needs the peak FLOP/s of slurm.gpu_type={gpu!r} in {compute_dtype}, which kforge's "
                 "table does not know: set --metrics.peak_tflops=N (dense TFLOP/s per device)"
             )
         peak, sources["peak"] = table, f"GPU table ({gpu})"
@@ -164,20 +206,18 @@ def cost_constants(settings: JobSettings, compute_dtype: str, mfu: float | None 
         sources["mfu"] = "--mfu"
     intra = pick("intra_node_gbps", p.intra_node_gbps, hw.intra_node_gbps if hw else 0.0)
     inter = pick("inter_node_gbps", p.inter_node_gbps, hw.inter_node_gbps if hw else 0.0)
+    hbm_key = match_device(gpu, HBM_TBPS)
+    hbm_default = HBM_TBPS[hbm_key] * 1000 * HBM_EFFICIENCY if hbm_key is not None else 0.0
+    hbm = pick("hbm_gbps", p.hbm_gbps, hbm_default)
     return CostConstants(
         peak_flops=peak,
         mfu=chosen_mfu,
         intra_bps=intra * GB,
         inter_bps=inter * GB,
         gpus_per_node=settings.slurm.gpus_per_node,
-        overlap={
-            "fsdp": p.fsdp_overlap,
-            "tp": p.tp_overlap,
-            "cp": p.cp_overlap,
-            "ep": p.ep_overlap,
-            "pp": p.pp_overlap,
-        },
+        overlap={kind: getattr(p, f"{kind}_overlap") for kind in KINDS},
         full_speed_tokens=int(pick("full_speed_tokens", p.full_speed_tokens, hw.full_speed_tokens if hw else 0)),
+        hbm_bps=hbm * GB,
         sources=sources,
     )
 
@@ -208,17 +248,20 @@ def block_flops(template: ShardTemplate, settings: JobSettings, moe_kind: bool) 
 
 @dataclass(frozen=True)
 class StepEstimate:
-    """The predicted step of one layout (seconds; ``comm`` raw per kind, ``exposed`` after overlap)."""
+    """The predicted step of one layout (seconds; ``comm`` raw per kind, ``exposed`` after overlap),
+    for its slowest pipeline rank ``pp_rank``."""
 
     compute_s: float  # including recompute
     recompute_s: float
     comm: dict[str, float]
     exposed: dict[str, float]
-    bubble: float  # idle share of the step
+    bubble: float  # idle share of the compute and exposed communication
     bubble_s: float
     step_s: float
     tokens_per_step: int
     efficiency: float  # the small-matmul factor applied to the MFU
+    optimizer_s: float = 0.0
+    pp_rank: int = 0
 
     @property
     def tokens_per_s(self) -> float:
@@ -227,6 +270,16 @@ class StepEstimate:
     @property
     def exposed_s(self) -> float:
         return sum(self.exposed.values())
+
+    def parts(self) -> dict[str, float]:
+        """The step's parts, which add up to ``step_s``: compute, exposed communication by kind, bubble, optimizer."""
+        out = {"compute": self.compute_s}
+        out.update({f"exposed {k}": v for k, v in self.exposed.items()})
+        return {**out, "bubble": self.bubble_s, "optimizer": self.optimizer_s}
+
+    def describe(self) -> str:
+        """``1.382 s/step = compute 1.10 (...) + ...`` (:func:`step_parts`)."""
+        return f"{self.step_s:.4g} s/step " + step_parts(self)
 
     def as_dict(self) -> dict[str, object]:
         return {
@@ -238,17 +291,21 @@ class StepEstimate:
             "exposed_s": self.exposed,
             "bubble": self.bubble,
             "bubble_s": self.bubble_s,
+            "optimizer_s": self.optimizer_s,
+            "pp_rank": self.pp_rank,
             "efficiency": self.efficiency,
         }
 
 
-def bubble_share(schedule: str, pp: int, stages_per_rank: int, microbatches: int) -> float:
-    """The idle share of a pipeline step (module docstring)."""
-    if pp == 1:
-        return 0.0
-    v, m = stages_per_rank, microbatches
-    fill = 3 if schedule_facts(schedule).zero_bubble else 1
-    return (pp - 1) / (fill * v * m + pp - 1)
+def step_parts(e: StepEstimate) -> str:
+    """``= compute 1.100 s (recompute 0.200) + exposed comm fsdp 0.020, tp 0.100 + bubble 0.000 (0%) + optimizer
+    0.010``: the parts every output prints beside the step time."""
+    comm = ", ".join(f"{k} {v:.3f}" for k, v in e.exposed.items()) or "none"
+    rank = f", pipeline rank {e.pp_rank} the slowest" if e.bubble else ""
+    return (
+        f"= compute {e.compute_s:.3f} s (recompute {e.recompute_s:.3f}) + exposed comm {comm} "
+        f"+ bubble {e.bubble_s:.3f} ({e.bubble:.0%}{rank}) + optimizer {e.optimizer_s:.3f}"
+    )
 
 
 def recompute_share(settings: JobSettings, layer: int, cuda: bool, attention_share: float) -> float:
@@ -295,6 +352,26 @@ class RankWork:
     n_stages: int
     dense_numel: int  # TP-local parameters FSDP gathers over dp_shard x cp
     expert_numel: int  # routed experts' parameters FSDP gathers over dp_shard / ep (EP only)
+    dense_update_bytes: int = 0  # optimizer-step HBM traffic of the dense parameters (before FSDP sharding)
+    expert_update_bytes: int = 0  # the same of the routed experts under EP
+    muon_flops: float = 0.0  # Newton-Schulz FLOPs of the full matrices Muon manages on this pipeline rank
+
+    def dominated_by(self, other: RankWork) -> bool:
+        """Every quantity the step grows with is at most ``other``'s: this rank's step cannot be the longer
+        (every part of the model is non-decreasing in each of them, and the bubble share is the same)."""
+        return (
+            self.flops_per_token <= other.flops_per_token
+            and self.recompute_per_token <= other.recompute_per_token
+            and self.n_blocks <= other.n_blocks
+            and self.rerun_blocks <= other.rerun_blocks
+            and self.moe_blocks <= other.moe_blocks
+            and self.n_stages <= other.n_stages
+            and self.dense_numel <= other.dense_numel
+            and self.expert_numel <= other.expert_numel
+            and self.dense_update_bytes <= other.dense_update_bytes
+            and self.expert_update_bytes <= other.expert_update_bytes
+            and self.muon_flops <= other.muon_flops
+        )
 
 
 def rank_work(
@@ -310,21 +387,32 @@ def rank_work(
         block = f.split / dims.tp + f.whole
         flops += block
         recompute += block * recompute_share(settings, i, cuda, attention / block)
-    if place.has_head:  # the head (vocab-parallel under TP) and the final norm, 6 x parameters as --plan counts
+    if (
+        place.has_head
+    ):  # the head (vocab-parallel under TP) and the final norm, 6 x parameters as the FLOPs count has it
         flops += 6.0 * m.vocab_size * m.dim / dims.tp
         flops += sum(6.0 * p.numel for p in template.tail if not p.suffix.endswith(HEAD_NAME))
-    dense = expert = 0
+    dense = expert = dense_update = expert_update = 0
+    muon = 0.0
+    opt = settings.optimizer
 
     def add(specs: tuple[ParamSpec, ...], times: int = 1) -> None:
-        nonlocal dense, expert
+        nonlocal dense, expert, dense_update, expert_update, muon
         for p in specs:
             split = (dims.tp if dims.tp > 1 and p.tp_dim is not None else 1) * (
                 dims.ep if dims.ep > 1 and p.ep_dim is not None else 1
             )
+            local = times * (p.numel // split)
+            matrix = len(p.shape) == 2 and not p.embedding and not p.suffix.endswith(HEAD_NAME)
+            update = local * optimizer_step_bytes(opt.name, p.element_size, matrix=matrix) if p.trainable else 0
             if dims.ep > 1 and p.ep_dim is not None:
-                expert += times * (p.numel // split)
+                expert += local
+                expert_update += update
             else:
-                dense += times * (p.numel // split)
+                dense += local
+                dense_update += update
+            if opt.name == "muon" and matrix and p.trainable:
+                muon += times * newton_schulz_flops(p.shape[0], p.shape[1], opt.muon_ns_steps)
 
     if place.has_embedding:
         add(template.head_first)
@@ -342,6 +430,9 @@ def rank_work(
         n_stages=len(place.stage_ids),
         dense_numel=dense,
         expert_numel=expert,
+        dense_update_bytes=dense_update,
+        expert_update_bytes=expert_update,
+        muon_flops=muon,
     )
 
 
@@ -371,6 +462,65 @@ class StepShape:
         )
 
 
+def comm_traffic(
+    settings: JobSettings, shape: StepShape, dims: ParallelDims, work: RankWork, compute_bytes: int
+) -> list[Traffic]:
+    """The traffic of one rank per step: the sum of what each parallelism's module exports."""
+    m, seq = settings.model, settings.train.seq_len
+    mb, steps = shape.batch_size, shape.grad_accum_steps
+    cp, tp, ep = dims.cp, dims.tp, dims.ep
+    act = int(mb * seq / cp) * m.dim * compute_bytes  # one micro-batch's activation on this rank
+    out: list[Traffic] = []
+    if dims.world_size > 1:
+        out += fsdp.comm_terms(
+            dense_numel=work.dense_numel,
+            expert_numel=work.expert_numel,
+            dp_shard=dims.dp_shard,
+            dp_replicate=dims.dp_replicate,
+            cp=cp,
+            tp=tp,
+            ep=ep,
+            micro_batches=steps,
+            reshard_after_forward=shape.reshard_after_forward,
+            compute_bytes=compute_bytes,
+        )
+    blocks = {"n_blocks": work.n_blocks, "rerun_blocks": work.rerun_blocks, "micro_batches": steps}
+    out += tensor_parallel.comm_terms(tp=tp, activation_bytes=act, **blocks)
+    if cp > 1:
+        ring = settings.distributed.cp_attention == "ring"
+        kv = context_parallel.kv_bytes(m, mb * seq, ring=ring, tp=tp, compute_bytes=compute_bytes)
+        out += context_parallel.comm_terms(cp=cp, tp=tp, kv=kv, **blocks)
+    if work.moe_blocks:
+        out += expert_parallel.comm_terms(
+            m,
+            ep=ep,
+            stride=cp * tp,
+            tokens=mb * seq * steps,
+            full_ac=shape.full_ac,
+            n_moe_layers=work.moe_blocks,
+            compute_bytes=compute_bytes,
+        )
+    stride = dims.dp_replicate * dims.dp_shard * cp * tp
+    out += pipeline.comm_terms(
+        pp=dims.pp, stride=stride, n_stages=work.n_stages, micro_batches=steps, activation_bytes=act
+    )
+    return out
+
+
+def optimizer_seconds(settings: JobSettings, dims: ParallelDims, work: RankWork, consts: CostConstants) -> float:
+    """The optimizer step of one rank: its shards' update traffic at HBM speed, and Muon's Newton-Schulz
+    split over the ranks of its pipeline stage (or on every rank without ``muon_distributed``)."""
+    shard = dims.dp_shard * dims.cp if dims.world_size > 1 else 1
+    expert_shard = max(dims.dp_shard // dims.ep, 1) if dims.world_size > 1 else 1
+    seconds = 0.0
+    if consts.hbm_bps > 0:
+        seconds += (work.dense_update_bytes / shard + work.expert_update_bytes / expert_shard) / consts.hbm_bps
+    if work.muon_flops:
+        split = dims.world_size // dims.pp if settings.optimizer.muon_distributed else 1
+        seconds += work.muon_flops / max(split, 1) / (consts.peak_flops * consts.mfu)
+    return seconds
+
+
 def estimate_step(
     settings: JobSettings,
     shape: StepShape,
@@ -378,57 +528,22 @@ def estimate_step(
     work: RankWork,
     consts: CostConstants,
     compute_bytes: int,
+    pp_rank: int = 0,
 ) -> StepEstimate:
     """The predicted step time of a rank doing ``work`` (module docstring); ``settings`` gives the model,
-    the sequence length and the CP attention, ``shape`` the rest."""
-    m, seq = settings.model, settings.train.seq_len
+    the sequence length, the CP attention and the optimizer, ``shape`` the rest."""
+    seq = settings.train.seq_len
     mb, steps = shape.batch_size, shape.grad_accum_steps
-    cp, tp, ep, world = dims.cp, dims.tp, dims.ep, dims.world_size
-    n_micro = mb * seq / cp  # tokens of one micro-batch on this rank
+    n_micro = mb * seq / dims.cp  # tokens of one micro-batch on this rank
     eff = min(1.0, n_micro / consts.full_speed_tokens)
     rate = consts.peak_flops * consts.mfu * eff
     compute_s = n_micro * steps * work.flops_per_token / rate
     recompute_s = n_micro * steps * work.recompute_per_token / rate
 
-    c = compute_bytes
-    act = n_micro * m.dim * c  # one micro-batch's activation on this rank
     comm: dict[str, float] = {}
-    if world > 1:  # FSDP: dense parameters over dp_shard x cp; routed experts (under EP) over dp_shard / ep
-        gathers = steps * (2 if shape.reshard_after_forward else 1)
-        inner = cp * tp
-        fsdp = 0.0
-        for numel, f, stride in (
-            (work.dense_numel, dims.dp_shard * cp, tp),
-            (work.expert_numel, dims.dp_shard // ep, ep * inner),
-        ):
-            if numel and f > 1:
-                share = (f - 1) / f
-                fsdp += (gathers * c + FP32) * numel * share / _group_link(consts, world, stride, f)
-            if numel and dims.dp_replicate > 1:
-                r = dims.dp_replicate
-                link = _group_link(consts, world, dims.dp_shard * inner, r)
-                fsdp += 2 * numel / max(f, 1) * FP32 * (r - 1) / r / link
-        comm["fsdp"] = fsdp
-    if tp > 1:
-        passes = 8 * steps * work.n_blocks + 4 * steps * work.rerun_blocks
-        comm["tp"] = passes * act * (tp - 1) / tp / _group_link(consts, world, 1, tp)
-    if cp > 1:
-        ring = settings.distributed.cp_attention == "ring"
-        kv = kv_bytes(m, mb * seq, ring=ring, tp=tp, compute_bytes=c) * (cp - 1) / cp
-        passes = 2 * steps * work.n_blocks + steps * work.rerun_blocks
-        comm["cp"] = passes * kv / _group_link(consts, world, tp, cp)
-    if ep > 1 and work.moe_blocks:
-        a2a = all_to_all_bytes(m, ep, mb * seq * steps, shape.full_ac, work.moe_blocks, c)
-        comm["ep"] = a2a / _group_link(consts, world, cp * tp, ep)
-    if dims.pp > 1:
-        stride = dims.dp_replicate * dims.dp_shard * cp * tp
-        link = (
-            consts.intra_bps
-            if world <= consts.gpus_per_node or 2 * stride <= consts.gpus_per_node
-            else consts.inter_bps
-        )
-        comm["pp"] = 2 * steps * work.n_stages * act / link
-
+    world = dims.world_size
+    for kind, size_bytes, size, stride in comm_traffic(settings, shape, dims, work, compute_bytes):
+        comm[kind] = comm.get(kind, 0.0) + size_bytes / _group_link(consts, world, stride, size)
     total_compute = compute_s + recompute_s
     hidden = {k: v * consts.overlap[k] for k, v in comm.items()}
     exposed = {k: v - hidden[k] for k, v in comm.items()}
@@ -438,15 +553,18 @@ def estimate_step(
         exposed = {k: exposed[k] + hidden[k] * scale for k in comm}
     bubble = bubble_share(shape.pp_schedule, dims.pp, shape.pp_stages_per_rank, steps)
     busy = total_compute + sum(exposed.values())
-    step = busy / (1 - bubble)
+    pipelined = busy / (1 - bubble)
+    optimizer_s = optimizer_seconds(settings, dims, work, consts)
     return StepEstimate(
         compute_s=total_compute,
         recompute_s=recompute_s,
         comm=comm,
         exposed=exposed,
         bubble=bubble,
-        bubble_s=step - busy,
-        step_s=step,
+        bubble_s=pipelined - busy,
+        step_s=pipelined + optimizer_s,
         tokens_per_step=mb * seq * steps * dims.dp,
         efficiency=eff,
+        optimizer_s=optimizer_s,
+        pp_rank=pp_rank,
     )

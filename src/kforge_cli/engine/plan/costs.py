@@ -15,13 +15,14 @@ from collections import defaultdict
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-from kforge_cli.engine.observe.mfu import peak_flops
+from kforge_cli.engine.parallel import context_parallel, fsdp, pipeline, tensor_parallel
+from kforge_cli.engine.parallel.context_parallel import kv_bytes
 from kforge_cli.engine.plan.sharded_model import ParamShard
+from kforge_cli.engine.runtime.device_peaks import peak_flops
 from kforge_cli.settings import JobSettings, ParallelDims
 from kforge_cli.settings.training import ModelSettings
 
 STEP_BYTES = 4  # torch.optim.AdamW and Muon's AdamW groups keep `step` as an fp32 scalar tensor
-FP32 = 4
 _T = 1e12
 
 
@@ -45,6 +46,22 @@ def optimizer_state_bytes(params: Iterable[ParamShard], optimizer: str) -> int:
             slots, step = optimizer_slots(p, optimizer)
             total += slots * p.local_bytes + (STEP_BYTES if step else 0)
     return total
+
+
+def optimizer_step_bytes(optimizer: str, element_size: int, *, matrix: bool) -> int:
+    """HBM bytes one optimizer step reads and writes per parameter (the step-time model's optimizer
+    part): the parameter, its gradient and its state tensors read, the parameter and the state
+    written, each once (fused or foreach kernels). AdamW: 4 reads + 3 writes; Lion, and Muon's
+    momentum on a ``matrix`` it manages: 3 + 2 (its Newton-Schulz is counted in FLOPs)."""
+    slots = 1 if optimizer == "lion" or (optimizer == "muon" and matrix) else 2
+    return (2 + slots + 1 + slots) * element_size
+
+
+def newton_schulz_flops(rows: int, cols: int, steps: int) -> int:
+    """FLOPs of Muon's Newton-Schulz on a rows x cols matrix (engine.train.optim.muon_distributed's
+    formula; a test keeps them equal): per step ``X X^T``, ``A @ A`` and ``B @ X``."""
+    m, n = min(rows, cols), max(rows, cols)
+    return steps * (4 * m * m * n + 2 * m**3)
 
 
 MUON_ROUND_BYTES = 64 * 2**20  # engine.train.optim.muon_distributed.ROUND_BYTES (a test keeps them equal)
@@ -143,12 +160,13 @@ def fsdp_buffers(
     for p in params:
         units[p.unit] += p.tp_numel
     root = units.pop("root", 0)
-    blocks = list(units.values()) or [0]
-    block_bytes = 1 if float8_all_gather else compute_bytes  # float8 linears are all-gathered in float8
-    gathered = root * compute_bytes + (2 * max(blocks) if reshard_after_forward else sum(blocks)) * block_bytes
-    reduce_bytes = compute_bytes + (FP32 if compute_bytes < FP32 else 0)
-    reduce = root * compute_bytes + max(blocks) * reduce_bytes
-    return gathered, reduce
+    return fsdp.buffer_bytes(
+        root,
+        list(units.values()),
+        compute_bytes=compute_bytes,
+        reshard_after_forward=reshard_after_forward,
+        float8_all_gather=float8_all_gather,
+    )
 
 
 def transit_buffers(
@@ -158,9 +176,9 @@ def transit_buffers(
     as it crosses TP ranks or pipeline stages (the local 1/cp of its tokens), and one layer's K/V."""
     t = settings.train
     tokens_dim = t.batch_size * t.seq_len // dims.cp * settings.model.dim * compute_bytes
-    tp = tokens_dim if dims.tp > 1 else 0
-    pp = 2 * tokens_dim * n_stages_here if dims.pp > 1 else 0
-    cp = kv_gather_bytes(settings, dims, compute_bytes) if dims.cp > 1 else 0
+    tp = tensor_parallel.buffer_bytes(tp=dims.tp, activation_bytes=tokens_dim)
+    pp = pipeline.buffer_bytes(pp=dims.pp, n_stages=n_stages_here, activation_bytes=tokens_dim)
+    cp = context_parallel.buffer_bytes(cp=dims.cp, kv=kv_gather_bytes(settings, dims, compute_bytes))
     return tp, pp, cp
 
 
@@ -173,12 +191,6 @@ def kv_gather_bytes(settings: JobSettings, dims: ParallelDims, compute_bytes: in
     t = settings.train
     ring = settings.distributed.cp_attention == "ring"
     return kv_bytes(settings.model, t.batch_size * t.seq_len, ring=ring, tp=dims.tp, compute_bytes=compute_bytes)
-
-
-def kv_bytes(model: ModelSettings, tokens: int, *, ring: bool, tp: int, compute_bytes: int) -> int:
-    """K and V of one layer over ``tokens`` on one TP rank (:func:`kv_gather_bytes`)."""
-    heads = model.n_heads if ring else model.kv_heads
-    return 2 * tokens * heads * model.head_dim // tp * compute_bytes
 
 
 @dataclass(frozen=True)

@@ -1,4 +1,4 @@
-"""The layouts `validate-config --plan --search` enumerates: a mesh, a pipeline schedule and stage
+"""The layouts `kforge plan search` enumerates: a mesh, a pipeline schedule and stage
 split, a micro-batch with the accumulation that keeps the global batch, and an activation
 checkpointing mode (see ``plan.search`` for how they are predicted, checked and ranked).
 """

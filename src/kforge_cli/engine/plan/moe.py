@@ -15,9 +15,9 @@ so it holds them unsplit and sends the same all-to-all volume as without TP.
 
 from __future__ import annotations
 
+from kforge_cli.engine.parallel.expert_parallel import all_to_all_bytes
 from kforge_cli.engine.plan.sharded_model import ParamShard
 from kforge_cli.settings import JobSettings
-from kforge_cli.settings.training import ModelSettings
 
 GIB = 1024**3
 
@@ -38,18 +38,6 @@ def all_to_all_bytes_per_step(settings: JobSettings, n_moe_layers_here: int, com
     tokens = t.batch_size * t.seq_len * t.grad_accum_steps
     full_ac = t.activation_checkpointing == "full"
     return all_to_all_bytes(settings.model, settings.distributed.ep, tokens, full_ac, n_moe_layers_here, compute_bytes)
-
-
-def all_to_all_bytes(
-    model: ModelSettings, ep: int, tokens: int, full_ac: bool, n_moe_layers: int, compute_bytes: int
-) -> int:
-    """:func:`all_to_all_bytes_per_step` for ``tokens`` per step on this rank."""
-    moe = model.moe
-    if moe is None or ep <= 1:
-        return 0
-    one_way = tokens * moe.top_k * model.dim * compute_bytes * (ep - 1) // ep
-    passes = 3 if full_ac else 2  # forward, backward (+ the recompute)
-    return 2 * passes * one_way * n_moe_layers  # dispatch + combine in each pass
 
 
 def moe_notes(settings: JobSettings, params: list[ParamShard], block_ids: list[int], compute_bytes: int) -> list[str]:

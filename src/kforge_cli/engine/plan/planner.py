@@ -16,7 +16,7 @@ backward of later micro-batches) and it FITS when that is within slurm.gpu_memor
 from __future__ import annotations
 
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
 import torch
@@ -31,6 +31,7 @@ from kforge_cli.engine.plan.activations import (
     estimate_activations,
     pipeline_in_flight,
 )
+from kforge_cli.engine.plan.cost_model import CostConstants, StepEstimate
 from kforge_cli.engine.plan.costs import (
     Throughput,
     fsdp_buffers,
@@ -90,6 +91,9 @@ class ParallelPlan:
     peak_bytes: int
     capacity_bytes: int
     throughput: Throughput
+    step: StepEstimate | None = None  # the cost model's step (plan.cost_model), the figure every command prints
+    constants: CostConstants | None = None
+    step_note: str = ""  # why there is no step estimate
     warnings: list[str] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
     build_seconds: float = 0.0
@@ -110,9 +114,11 @@ class ParallelPlan:
         raise KeyError(name)
 
     def to_dict(self) -> dict[str, Any]:
-        """A JSON-ready view (``validate-config --plan --format json``)."""
+        """A JSON-ready view (``kforge plan --format json``)."""
         out = asdict(self)
         out["activations"] = self.activations.as_dict()
+        out["step"] = self.step.as_dict() if self.step is not None else None
+        out["constants"] = self.constants.as_dict() if self.constants is not None else None
         out["fits"] = self.fits
         out["verdict"] = "FITS" if self.fits else "DOES NOT FIT"
         out["biggest"] = self.biggest.name
@@ -304,11 +310,12 @@ def peak_of(items: list[MemoryItem]) -> int:
     return by_phase["held"] + max(by_phase["backward"], by_phase["optimizer"])
 
 
-def build_plan(settings: JobSettings, world_size: int, rank: int = 0, *, mfu: float = 0.4) -> ParallelPlan:
-    """The plan of rank ``rank`` of ``settings`` run on ``world_size`` processes."""
+def build_plan(settings: JobSettings, world_size: int, rank: int = 0, *, mfu: float | None = None) -> ParallelPlan:
+    """The plan of rank ``rank`` of ``settings`` run on ``world_size`` processes; its step time is the
+    cost model's (``mfu``: the --mfu override, else ``plan.mfu``, else the GPU table's)."""
     if not 0 <= rank < world_size:
         raise InvalidInputError(f"--rank must be in [0, {world_size - 1}] for world size {world_size} (got {rank})")
-    if not 0 < mfu <= 1:
+    if mfu is not None and not 0 < mfu <= 1:
         raise InvalidInputError(f"--mfu must be in (0, 1] (got {mfu})")
     dims = resolve_dims(settings, world_size)
     start = time.perf_counter()
@@ -321,6 +328,10 @@ def build_plan(settings: JobSettings, world_size: int, rank: int = 0, *, mfu: fl
     peak = peak_of(items)
     capacity = int(settings.slurm.gpu_memory_gb * GIB)
     cname = dtype_name(cdtype)
+    step, consts, note = _step(settings, world_size, cname, mfu)
+    flops = throughput(settings, dims, cname, consts.mfu if consts is not None else (mfu or 0.4))
+    if step is not None:
+        flops = replace(flops, step_time_s=step.step_s, tokens_per_s=step.tokens_per_s)
     return ParallelPlan(
         profile=settings.profile,
         world_size=world_size,
@@ -344,11 +355,30 @@ def build_plan(settings: JobSettings, world_size: int, rank: int = 0, *, mfu: fl
         activations=acts,
         peak_bytes=peak,
         capacity_bytes=capacity,
-        throughput=throughput(settings, dims, cname, mfu),
+        throughput=flops,
+        step=step,
+        constants=consts,
+        step_note=note,
         warnings=_warnings(settings, dims, peak, capacity),
         notes=_notes(settings, built, dims) + moe_notes(settings, built.params, built.block_ids, cbytes),
         build_seconds=time.perf_counter() - start,
     )
+
+
+def _step(
+    settings: JobSettings, world_size: int, compute_dtype_name: str, mfu: float | None
+) -> tuple[StepEstimate | None, CostConstants | None, str]:
+    """The cost model's step of the settings' own layout, the one ``plan search`` gives it (or why none)."""
+    from kforge_cli.engine.plan.cost_model import cost_constants
+    from kforge_cli.engine.plan.search import predict_step
+
+    if settings.vlm is not None:
+        return None, None, "VLM: the step-time model covers text models (compute of the text decoder only)"
+    try:
+        consts = cost_constants(settings, compute_dtype_name, mfu)
+        return predict_step(settings, world_size, mfu=mfu), consts, ""
+    except InvalidInputError as exc:
+        return None, None, str(exc)
 
 
 def _full_model_params(settings: JobSettings) -> int:

@@ -1,9 +1,10 @@
-"""The text table and JSON of a `ParallelPlan` (what `kforge validate-config --plan` prints)."""
+"""The text table and JSON of a `ParallelPlan` (what `kforge plan` prints, and `validate-config --plan`)."""
 
 from __future__ import annotations
 
 import json
 
+from kforge_cli.engine.plan.cost_model import step_parts
 from kforge_cli.engine.plan.planner import ParallelPlan
 from kforge_cli.engine.plan.sharded_model import StageLayout
 
@@ -75,13 +76,21 @@ def format_plan(plan: ParallelPlan) -> str:
         "",
         f"  step: {t.tokens_per_step:,} tokens, {t.flops_per_step:.3g} FLOPs ({t.flops_per_token / 1e9:.1f} GFLOP/token)",
     ]
-    if t.step_time_s is not None and t.tokens_per_s is not None:
+    e, c = plan.step, plan.constants
+    if e is not None and c is not None:
         lines.append(
-            f"  at {t.mfu:.0%} MFU of {t.peak_tflops:.1f} TFLOP/s per GPU: {t.step_time_s:.2f} s/step, "
-            f"{t.tokens_per_s:,.0f} tokens/s"
+            f"  at {c.mfu:.0%} MFU of {c.peak_flops / 1e12:.1f} TFLOP/s per GPU: {e.step_s:.4g} s/step, "
+            f"{e.tokens_per_s:,.0f} tokens/s (the cost model of `kforge plan search`)"
+        )
+        lines.append("    " + step_parts(e))
+        lines.append(f"    constants: {c.describe()}")
+    elif t.step_time_s is not None and t.tokens_per_s is not None:
+        lines.append(
+            f"  at {t.mfu:.0%} MFU of {t.peak_tflops:.1f} TFLOP/s per GPU: {t.step_time_s:.4g} s/step, "
+            f"{t.tokens_per_s:,.0f} tokens/s ({plan.step_note})"
         )
     else:
-        lines.append("  step time: unknown peak FLOP/s for this device (set metrics.peak_tflops)")
+        lines.append(f"  step time: unknown ({plan.step_note or 'set metrics.peak_tflops'})")
     if plan.warnings:
         lines += ["", "  warnings:"] + [f"    - {w}" for w in plan.warnings]
     if plan.notes:

@@ -1,4 +1,4 @@
-"""`validate-config --plan --search`: the fastest layouts of a model on a world size, by the plan's own rules.
+"""`kforge plan search`: the fastest layouts of a model on a world size, by the plan's own rules.
 
 Enumerated, for the profile's model, sequence length and global batch (in sequences, kept
 by every layout): ``tp`` (within a node when the job spans nodes), ``cp``, ``pp`` with each
@@ -7,16 +7,18 @@ schedule and stages per rank (2..8 for the interleaved ones), ``dp_replicate x d
 batch, and the activation checkpointing mode (none, selective op, selective block, full).
 
 Every layout's step time is predicted first (``plan.cost_model``: cheap, cached per rank
-placement). Then, fastest first, each is checked by the same rules as ``validate-config``
-(settings.rules), so an invalid one never appears, and by the same memory plan as
-``--plan`` (planner's ``param_items`` + ``activation_items``) on *every* pipeline rank (the
+placement; the slowest of all pipeline ranks). Then, fastest first, each is checked by the same
+rules as ``validate-config`` (settings.rules), so an invalid one never appears, and by the same
+memory plan as ``kforge plan`` (planner's ``param_items`` + ``activation_items``) on *every* pipeline rank (the
 worst counts; the first and last rank first, and a layout whose parameters, gradients and
 optimizer state alone exceed the GPU is out without building anything), with the
 parameter shards of ``plan.shards`` (equal to the meta build's, without a model per
 layout). The first layout that passes of each mesh and schedule (tp, cp, pp schedule,
 dp_replicate, dp_shard, ep) is its best stage split, micro-batch and AC mode; the search
 stops when ``top`` meshes are found. The memory items are cached by what they depend on,
-so a 70B model on 1024 GPUs is searched in seconds (bench/plan_search.py).
+so a 70B model on 1024 GPUs is searched in seconds (bench/plan_search.py). The settings' own
+layout, when it is in the search space, valid and within the limit, is listed too (``given``),
+with the number ``kforge plan`` prints for it.
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ from kforge_cli.engine.parallel.build import compute_dtype
 from kforge_cli.engine.parallel.fsdp import resolve_reshard_after_forward
 from kforge_cli.engine.plan.activations import pipeline_in_flight
 from kforge_cli.engine.plan.cost_model import (
+    KINDS,
     CostConstants,
     RankWork,
     StepEstimate,
@@ -37,6 +40,7 @@ from kforge_cli.engine.plan.cost_model import (
     cost_constants,
     estimate_step,
     rank_work,
+    step_parts,
 )
 from kforge_cli.engine.plan.layouts import (
     Layout,
@@ -115,9 +119,10 @@ class SearchResult:
     top: list[Candidate] = field(default_factory=list)
     best_memory: list[MemoryItem] = field(default_factory=list)
     fastest_rejected: tuple[Layout, StepEstimate, int, bool] | None = None  # fastest over the limit (peak, by bound)
+    given: Candidate | None = None  # the settings' own layout, when in the search space, valid and within the limit
+    given_note: str = ""  # why it is not listed (outside the search space, invalid, over the limit)
 
     def as_dict(self) -> dict[str, Any]:
-        c = self.constants
         rejected = None
         if self.fastest_rejected is not None:
             layout, est, peak, bound = self.fastest_rejected
@@ -134,15 +139,7 @@ class SearchResult:
             "gpus_per_node": self.gpus_per_node,
             "global_batch": self.global_batch,
             "seq_len": self.seq_len,
-            "constants": {
-                "peak_tflops": c.peak_flops / 1e12,
-                "mfu": c.mfu,
-                "intra_node_gbps": c.intra_bps / 1e9,
-                "inter_node_gbps": c.inter_bps / 1e9,
-                "overlap": c.overlap,
-                "full_speed_tokens": c.full_speed_tokens,
-                "sources": c.sources,
-            },
+            "constants": self.constants.as_dict(),
             "memory_limit_bytes": self.memory_limit_bytes,
             "enumerated": self.enumerated,
             "invalid": self.invalid,
@@ -152,6 +149,8 @@ class SearchResult:
             "seconds": self.seconds,
             "top": [cand.as_dict() for cand in self.top],
             "fastest_rejected_by_memory": rejected,
+            "given": self.given.as_dict() if self.given is not None else None,
+            "given_note": self.given_note,
         }
 
 
@@ -167,6 +166,7 @@ class _Memo:
         self.places: dict[CacheKey, RankPlace] = {}
         self.work: dict[CacheKey, RankWork] = {}
         self.bounds: dict[CacheKey, float] = {}
+        self.candidates: dict[CacheKey, list[tuple[RankWork, int]]] = {}
         self.reshard_setting = settings.distributed.reshard_after_forward
 
     @staticmethod
@@ -192,7 +192,7 @@ class _Memo:
         return found
 
     def estimate(self, s: JobSettings, layout: Layout, dims: ParallelDims, consts: CostConstants) -> StepEstimate:
-        """The slower of the first and the last pipeline rank (the one with the most blocks, the one with the head).
+        """The step of the slowest pipeline rank (every rank is considered: :meth:`slowest_candidates`).
 
         ``s`` is the base settings: what the layout changes is read from ``layout``.
         """
@@ -204,8 +204,25 @@ class _Memo:
             self.reshard(layout.pp),
             layout.activation_checkpointing == "full",
         )
+        ranks = self.slowest_candidates(s, layout, dims)
         best: StepEstimate | None = None
-        for r in (0, dims.pp - 1) if dims.pp > 1 else (0,):
+        for work, r in ranks:
+            e = estimate_step(s, shape, dims, work, consts, self.cbytes, pp_rank=r)
+            if best is None or e.step_s > best.step_s:
+                best = e
+        assert best is not None
+        return best
+
+    def slowest_candidates(self, s: JobSettings, layout: Layout, dims: ParallelDims) -> list[tuple[RankWork, int]]:
+        """The pipeline ranks that may be the slowest (cached): each distinct work once, with its first rank,
+        less those another rank dominates (does at least as much of everything: never the slower)."""
+        ckey = (layout.pp, layout.pp_stages_per_rank, layout.pp_schedule, dims.tp, dims.ep)
+        ckey += (layout.activation_checkpointing, layout.ac_selective_mode)
+        found = self.candidates.get(ckey)
+        if found is not None:
+            return found
+        works: dict[RankWork, int] = {}
+        for r in range(dims.pp):
             pkey = (layout.pp, layout.pp_stages_per_rank, layout.pp_schedule, r)
             place = self.places.get(pkey)
             if place is None:
@@ -216,11 +233,11 @@ class _Memo:
                 work = self.work[key] = rank_work(
                     self.ac_settings(s, layout), dims, self.template, place, cuda=self.cuda
                 )
-            e = estimate_step(s, shape, dims, work, consts, self.cbytes)
-            if best is None or e.step_s > best.step_s:
-                best = e
-        assert best is not None
-        return best
+            works.setdefault(work, r)
+        found = self.candidates[ckey] = [
+            (w, r) for w, r in works.items() if not any(o is not w and w.dominated_by(o) for o in works)
+        ]
+        return found
 
     def reshard(self, pp: int) -> bool:
         """``resolve_reshard_after_forward`` of the base settings at this ``pp``."""
@@ -324,7 +341,7 @@ def search_layouts(
             f"--world-size must be from 1 to {MAX_WORLD_SIZE:,}, kforge's maximum (got {world_size})"
         )
     if settings.vlm is not None:
-        raise InvalidInputError("--search covers text models; a VLM's vision tower is outside its cost model")
+        raise InvalidInputError("kforge plan search covers text models; a VLM's vision tower is outside its cost model")
     if top < 1:
         raise InvalidInputError(f"--top must be at least 1 (got {top})")
     if not 0 < memory_share <= 1:
@@ -355,6 +372,8 @@ def search_layouts(
                 "by fixing some of distributed.tp, pp, cp or ep, or search a smaller world size"
             )
 
+    given = _own_layout(settings, world_size)
+    in_space = False
     for groups in layouts(settings, world_size, batch):
         over_time()
         for group in groups:
@@ -362,6 +381,7 @@ def search_layouts(
                 dims = ParallelDims(layout.pp, layout.dp_replicate, layout.dp_shard, layout.tp, layout.cp, layout.ep)
                 estimate = memo.estimate(base, layout, dims, consts)
                 predicted.append((estimate.step_s, order, layout, dims, estimate))
+                in_space = in_space or layout == given
     result.enumerated = len(predicted)
     predicted.sort(key=lambda p: (p[0], p[1]))
     found: list[Candidate] = []
@@ -392,12 +412,50 @@ def search_layouts(
             break
     result.fitting = len(found)
     result.top = found
+    if given is None:
+        result.given_note = "its layout does not resolve at this world size"
+    elif not in_space:
+        result.given_note = "its layout is outside the search space (another global batch, or a mesh not searched)"
+    else:
+        _check_given(result, memo, base, given, consts, nodes, gpn, limit, capacity)
     explain(result)
     if result.top:
         best = result.top[0]
         result.best_memory = memo.peak(best.settings, best.dims, best.peak_pp_rank)[1]
     result.seconds = time.perf_counter() - start
     return result
+
+
+def _own_layout(settings: JobSettings, world_size: int) -> Layout | None:
+    try:
+        return layout_of(settings, resolve_dims(settings, world_size))
+    except InvalidInputError:
+        return None
+
+
+def _check_given(
+    result: SearchResult,
+    memo: _Memo,
+    base: JobSettings,
+    layout: Layout,
+    consts: CostConstants,
+    nodes: int,
+    gpn: int,
+    limit: int,
+    capacity: int,
+) -> None:
+    """The settings' own layout, predicted and checked as the search checks every layout."""
+    dims = ParallelDims(layout.pp, layout.dp_replicate, layout.dp_shard, layout.tp, layout.cp, layout.ep)
+    s = with_layout(base, layout, nodes, gpn)
+    if config_issues(s) or world_size_issues(s, result.world_size):
+        result.given_note = "its layout breaks a rule at this world size"
+        return
+    peak, worst = memo.worst_peak(s, dims, 2**62)
+    if peak > limit:
+        result.given_note = f"its layout's peak, {peak / GIB:.1f} GiB, is over the limit"
+        return
+    estimate = memo.estimate(base, layout, dims, consts)
+    result.given = Candidate(layout, s, dims, estimate, peak, worst, capacity, "the settings' own layout")
 
 
 COMPONENTS = {
@@ -408,13 +466,15 @@ COMPONENTS = {
     "ep": "exposed EP all-to-all",
     "pp": "exposed pipeline send/receive",
     "bubble": "pipeline bubble",
+    "optimizer": "optimizer step",
     "compute": "slower matmuls (small micro-batch) or more FLOPs per rank",
 }
 
 
 def _components(e: StepEstimate) -> dict[str, float]:
     out = {"compute": e.compute_s - e.recompute_s, "recompute": e.recompute_s, "bubble": e.bubble_s}
-    for kind in ("fsdp", "tp", "cp", "ep", "pp"):
+    out["optimizer"] = e.optimizer_s
+    for kind in KINDS:
         out[kind] = e.exposed.get(kind, 0.0)
     return out
 
@@ -445,7 +505,7 @@ def explain(result: SearchResult) -> None:
         delta = {k: c[k] - b[k] for k in c}
         key = max(delta, key=lambda k: delta[k])
         slower = cand.estimate.step_s / best.estimate.step_s - 1
-        what = COMPONENTS[key]
+        what = COMPONENTS.get(key, f"exposed {key} communication")
         if key == "compute":
             if cand.estimate.efficiency < best.estimate.efficiency:
                 what = f"smaller matmuls (micro-batch runs at {cand.estimate.efficiency:.0%} speed)"
@@ -465,9 +525,7 @@ def format_search(result: SearchResult, top: int | None = None) -> str:
         f"layout search: profile {result.profile or '-'}, world size {result.world_size} "
         f"({result.gpu_type}, {result.gpus_per_node} per node), global batch {result.global_batch} x "
         f"{result.seq_len} tokens",
-        f"  cost model: {c.peak_flops / 1e12:.4g} TFLOP/s x MFU {c.mfu:.2f} ({c.sources.get('mfu', '')}); "
-        f"{c.intra_bps / 1e9:g} GB/s per GPU in a node, {c.inter_bps / 1e9:g} GB/s between nodes "
-        f"({c.sources.get('intra_node_gbps', '')}); overlap " + " ".join(f"{k} {v:g}" for k, v in c.overlap.items()),
+        f"  cost model: {c.describe()}",
         f"  predicted {result.enumerated:,} layouts, then checked the fastest {result.checked:,} against the rules "
         f"and the memory plan in {result.seconds:.1f} s: {result.invalid:,} invalid, {result.too_big:,} over "
         f"{result.memory_limit_bytes / GIB:.1f} GiB per GPU; the best of each tp x cp x pp schedule x ep:",
@@ -483,19 +541,29 @@ def format_search(result: SearchResult, top: int | None = None) -> str:
             f"{cand.peak_bytes / GIB:>8.1f} GiB" if cand.peak_bytes >= GIB else f"{cand.peak_bytes / 2**20:>8.1f} MiB"
         )
         lines.append(
-            f"  {i:>2} {e.step_s:>7.3g} s {e.tokens_per_s:>12,.0f} {size} ({share:>4.0%})  {cand.layout.describe()}"
+            f"  {i:>2} {e.step_s:>7.4g} s {e.tokens_per_s:>12,.0f} {size} ({share:>4.0%})  {cand.layout.describe()}"
         )
-        comm = ", ".join(f"{k} {v:.2f}" for k, v in e.exposed.items() if v > 0.005) or "none"
-        lines.append(
-            f"{'':>7}compute {e.compute_s:.2f} s (recompute {e.recompute_s:.2f}), exposed comm {comm}, "
-            f"bubble {e.bubble:.0%}"
-        )
+        lines.append(f"{'':>7}{step_parts(e)}")
         lines.append(f"{'':>7}why: {cand.reason}")
+    g = result.given
+    if g is not None:
+        rank = next((i for i, c in enumerate(result.top, 1) if c.layout == g.layout), None)
+        where = f"#{rank} above" if rank else "not in the top: the best of its mesh and schedule is faster"
+        share = g.peak_bytes / g.capacity_bytes
+        lines += [
+            "",
+            f"  the profile's own layout ({where}):",
+            f"  {'=':>2} {g.estimate.step_s:>7.4g} s {g.estimate.tokens_per_s:>12,.0f} {g.peak_bytes / GIB:>8.1f} GiB "
+            f"({share:>4.0%})  {g.layout.describe()}",
+            f"{'':>7}{step_parts(g.estimate)}",
+        ]
+    elif result.given_note:
+        lines += ["", f"  the profile's own layout is not listed: {result.given_note}"]
     if result.fastest_rejected is not None:
         layout, est, peak, bound = result.fastest_rejected
         lines += [
             "",
-            f"  faster, but over the memory limit: {layout.describe()} ({est.step_s:.3g} s, "
+            f"  faster, but over the memory limit: {layout.describe()} ({est.step_s:.4g} s, "
             f"peak {peak / GIB:.1f} GiB of {result.top[0].capacity_bytes / GIB:.0f}"
             + (": parameters, gradients and optimizer state alone, at least" if bound else "")
             + ")",

@@ -99,7 +99,7 @@ def fake_process_group(world_size: int, rank: int) -> Iterator[None]:
         return
     if dist.is_initialized():
         raise InvalidInputError(
-            "the plan needs its own (fake) process group: run validate-config --plan outside a distributed job"
+            "the plan needs its own (fake) process group: run kforge plan outside a distributed job"
         )
     from torch.testing._internal.distributed.fake_pg import FakeStore  # registers the "fake" backend
 

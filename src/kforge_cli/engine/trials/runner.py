@@ -1,4 +1,4 @@
-"""`--plan --search --trial K --steps N`: run the K best layouts for N steps each and measure them.
+"""`kforge plan trial --best K --steps N`: run the K best layouts for N steps each and measure them.
 
 Each trial is `kforge train` on a profile written for its layout (the same data, seed and
 global batch for all), for N steps with no checkpoint or evaluation, one metrics record per
@@ -9,7 +9,8 @@ growth); the step time is the median of the rest, the peak memory the largest th
 saw (CUDA's allocated peak; on CPU rank 0's resident set, which includes the Python and
 torch runtime the plan does not count). `--sbatch` writes a job script that runs the whole
 search and sweep inside one allocation. Results also go to TRIAL_DIR/trials.json (what
-bench/plan_calibrate.py fits the cost model to).
+`kforge plan calibrate` fits the cost model to). Each trial's predicted step is the cost model's
+(``plan.cost_model``), the number `kforge plan` prints for its profile.
 """
 
 from __future__ import annotations
@@ -21,11 +22,10 @@ import statistics
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
-
-import typer
 
 from kforge_cli.errors import InvalidInputError
 from kforge_cli.files import atomic_write, open_append, output_dir, real_dir
@@ -179,22 +179,30 @@ def read_measurements(metrics: Path, steps: int) -> dict[str, Any]:
     }
 
 
+def _stderr(message: str) -> None:
+    print(message, file=sys.stderr, flush=True)
+
+
 def run_trials(
-    settings: Any, result: Any, candidates: list[Any], steps: int, trial_dir: Path | None
+    settings: Any,
+    result: Any,
+    candidates: list[Any],
+    steps: int,
+    trial_dir: Path | None,
+    *,
+    say: Callable[[str], None] = _stderr,
 ) -> list[TrialResult]:
     """Run each candidate for ``steps`` steps (see the module docstring); write TRIAL_DIR/trials.json."""
-    from kforge_cli.cli.plan_profile import candidate_profile
+    from kforge_cli.engine.plan.written_profile import candidate_profile
     from kforge_cli.rundir.layout import RunDir
+    from kforge_cli.settings.profile_writer import extends_name
 
     out = _fresh_dir(trial_dir)
     slurm = in_slurm_allocation()
     results: list[TrialResult] = []
     _, reset = isolate(settings, out)
     if reset:
-        typer.echo(
-            f"trials: not using {', '.join(reset)}: a trial resumes, loads and writes nothing outside {out}",
-            err=True,
-        )
+        say(f"trials: not using {', '.join(reset)}: a trial resumes, loads and writes nothing outside {out}")
     for i, cand in enumerate(candidates, 1):
         here = real_dir(out / f"trial-{i}")
         profile = here / "profile.toml"
@@ -210,7 +218,7 @@ def run_trials(
         sl = cand.settings.slurm
         cmd = trial_command(profile, run_dir, steps, cand.dims.world_size, sl.nodes, sl.gpus_per_node, slurm=slurm)
         log = here / "train.log"
-        typer.echo(f"trial {i}/{len(candidates)}: {cand.layout.describe()} ({'srun' if slurm else 'local'})", err=True)
+        say(f"trial {i}/{len(candidates)}: {cand.layout.describe()} ({'srun' if slurm else 'local'})")
         with open_append(log) as f:  # no-follow, like every write into a directory kforge made
             code = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT, env=_trial_env(i, slurm)).returncode
         e = cand.estimate
@@ -232,6 +240,7 @@ def run_trials(
                 setattr(trial, key, value)
         results.append(trial)
     summary = {
+        "profile": extends_name(settings),  # what `kforge plan calibrate --output` extends
         "world_size": result.world_size,
         "gpu_type": result.gpu_type,
         "steps": steps,
@@ -280,7 +289,7 @@ def format_trials(results: list[TrialResult], steps: int) -> str:
 
 SWEEP_SCRIPT = """#!/bin/bash
 # kforge {version}: a layout-search trial sweep in one SLURM allocation.
-# Written by `kforge validate-config --plan --search --trial K --sbatch`; the job searches, then runs
+# Written by `kforge plan trial --best K --sbatch`; the job searches, then runs
 # each trial with srun (one task per GPU), and writes {trial_dir}/trials.json.
 {directives}
 
@@ -295,8 +304,11 @@ export OMP_NUM_THREADS=${{SLURM_CPUS_PER_TASK:-1}}
 """
 
 
-def write_sweep_script(settings: Any, argv: list[str], trial_dir: Path | None) -> Path:
-    """Write TRIAL_DIR/sweep.sbatch: this command without --sbatch, run inside the allocation; print it."""
+def write_sweep_script(
+    settings: Any, argv: list[str], trial_dir: Path | None, *, say: Callable[[str], None] = _stderr
+) -> tuple[Path, str]:
+    """Write TRIAL_DIR/sweep.sbatch: this command (``argv``, without --sbatch) run inside the allocation;
+    return its path and text."""
     from kforge_cli import __version__
     from kforge_cli.slurm.sbatch import _setup_block, env_exports, sbatch_directives, slurm_issues, task_python
 
@@ -326,9 +338,8 @@ def write_sweep_script(settings: Any, argv: list[str], trial_dir: Path | None) -
     )
     script = out / "sweep.sbatch"
     atomic_write(script, text.encode(), 0o755)
-    typer.echo(text, nl=False)
-    typer.echo(f"wrote {script}; submit with: sbatch {script}", err=True)
-    return script
+    say(f"wrote {script}; submit with: sbatch {script}")
+    return script, text
 
 
 def _drop_option(args: list[str], name: str) -> list[str]:
