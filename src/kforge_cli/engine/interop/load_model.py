@@ -32,7 +32,7 @@ from kforge_cli.engine.checkpoint.reader import (
     open_checkpoint,
     shaping_of,
 )
-from kforge_cli.engine.model import Transformer
+from kforge_cli.engine.families.llama import Transformer
 from kforge_cli.engine.model.layers import rope_tables
 from kforge_cli.engine.model.moe import MoEFeedForward
 from kforge_cli.engine.model.vlm import VisionLanguageModel, build_vlm

@@ -19,7 +19,7 @@ import torch
 from torch import nn
 from torch.distributed.fsdp import fully_shard
 
-from kforge_cli.engine.model import Transformer
+from kforge_cli.engine.families.llama import Transformer
 from kforge_cli.engine.model.moe import MoEFeedForward
 from kforge_cli.engine.model.vlm import build_vlm
 from kforge_cli.engine.parallel.activation_checkpoint import apply_activation_checkpointing

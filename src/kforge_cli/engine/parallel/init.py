@@ -22,7 +22,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor, distribute_tensor
 from torch.overrides import TorchFunctionMode
 
-from kforge_cli.engine.model import Transformer
+from kforge_cli.engine.families.llama import Transformer
 from kforge_cli.settings.training import ModelSettings
 
 # Ops that only read metadata of a shadow parameter, passed through untouched.

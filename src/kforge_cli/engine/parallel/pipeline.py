@@ -21,7 +21,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from kforge_cli.engine.model import Transformer
+from kforge_cli.engine.families.llama import Transformer
 from kforge_cli.settings import JobSettings
 from kforge_cli.settings.pipeline_schedules import schedule_facts
 from kforge_cli.settings.training import ModelSettings

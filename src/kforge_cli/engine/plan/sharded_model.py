@@ -20,7 +20,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor, Shard
 
-from kforge_cli.engine.model import Transformer
+from kforge_cli.engine.families.llama import Transformer
 from kforge_cli.engine.parallel.build import parallelize
 from kforge_cli.engine.parallel.pipeline import (
     build_stage_module,
