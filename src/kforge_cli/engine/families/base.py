@@ -86,7 +86,9 @@ class ParallelPlan:
     context parallelism sets to the :class:`~kforge_cli.engine.model.sequence_shard.SequenceShard`
     (None: the family has no context parallelism). ``expert_parallel``: its MoE layers
     (``engine.model.moe.MoEFeedForward``) may be split over ``distributed.ep``. ``float8_skip``:
-    last name segments of linears that stay in high precision (the head, routers).
+    last name segments of linears that stay in high precision (the head, routers). ``fp32_buffers``:
+    last name segments of buffers that stay fp32 when the model is cast to a lower master dtype
+    (RoPE tables: long positions' angles need it).
     """
 
     first_stage: tuple[str, ...]
@@ -95,6 +97,7 @@ class ParallelPlan:
     cp_hook: str | None = "sequence_shard"
     expert_parallel: bool = False
     float8_skip: tuple[str, ...] = (HEAD,)
+    fp32_buffers: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -198,6 +201,14 @@ class ModelFamily:
     # -- FLOPs and shapes ----------------------------------------------------------------
     def non_embedding_params(self, cfg: ModelSettings) -> int:
         """Active parameters one token's matmuls use (no embedding lookups; the head once)."""
+        raise NotImplementedError
+
+    def param_count(self, cfg: ModelSettings, *, active: bool = False) -> int:
+        """Parameters of the whole model (tied ones once); ``active``: those one token uses (MoE)."""
+        raise NotImplementedError
+
+    def block_linear_params(self, cfg: ModelSettings) -> int:
+        """Weight elements of one block's linear layers (what float8 runs; the planner's float8 time share)."""
         raise NotImplementedError
 
     def flops_per_token(self, cfg: ModelSettings, seq_len: int) -> float:

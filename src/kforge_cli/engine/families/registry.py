@@ -24,6 +24,8 @@ if TYPE_CHECKING:
     from kforge_cli.settings.training import ModelSettings
 
 ENTRY_POINT_GROUP = "kforge.families"
+DEFAULT_FAMILY = "llama"
+"""``model.family``'s default: every run written before families existed is a Llama-family model."""
 
 BUILTIN: dict[str, str] = {
     "llama": "kforge_cli.engine.families.llama:FAMILY",

@@ -37,6 +37,13 @@ class LlamaFamily(ModelFamily):
     def non_embedding_params(self, cfg: ModelSettings) -> int:
         return cfg.non_embedding_params()
 
+    def param_count(self, cfg: ModelSettings, *, active: bool = False) -> int:
+        return cfg.param_count(active=active)
+
+    def block_linear_params(self, cfg: ModelSettings) -> int:
+        d, q, kv, f = cfg.dim, cfg.n_heads * cfg.head_dim, cfg.kv_heads * cfg.head_dim, cfg.resolved_ffn_hidden_dim
+        return 2 * d * q + 2 * d * kv + (3 if cfg.activation == "swiglu" else 2) * d * f
+
     def activation_shapes(self, cfg: ModelSettings, tp: int) -> ActivationShapes:
         q_dim, kv_dim = cfg.n_heads * cfg.head_dim, cfg.kv_heads * cfg.head_dim
         gated = cfg.activation == "swiglu"
