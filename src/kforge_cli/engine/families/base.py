@@ -56,6 +56,7 @@ TPStyle = Literal[
     "heads_norm",  # a norm over each rank's local heads ([B, T, heads, head_dim]); a replicated weight
     "vocab_embedding",  # the token embedding, split over vocabulary rows (root only)
     "vocab_head",  # the output head, split over the vocabulary (loss-parallel aware; root only)
+    "position_embedding",  # a replicated embedding of positions whose output joins the stream's layout (SP)
 ]
 """How tensor parallelism treats one module; ``parallel.tensor_parallel`` turns a style into torch's."""
 
@@ -187,6 +188,12 @@ class ModelFamily:
                 for attr in names:
                     setattr(stage, attr, None)
         return stage
+
+    def reset_buffers(self, model: nn.Module, device: torch.device | str) -> tuple[str, ...]:
+        """Recompute, on ``device``, the non-persistent buffers no checkpoint holds (after ``to_empty``,
+        e.g. RoPE tables, in fp32); returns their names. None by default."""
+        del model, device
+        return ()
 
     def meta_model(self, cfg: ModelSettings) -> nn.Module:
         """The whole model on the meta device (the sharded init's shadow, the planner's build)."""

@@ -53,6 +53,7 @@ from torch.distributed.tensor.parallel import (
     ParallelStyle,
     PrepareModuleInput,
     PrepareModuleInputOutput,
+    PrepareModuleOutput,
     RowwiseParallel,
     SequenceParallel,
     parallelize_module,
@@ -138,6 +139,12 @@ def torch_style(
             input_layouts=stream,
             output_layouts=Shard(-1) if loss_parallel_on else Replicate(),
             use_local_output=not loss_parallel_on,
+        )
+    if style == "position_embedding":
+        # Every rank looks up all positions with its whole (replicated) table and keeps its slice of the
+        # stream; the backward all-gathers the output gradient, so the table's gradient is complete.
+        return PrepareModuleOutput(
+            output_layouts=(Replicate(),), desired_output_layouts=(stream,), use_local_output=True
         )
     raise ValueError(f"unknown TP style {style!r} (module {rule.path})")
 

@@ -5,11 +5,13 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, ClassVar
 
+import torch
 from torch import nn
 
 from kforge_cli.engine.families.base import ActivationShapes, HFMapping, ModelFamily, ParallelPlan, TPRule
 from kforge_cli.engine.families.llama.model import Transformer
 from kforge_cli.engine.families.llama.plans import PLAN, tp_block_plan
+from kforge_cli.engine.model.layers import rope_tables
 from kforge_cli.settings.moe import active_ffn_hidden
 
 if TYPE_CHECKING:
@@ -30,6 +32,11 @@ class LlamaFamily(ModelFamily):
 
     def build(self, cfg: ModelSettings) -> nn.Module:
         return Transformer(cfg)
+
+    def reset_buffers(self, model: nn.Module, device: torch.device | str) -> tuple[str, ...]:
+        cfg = model.cfg
+        model.rope_cos, model.rope_sin = rope_tables(cfg.head_dim, cfg.max_seq_len, cfg.rope_theta, device)
+        return ("rope_cos", "rope_sin")
 
     def tp_block_plan(self, block: nn.Module) -> tuple[TPRule, ...]:
         return tp_block_plan(block)
