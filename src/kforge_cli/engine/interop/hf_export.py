@@ -31,8 +31,8 @@ from kforge_cli.engine.checkpoint.reader import (
     read_tensors,
     shaping_of,
 )
-from kforge_cli.engine.families.base import HFExport, ModelFamily
-from kforge_cli.engine.families.registry import DEFAULT_FAMILY, get_family
+from kforge_cli.engine.families.base import HFExport
+from kforge_cli.engine.interop.hf_family import export_problems, family_of_fields
 from kforge_cli.engine.interop.hf_format import CONFIG_FILE, INDEX_FILE, SINGLE_FILE
 from kforge_cli.engine.interop.hf_tokenizer import ExportedTokenizer, run_tokenizer, write_tokenizer
 from kforge_cli.engine.runtime.dtypes import DTYPES, torch_dtype_name
@@ -81,22 +81,6 @@ class TextPlan:
 
     def write_extras(self, out: Path, tokenizer: ExportedTokenizer | None) -> None:
         return None
-
-
-def family_of_fields(fields: dict[str, Any]) -> ModelFamily:
-    """The family of a saved model config (``model.family``; runs before families existed: the default)."""
-    return get_family(str(fields.get("family") or DEFAULT_FAMILY))
-
-
-def export_problems(fields: dict[str, Any], has_vlm: bool = False) -> list[str]:
-    """What no Hugging Face architecture of the model's family can hold (empty: exportable)."""
-    family = family_of_fields(fields)
-    problems = []
-    if has_vlm:
-        problems.append("it is a vision-language / MoT model; only text models export to LlamaForCausalLM")
-    if family.hf is None:
-        return [*problems, f"model family {family.name!r} has no Hugging Face mapping"]
-    return problems + family.hf.export_problems(fields)
 
 
 DEFAULT_SHARD_BYTES = 5 * 2**30

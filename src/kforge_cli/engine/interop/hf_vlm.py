@@ -55,7 +55,7 @@ _VIT_BLOCK = {
 
 def vlm_export_problems(settings: JobSettings) -> list[str]:
     """What ``LlavaForConditionalGeneration`` cannot hold of this VLM (empty: exportable)."""
-    from kforge_cli.engine.interop.hf_export import export_problems
+    from kforge_cli.engine.interop.hf_family import export_problems
 
     vlm, adapter, model = settings.vlm, settings.adapter, settings.model
     problems = []
@@ -251,7 +251,7 @@ def vlm_export_plan(view: CheckpointView) -> VLMPlan:
         )
     fields = settings.model.model_dump()
     family, vision, mean, std = _vision_side(settings)
-    from kforge_cli.engine.interop.hf_export import family_of_fields
+    from kforge_cli.engine.interop.hf_family import family_of_fields
 
     text_family = family_of_fields(fields)
     assert text_family.hf is not None  # vlm_export_problems refused a family without a mapping

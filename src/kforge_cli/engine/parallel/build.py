@@ -14,13 +14,14 @@ stages are wrapped in a schedule (`PipelineBundle`).
 from __future__ import annotations
 
 import logging
+from typing import Any, cast
 
 import torch
 from torch import nn
 from torch.distributed.fsdp import fully_shard
 
 from kforge_cli.engine.families.base import BLOCKS
-from kforge_cli.engine.families.registry import family_for
+from kforge_cli.engine.families.registry import family_for, family_of
 from kforge_cli.engine.model.moe import MoEFeedForward
 from kforge_cli.engine.model.vlm import build_vlm
 from kforge_cli.engine.parallel.activation_checkpoint import apply_activation_checkpointing
@@ -92,7 +93,7 @@ def allow_moe_tracing() -> None:
 def cast_keeping_rope_fp32(model: nn.Module, dtype: torch.dtype) -> None:
     """``model.to(dtype)``, except the family's ``plan.fp32_buffers`` (RoPE tables): they stay fp32 (long
     positions' angles need it), as on the sharded path, where ``init_sharded`` computes them in fp32 after the cast."""
-    keep = family_for(model.cfg).plan.fp32_buffers  # type: ignore[arg-type]
+    keep = family_of(model).plan.fp32_buffers
     rope = {n: b for n, b in model.named_buffers() if n.rsplit(".", 1)[-1] in keep}
     model.to(dtype)
     for name, table in rope.items():
@@ -188,7 +189,7 @@ def _build_single(settings: JobSettings, runtime: RuntimeContext) -> nn.Module:
         master = DTYPES[settings.train.master_dtype]
         model.to_empty(device=runtime.device)
         with torch.no_grad():
-            model.init_weights(buffer_device=runtime.device)  # in fp32 order; cast like init_sharded does
+            cast(Any, model).init_weights(buffer_device=runtime.device)  # in fp32 order; cast like init_sharded does
         if master != torch.float32:
             cast_keeping_rope_fp32(model, master)
     else:

@@ -28,7 +28,7 @@ from torch import nn
 from torch.utils.hooks import RemovableHandle
 
 from kforge_cli.engine.families.base import BLOCKS
-from kforge_cli.engine.families.registry import DEFAULT_FAMILY, family_for, get_family
+from kforge_cli.engine.families.registry import DEFAULT_FAMILY, family_of, get_family
 from kforge_cli.engine.runtime import RuntimeContext
 from kforge_cli.errors import InvalidInputError
 from kforge_cli.settings.training import TrainSettings
@@ -54,7 +54,7 @@ def require_torchao() -> None:
 
 def linear_splits(model: nn.Module) -> dict[str, str]:
     """``fqn -> "colwise" | "rowwise"`` of every block linear the model's family TP rules split."""
-    family = family_for(model.cfg)  # type: ignore[arg-type]
+    family = family_of(model)
     out: dict[str, str] = {}
     for key, block in model.get_submodule(BLOCKS).named_children():
         for rule in family.tp_block_plan(block):
@@ -127,7 +127,7 @@ def apply_float8(model: nn.Module, *, recipe: str, fsdp_float8_all_gather: bool,
         config = Float8LinearConfig.from_recipe_name(recipe)
     before = sum(1 for _, m in model.named_modules() if isinstance(m, nn.Linear))
     splits = linear_splits(model) if tp > 1 else None
-    keep = float8_filter(tp, splits, family_for(model.cfg).plan.float8_skip)  # type: ignore[arg-type]
+    keep = float8_filter(tp, splits, family_of(model).plan.float8_skip)
     convert_to_float8_training(model, module_filter_fn=keep, config=config)
     after = sum(1 for _, m in model.named_modules() if type(m) is nn.Linear)
     swapped = before - after

@@ -22,7 +22,7 @@ import torch
 from torch import nn
 
 from kforge_cli.engine.families.base import BLOCKS
-from kforge_cli.engine.families.registry import family_for
+from kforge_cli.engine.families.registry import family_for, family_of
 from kforge_cli.settings import JobSettings
 from kforge_cli.settings.pipeline_schedules import schedule_facts
 from kforge_cli.settings.training import ModelSettings
@@ -74,7 +74,7 @@ class PipelineModel(nn.Module):
         self.stage_modules = stages  # plain list: not registered, so no "stage_modules." prefix
         setattr(self, BLOCKS, nn.ModuleDict())
         blocks = self.get_submodule(BLOCKS)
-        plan = family_for(stages[0].cfg).plan  # type: ignore[arg-type]
+        plan = family_of(stages[0]).plan
         roots = plan.first_stage + plan.last_stage
         for name in roots:
             setattr(self, name, None)

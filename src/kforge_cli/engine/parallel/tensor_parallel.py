@@ -61,7 +61,7 @@ from torch.distributed.tensor.parallel import (
 
 from kforge_cli.engine.data.tokens import IGNORE_INDEX
 from kforge_cli.engine.families.base import BLOCKS, ModelFamily, TPRule
-from kforge_cli.engine.families.registry import DEFAULT_FAMILY, family_for, get_family
+from kforge_cli.engine.families.registry import DEFAULT_FAMILY, family_of, get_family
 
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
@@ -213,7 +213,7 @@ def apply_tensor_parallel(
 ) -> None:
     """Shard ``model`` (a family's model or one pipeline stage of it) over ``tp_mesh`` in place, by its
     family's TP rules (``model.cfg.family``)."""
-    family = family_for(model.cfg)
+    family = family_of(model)
     root = plan_of(model, family.plan.tp_root, sequence_parallel=sequence_parallel, loss_parallel_on=loss_parallel_on)
     parallelize_module(model, tp_mesh, root)
     for rule in family.plan.tp_root:

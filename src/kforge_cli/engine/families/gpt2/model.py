@@ -10,6 +10,7 @@ ln_2, mlp.{fc,proj}}``, ``norm``, ``output`` (absent when tied to ``wte``). ``la
 from __future__ import annotations
 
 import math
+from typing import cast
 
 import torch
 import torch.nn.functional as F
@@ -118,7 +119,7 @@ class GPT2(nn.Module):
             if emb is not None:
                 nn.init.normal_(emb.weight, mean=0.0, std=std)
         for key in sorted(self.layers.keys(), key=int):
-            self.layers[key].init_weights(std, out_std)
+            cast(GPT2Block, self.layers[key]).init_weights(std, out_std)
         if self.norm is not None:
             _init(self.norm, std, std)
         if self.output is not None:

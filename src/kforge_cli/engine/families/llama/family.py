@@ -3,7 +3,7 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar, cast
 
 import torch
 from torch import nn
@@ -34,7 +34,7 @@ class LlamaFamily(ModelFamily):
         return Transformer(cfg)
 
     def reset_buffers(self, model: nn.Module, device: torch.device | str) -> tuple[str, ...]:
-        cfg = model.cfg
+        cfg = cast(Any, model).cfg
         model.rope_cos, model.rope_sin = rope_tables(cfg.head_dim, cfg.max_seq_len, cfg.rope_theta, device)
         return ("rope_cos", "rope_sin")
 
