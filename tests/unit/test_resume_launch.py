@@ -31,7 +31,7 @@ def test_the_resume_command_starts_the_run_the_way_it_ran() -> None:
 def test_resume_starts_the_recorded_processes_unless_typed_or_already_launched(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from kforge_cli.cli.train import run_processes
+    from kforge_cli.cli.local_job import run_processes
 
     for name in ("RANK", "WORLD_SIZE", "SLURM_PROCID", "SLURM_STEP_ID"):
         monkeypatch.delenv(name, raising=False)

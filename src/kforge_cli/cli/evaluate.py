@@ -52,7 +52,7 @@ def evaluate(
         list[str] | None,
         typer.Option(
             "--allow-hooks",
-            help="Import these modules (comma-separated) that an lm-eval task YAML's `!function` tags name "
+            help="Import these modules (comma-separated) that an lm-eval task YAML's !function tags name "
             "(Python beside the YAML or installed). Without it such a task is refused; built-in tasks need none.",
         ),
     ] = None,

@@ -258,13 +258,17 @@ def trial(
 
 @plan_app.command("calibrate")
 def calibrate(
-    trial_dir: Annotated[Path, typer.Argument(help="A directory `kforge plan trial` wrote (its --trial-dir).")],
+    trial_dir: Annotated[Path, typer.Argument(help="A directory kforge plan trial wrote (its --trial-dir).")],
     output: Annotated[
         Path | None,
-        typer.Option("--output", "-o", help="Write the fit as a profile FILE.toml: the trials' profile + [plan]."),
+        typer.Option(
+            "--output",
+            "-o",
+            help="Write the fit as a profile FILE.toml: the trials' profile plus the fitted plan table.",
+        ),
     ] = None,
     write_profile: Annotated[
-        Path | None, typer.Option("--write-profile", help="Replace the [plan] section of this existing profile file.")
+        Path | None, typer.Option("--write-profile", help="Replace the plan table of this existing profile file.")
     ] = None,
     overwrite: Annotated[bool, typer.Option("--overwrite", help="With --output: replace FILE.")] = False,
     fmt: FormatOpt = "table",

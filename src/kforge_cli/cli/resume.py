@@ -50,7 +50,7 @@ def resume(
     resolved = resolve_resume(run_dir, overrides, allow_hooks)
     refuse_before_start(resolved.settings, sbatch=sbatch or submit)
     if not (sbatch or submit):
-        from kforge_cli.cli.train import launch_local_job, run_processes
+        from kforge_cli.cli.local_job import launch_local_job, run_processes
 
         nproc = nproc_per_node if nproc_per_node is not None else run_processes(run_dir)
         if nproc is not None:

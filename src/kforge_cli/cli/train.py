@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import TYPE_CHECKING, Annotated
+from typing import Annotated
 
 import typer
 
@@ -18,9 +18,6 @@ from kforge_cli.cli.options import (
     refuse_underscored_options,
     resolve,
 )
-
-if TYPE_CHECKING:  # imported when a command runs, not for --help
-    from kforge_cli.settings.loader import ResolvedSettings
 
 
 def register(app: typer.Typer) -> None:
@@ -56,6 +53,7 @@ def train(
     refuse_underscored_options(overrides)  # before the overrides are parsed for a run directory
     if run_dir is not None:
         overrides.append(f"--train.run_dir={run_dir}")
+    from kforge_cli.cli.local_job import launch_local_job, run_processes
     from kforge_cli.settings.hook_policy import allow_flag, refuse_unallowed_hooks
 
     existing = _existing_run(overrides)
@@ -106,27 +104,3 @@ def _existing_run(overrides: list[str]) -> Path | None:
     run = RunDir(Path(named[-1]).expanduser())
     run.refuse_foreign()  # a directory that is not a kforge run is never read as one
     return run.path if run.has_config() else None
-
-
-def run_processes(run_dir: Path) -> int | None:
-    """The run's own `--nproc-per-node` (RUN_DIR/launch.json) for a command that typed none, when
-    this process is not itself a rank of a launched job (torchrun, srun)."""
-    from kforge_cli.rundir.launch import launched, recorded_local_nproc
-
-    return None if launched() else recorded_local_nproc(run_dir)
-
-
-def launch_local_job(resolved: ResolvedSettings, nproc: int, child: list[str]) -> int:
-    """Check the settings fit `nproc` processes, then start them, each running ``kforge <child>``."""
-    from kforge_cli.settings import resolve_dims
-
-    if nproc < 1:
-        raise typer.BadParameter("--nproc-per-node must be at least 1")
-    resolve_dims(resolved.settings, nproc)  # a ConfigError here beats N processes each printing it
-    from kforge_cli.engine.runtime.local_launch import launch_local
-
-    code = launch_local(nproc, child)
-    from kforge_cli.cli.outcome import record_job_exit
-
-    record_job_exit(resolved.settings, code)  # the job's code, over rank 0's own
-    return code

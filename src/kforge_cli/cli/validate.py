@@ -59,7 +59,7 @@ def validate_config(
         str | None, typer.Option("--explain", help="Describe one key (e.g. model.dim): type, default, value, source.")
     ] = None,
     plan: Annotated[
-        bool, typer.Option("--plan", help="Also print the plan: what `kforge plan` prints (memory per GPU, step time).")
+        bool, typer.Option("--plan", help="Also print the plan: what kforge plan prints (memory per GPU, step time).")
     ] = False,
     rank: Annotated[int, typer.Option("--rank", help="With --plan: the rank to report.")] = 0,
 ) -> None:
@@ -114,7 +114,7 @@ def _print_summary(s: Any, dims: Any, n: int) -> None:
     typer.echo(f"config is valid: profile {s.profile or '-'}, world size {n}")
     cp = f" cp={dims.cp}" if dims.cp > 1 else ""
     typer.echo(f"  mesh: pp={dims.pp} dp_replicate={dims.dp_replicate} dp_shard={dims.dp_shard}{cp} tp={dims.tp}")
-    text = s.model.param_count()
+    text = _text_params(s)
     vision = vision_param_counts(s)
     known = [v for v in vision.values() if v is not None]
     total = text + sum(known)
@@ -136,3 +136,12 @@ def _print_summary(s: Any, dims: Any, n: int) -> None:
             f"{moe.num_experts} experts (top {moe.top_k}, {moe.num_shared_experts} shared)"
         )
     typer.echo(f"  tokens per step: {tokens:,} (global batch {tokens // s.train.seq_len} x {s.train.seq_len})")
+
+
+def _text_params(s: Any) -> int:
+    """The text model's parameter count; a family other than the default one is asked (imports torch)."""
+    if s.model.family == "llama":
+        return s.model.param_count()
+    from kforge_cli.engine.families.registry import family_for
+
+    return family_for(s.model).param_count(s.model)

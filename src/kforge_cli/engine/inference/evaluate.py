@@ -111,7 +111,7 @@ def multiple_choice(loaded: LoadedCheckpoint, path: str | Path, limit: int | Non
     check_tokenizer_fits(loaded)
     tok = loaded.tokenizer
     examples = read_mc_task(path)[:limit]
-    max_len = int(loaded.model.cfg.max_seq_len)
+    max_len = int(loaded.cfg.max_seq_len)
     correct = correct_norm = 0
     for ex in examples:
         # only the last max_seq_len tokens of context can be seen: encode a bounded tail of the text

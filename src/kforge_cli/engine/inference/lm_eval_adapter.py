@@ -88,7 +88,7 @@ def make_adapter(loaded: LoadedCheckpoint) -> object:
 def _is_greedy(loaded: LoadedCheckpoint, context: list[int], continuation: list[int]) -> bool:
     import torch
 
-    limit = int(loaded.model.cfg.max_seq_len)
+    limit = int(loaded.cfg.max_seq_len)
     with torch.no_grad():
         seq = torch.tensor([(context + continuation)[-(limit + 1) :][:-1]])
         picks = loaded.model(seq)[0, -len(continuation) :].argmax(-1).tolist()

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
+from typing import cast
 
 import torch
 
@@ -15,6 +16,7 @@ from kforge_cli.errors import InvalidInputError
 from kforge_cli.rundir.checkpoints import is_hf_dir
 from kforge_cli.rundir.layout import RunDir
 from kforge_cli.rundir.names import TOKENIZER_FILE
+from kforge_cli.settings.training import ModelSettings
 
 
 @dataclass
@@ -26,6 +28,11 @@ class LoadedCheckpoint:
     path: Path  # the step dir (or HF dir) actually loaded
     run_dir: Path | None  # None: not inside a kforge run directory
     step: int | None
+
+    @property
+    def cfg(self) -> ModelSettings:
+        """The text model's settings (every family's model, and a VLM's decoder, keeps them as ``cfg``)."""
+        return cast(ModelSettings, self.model.cfg)
 
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -75,7 +82,7 @@ def check_device(device: str) -> None:
 
 def check_tokenizer_fits(loaded: LoadedCheckpoint) -> None:
     """Refuse a tokenizer with more ids than the model's vocabulary (checked before any text is encoded)."""
-    vocab = int(loaded.model.cfg.vocab_size)
+    vocab = int(loaded.cfg.vocab_size)
     if loaded.tokenizer.vocab_size > vocab:
         raise InvalidInputError(
             f"tokenizer {loaded.tokenizer.name} has {loaded.tokenizer.vocab_size} ids but the model's vocabulary is "

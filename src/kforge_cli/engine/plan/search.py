@@ -50,7 +50,7 @@ from kforge_cli.engine.plan.layouts import (
     layouts,
     with_layout,
 )
-from kforge_cli.engine.plan.planner import (
+from kforge_cli.engine.plan.memory_items import (
     GIB,
     TIGHT_FRACTION,
     MemoryItem,

@@ -10,7 +10,7 @@ from __future__ import annotations
 import logging
 from typing import TYPE_CHECKING
 
-from kforge_cli.engine.model import flops_per_token
+from kforge_cli.engine.families.registry import family_for
 from kforge_cli.engine.observe import ProgressReporter, device_peak_flops, mfu
 from kforge_cli.engine.runtime import dtype_name
 from kforge_cli.engine.train.components import LoopComponent
@@ -30,7 +30,7 @@ class Throughput(LoopComponent):
 
     def on_train_begin(self, session: TrainingSession) -> None:
         s, device = session.settings, session.runtime.device
-        self.flops_per_token = flops_per_token(s.model, s.train.seq_len)
+        self.flops_per_token = family_for(s.model).flops_per_token(s.model, s.train.seq_len)
         self.peak_flops = device_peak_flops(device, dtype_name(session.compute_dtype), s.metrics.peak_tflops)
 
     def on_log(self, session: TrainingSession, record: dict[str, object]) -> None:
