@@ -8,7 +8,7 @@ import torch
 from torch import nn
 from torch.distributed.tensor.parallel import ColwiseParallel, PrepareModuleInput, RowwiseParallel
 
-from kforge_cli.engine.model import Transformer
+from kforge_cli.engine.families.llama import Transformer
 from kforge_cli.engine.parallel.float8 import float8_filter, fsdp_float8_all_gather
 from kforge_cli.engine.parallel.tensor_parallel import block_plan
 from kforge_cli.engine.runtime import RuntimeContext

@@ -32,7 +32,8 @@ from kforge_cli.engine.checkpoint.reader import (
     open_checkpoint,
     shaping_of,
 )
-from kforge_cli.engine.model import Transformer
+from kforge_cli.engine.families.llama import Transformer
+from kforge_cli.engine.families.registry import family_for
 from kforge_cli.engine.model.layers import rope_tables
 from kforge_cli.engine.model.moe import MoEFeedForward
 from kforge_cli.engine.model.vlm import VisionLanguageModel, build_vlm
@@ -83,7 +84,7 @@ def empty_model(
 ) -> Transformer:
     """A Transformer with uninitialised weights in `dtype` and fp32 RoPE tables on `device`."""
     with torch.device("meta"):
-        model = Transformer(cfg)
+        model = family_for(cfg).build(cfg)
     _materialise(model, cfg, dtype, device)
     return model
 
@@ -221,7 +222,7 @@ def _load_hf(
     tensors = read_hf_tensors(checkpoint)  # memory-mapped: bounded by the files, not by config.json
     refuse_layer_count(cfg, len(tensors), checkpoint)
     with torch.device("meta"):
-        model = Transformer(cfg)
+        model = family_for(cfg).build(cfg)
     wanted = set(model.state_dict())
     missing = sorted(wanted - set(tensors))
     if missing:
@@ -273,7 +274,7 @@ def load_model(
     if vlm_job is not None:
         refuse_layer_count(vlm_job.vision_encoder, len(stored), view.path, "vision_encoder.n_layers")
     with torch.device("meta"):
-        model: LoadedModel = build_vlm(vlm_job) if vlm_job is not None else Transformer(text_cfg)
+        model: LoadedModel = build_vlm(vlm_job) if vlm_job is not None else family_for(text_cfg).build(text_cfg)
     check_claims(model, text_cfg, stored, view.path)  # before a byte is allocated
     _materialise(model, text_cfg, dtype, device)
     _fill_from_checkpoint(model, view)

@@ -19,7 +19,7 @@ import torch
 from torch import nn
 from torch.distributed.fsdp import fully_shard
 
-from kforge_cli.engine.model import Transformer
+from kforge_cli.engine.families.registry import family_for
 from kforge_cli.engine.model.moe import MoEFeedForward
 from kforge_cli.engine.model.vlm import build_vlm
 from kforge_cli.engine.parallel.activation_checkpoint import apply_activation_checkpointing
@@ -170,7 +170,7 @@ def parallelize(module: nn.Module, settings: JobSettings, runtime: RuntimeContex
 
 def _build_single(settings: JobSettings, runtime: RuntimeContext) -> nn.Module:
     with torch.device("meta"):
-        model = build_vlm(settings) if settings.vlm is not None else Transformer(settings.model)
+        model = build_vlm(settings) if settings.vlm is not None else family_for(settings.model).build(settings.model)
     parallelize(model, settings, runtime)
     if runtime.world_size == 1:
         master = DTYPES[settings.train.master_dtype]

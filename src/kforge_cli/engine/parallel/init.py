@@ -22,7 +22,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor, distribute_tensor
 from torch.overrides import TorchFunctionMode
 
-from kforge_cli.engine.model import Transformer
+from kforge_cli.engine.families.registry import family_for
 from kforge_cli.settings.training import ModelSettings
 
 # Ops that only read metadata of a shadow parameter, passed through untouched.
@@ -104,7 +104,7 @@ def init_sharded(
             real[name] = param
     if shadow is None:
         with torch.device("meta"):
-            shadow = Transformer(cfg)
+            shadow = family_for(cfg).build(cfg)
     by_id = {id(p): (n, p) for n, p in shadow.named_parameters()}
     replay = _ReplayInit(by_id, real, device)
     with replay, torch.no_grad():

@@ -21,7 +21,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from kforge_cli.engine.model import Transformer
+from kforge_cli.engine.families.llama import Transformer
+from kforge_cli.engine.families.registry import family_for
 from kforge_cli.settings import JobSettings
 from kforge_cli.settings.pipeline_schedules import schedule_facts
 from kforge_cli.settings.training import ModelSettings
@@ -57,7 +58,7 @@ def stage_owner(stage_id: int, pp_size: int, schedule: str) -> int:
 def build_stage_module(cfg: ModelSettings, layer_ids: list[int], *, first: bool, last: bool) -> Transformer:
     """A Transformer on the meta device holding only ``layer_ids`` (+ embedding if first, norm/head if last)."""
     with torch.device("meta"):
-        stage = Transformer(cfg)
+        stage = family_for(cfg).build(cfg)
     keep = {str(i) for i in layer_ids}
     for key in list(stage.layers.keys()):
         if key not in keep:

@@ -96,11 +96,14 @@ def block_plan(
         "attention": prepare_input(
             input_layouts=(stream, None, None, None), desired_input_layouts=(Replicate(), None, None, None)
         ),
-        "attention.wq": colwise(),
-        "attention.wk": colwise(),
-        "attention.wv": colwise(),
         "attention.wo": rowwise(output_layouts=stream),
     }
+    attention = block.get_submodule("attention")
+    if hasattr(attention, "wkv_b"):  # latent attention (DeepSeek-V3): heads split in the up-projections only
+        plan["attention.wkv_b"] = colwise()
+        plan["attention.wq_b" if getattr(attention, "wq", None) is None else "attention.wq"] = colwise()
+    else:
+        plan.update({"attention.wq": colwise(), "attention.wk": colwise(), "attention.wv": colwise()})
     if isinstance(block.feed_forward, MoEFeedForward):
         plan.update(moe_plan(block.feed_forward, stream, colwise, rowwise, prepare_input))
     else:
@@ -202,10 +205,25 @@ def apply_tensor_parallel(
     embedding = getattr(model, "tok_embeddings", None)
     if embedding is not None:
         embedding.register_forward_hook(_wait_on_output)
-    for block in cast(nn.ModuleDict, model.layers).values():
+    blocks = list(cast(nn.ModuleDict, model.layers).values())
+    mtp = getattr(model, "mtp", None)
+    if mtp is not None:  # DeepSeek-V3's multi-token-prediction modules: a block each, plus their own norms
+        for module in mtp.values():
+            blocks.append(module.block)
+            if sequence_parallel:
+                # the stream is split along the sequence: the norms and the eh_proj projection act per
+                # position, with replicated weights whose gradients are summed over the TP ranks
+                parallelize_module(
+                    module,
+                    tp_mesh,
+                    {name: SequenceParallel(use_local_output=True) for name in ("enorm", "hnorm", "eh_proj", "norm")},
+                )
+    for block in blocks:
         parallelize_module(
             block, tp_mesh, block_plan(block, sequence_parallel=sequence_parallel, float8_recipe=float8_recipe)
         )
+        if hasattr(block.attention, "key_grad_group"):
+            block.attention.key_grad_group = tp_mesh.get_group()
     if sequence_parallel:
         model.register_forward_pre_hook(_inject_positions, with_kwargs=True)
 

@@ -20,7 +20,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor, Shard
 
-from kforge_cli.engine.model import Transformer
+from kforge_cli.engine.families.registry import family_for
 from kforge_cli.engine.parallel.build import parallelize
 from kforge_cli.engine.parallel.pipeline import (
     build_stage_module,
@@ -207,7 +207,7 @@ def _meta_modules(settings: JobSettings, runtime: RuntimeContext, stage_ids: lis
             from kforge_cli.engine.model.vlm import build_vlm
 
             return [build_vlm(settings)]
-        return [Transformer(settings.model)]
+        return [family_for(settings.model).build(settings.model)]
 
 
 def parallel_modules(

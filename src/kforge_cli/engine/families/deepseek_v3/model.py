@@ -38,13 +38,13 @@ from torch import nn
 from torch.distributed import ProcessGroup
 
 from kforge_cli.engine.data.tokens import IGNORE_INDEX
+from kforge_cli.engine.families.llama.model import HeadLossFn, Transformer, TransformerBlock
 from kforge_cli.engine.model.attention import residual_std
 from kforge_cli.engine.model.attention_mask import AttentionMask, attend
 from kforge_cli.engine.model.kv_cache import KVCache, attention_after, check_decoding_mask
 from kforge_cli.engine.model.layers import RMSNorm, apply_rotary, build_norm, reset_norm
 from kforge_cli.engine.model.mlp import FeedForward
 from kforge_cli.engine.model.moe.layer import MoEFeedForward
-from kforge_cli.engine.model.transformer import HeadLossFn, Transformer, TransformerBlock
 from kforge_cli.settings.training import ModelSettings
 
 LATENT_NORM_EPS = 1e-6
