@@ -82,6 +82,22 @@ def config_issues(s: JobSettings) -> list[ConfigIssue]:
         out.append(ConfigIssue("train.ac_every_n_blocks", f"exceeds model.n_layers ({m.n_layers})"))
     out += moe_issues(m) + expert_parallel_issues(m, s.distributed.ep, s.distributed.dp_shard)
     out += deepseek_v3_issues(m)
+    if m.mtp_depth and s.distributed.pp > 1:
+        out.append(
+            ConfigIssue(
+                "model.mtp_depth",
+                "multi-token prediction reads the token embedding (first stage) after the last block (last stage); "
+                "not supported with distributes.distributed.pp > 1: set mtp_depth = 0, or pp = 1",
+            )
+        )
+    if m.mtp_depth and s.distributed.cp > 1:
+        out.append(
+            ConfigIssue(
+                "model.mtp_depth",
+                "multi-token prediction shifts the sequence by whole tokens across context-parallel shards; "
+                "not supported with distributes.distributed.cp > 1: set mtp_depth = 0, or cp = 1",
+            )
+        )
     if m.attention == "flex" and t.device == "cpu":
         out.append(ConfigIssue("model.attention", FLEX_CPU))
     if m.moe is not None and s.distributed.cp > 1 and s.distributed.ep > 1:
@@ -385,22 +401,6 @@ def _combination_issues(s: JobSettings) -> list[ConfigIssue]:
         )
     if d.tp > 1 and m.tie_embeddings:
         out.append(ConfigIssue("model.tie_embeddings", "not supported with distributed.tp > 1; untie, or use tp = 1"))
-    if m.mtp_depth and d.pp > 1:
-        out.append(
-            ConfigIssue(
-                "model.mtp_depth",
-                "multi-token prediction reads the token embedding (first stage) after the last block (last stage); "
-                "not supported with distributed.pp > 1: set mtp_depth = 0, or pp = 1",
-            )
-        )
-    if m.mtp_depth and d.cp > 1:
-        out.append(
-            ConfigIssue(
-                "model.mtp_depth",
-                "multi-token prediction shifts the sequence by whole tokens across context-parallel shards; "
-                "not supported with distributed.cp > 1: set mtp_depth = 0, or cp = 1",
-            )
-        )
     if m.family != "llama" and s.vlm is not None:
         out.append(ConfigIssue("model.family", "vision-language models compose around the llama family only"))
     if m.moe is not None and s.vlm is not None:

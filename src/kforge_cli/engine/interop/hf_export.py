@@ -213,8 +213,12 @@ def export_hf(
     return ExportResult(out, files, count, params, torch_dtype_name(target), view.step, config, exported, plan.hf_class)
 
 
-def _text_plan(view: CheckpointView) -> TextPlan:
+def _text_plan(view: CheckpointView) -> ExportPlan:
     fields = _check_exportable(view)
+    if fields.get("family") == "deepseek_v3":
+        from kforge_cli.engine.families.deepseek_v3.hf import DeepseekV3Export
+
+        return DeepseekV3Export(fields, model_settings_of(view))
     return TextPlan(Layout.of(fields), fields, model_settings_of(view))
 
 

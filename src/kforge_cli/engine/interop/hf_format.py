@@ -92,6 +92,10 @@ def export_problems(model: dict[str, Any], has_vlm: bool = False) -> list[str]:
     Dense: ``LlamaForCausalLM`` (``Qwen3ForCausalLM`` with QK-norm); MoE: see ``hf_moe``.
     A vision-language model is checked by ``hf_vlm`` (its decoder by this function).
     """
+    if model.get("family") == "deepseek_v3" and not has_vlm:
+        from kforge_cli.engine.families.deepseek_v3.hf import export_problems as deepseek_v3_problems
+
+        return deepseek_v3_problems(model)
     problems = []
     if has_vlm:
         problems.append("it is a vision-language / MoT model; only text models export to LlamaForCausalLM")
@@ -188,6 +192,10 @@ def model_fields_from_hf(config: dict[str, Any]) -> dict[str, Any]:
     from kforge_cli.engine.interop.hf_moe import BY_MODEL_TYPE, moe_fields_from_hf
 
     kind = config.get("model_type")
+    if kind == "deepseek_v3":
+        from kforge_cli.engine.families.deepseek_v3.hf import model_fields_from_hf as deepseek_v3_fields
+
+        return deepseek_v3_fields(config)
     if kind in BY_MODEL_TYPE:
         return moe_fields_from_hf(config, model_fields_from_hf)
     if kind == "qwen3":
@@ -196,7 +204,7 @@ def model_fields_from_hf(config: dict[str, Any]) -> dict[str, Any]:
         return {**model_fields_from_hf({**config, "model_type": "llama"}), "qk_norm": True}
     problems: list[str] = []
     if kind != "llama":
-        supported = ", ".join(repr(k) for k in ("llama", "qwen3", *BY_MODEL_TYPE))
+        supported = ", ".join(repr(k) for k in ("llama", "qwen3", *BY_MODEL_TYPE, "deepseek_v3"))
         problems.append(f"model_type {kind!r} (supported: {supported})")
     act = config.get("hidden_act", "silu")
     if act not in ("silu", "swish"):

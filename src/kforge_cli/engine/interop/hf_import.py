@@ -39,6 +39,8 @@ _SHAPE_FIELDS = (
     "norm",
     "activation",
     "qk_norm",
+    "family",
+    "mla",
 )
 _SOFT_FIELDS = ("rope_theta", "norm_eps")
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)  # buffers some old exports carry; recomputed from the config
@@ -150,6 +152,8 @@ def read_hf_tensors(hf_dir: str | Path, names: Iterable[str] | None = None) -> d
 
     hf_dir = Path(hf_dir).expanduser()
     config = read_hf_config(hf_dir)
+    if config.get("model_type") == "deepseek_v3":
+        return _read_deepseek_v3(hf_dir, config, names)
     arch = BY_MODEL_TYPE.get(str(config.get("model_type")))
     wanted = set(names) if names is not None else None
     out: dict[str, torch.Tensor] = {}
@@ -206,6 +210,43 @@ def read_hf_tensors(hf_dir: str | Path, names: Iterable[str] | None = None) -> d
     return out
 
 
+def _read_deepseek_v3(hf_dir: Path, config: dict[str, Any], names: Iterable[str] | None) -> dict[str, torch.Tensor]:
+    """:func:`read_hf_tensors` of a ``DeepseekV3ForCausalLM`` directory (the family's mapping)."""
+    from safetensors import SafetensorError, safe_open
+
+    from kforge_cli.engine.families.deepseek_v3.hf import from_hf_tensors
+
+    raw: dict[str, torch.Tensor] = {}
+    for path in hf_weight_files(hf_dir):
+        try:
+            with safe_open(str(path), framework="pt", device="cpu") as f:
+                for key in f.keys():  # noqa: SIM118 (a safetensors handle, not a dict)
+                    if not key.endswith(_IGNORED_SUFFIXES):
+                        raw[key] = f.get_tensor(key)
+        except (SafetensorError, OSError) as exc:
+            raise CheckpointError(f"cannot read {path}: {exc}") from None
+    try:
+        out, skipped = from_hf_tensors(raw, config)
+    except (KeyError, ValueError, RuntimeError) as exc:
+        raise CheckpointError(f"{hf_dir}: cannot map its DeepseekV3 tensors ({exc})") from None
+    n_layers = int(config.get("num_hidden_layers", 0))
+    unknown = [k for k in skipped if not _beyond_layers(k, n_layers)]
+    if unknown:
+        shown = ", ".join(unknown[:5]) + (f" (and {len(unknown) - 5} more)" if len(unknown) > 5 else "")
+        raise CheckpointError(f"{hf_dir} holds tensors a kforge model has no place for: {shown}")
+    if skipped:
+        log.warning(
+            "%s: %d tensors of layers past num_hidden_layers (DeepSeek's MTP layers) not read", hf_dir, len(skipped)
+        )
+    wanted = set(names) if names is not None else None
+    return {k: v for k, v in out.items() if wanted is None or k in wanted}
+
+
+def _beyond_layers(name: str, n_layers: int) -> bool:
+    parts = name.split(".")
+    return len(parts) > 2 and parts[:2] == ["model", "layers"] and parts[2].isdigit() and int(parts[2]) >= n_layers
+
+
 def load_hf_weights(model: nn.Module, hf_dir: str | Path, cfg: ModelSettings, exclude: list[str]) -> list[str]:
     """Warm start from an HF Llama directory (FSDP/TP/PP models too): returns the parameter names loaded.
 
@@ -215,7 +256,15 @@ def load_hf_weights(model: nn.Module, hf_dir: str | Path, cfg: ModelSettings, ex
     hf_dir = Path(hf_dir).expanduser().resolve()
     check_matches(cfg, hf_dir)
     local = get_model_state_dict(model, options=OPTIONS)
-    wanted = [k for k in local if not _excluded(k, exclude)]
+    fresh = [k for k in local if k.startswith("mtp.") and not _excluded(k, exclude)]
+    if fresh:  # DeepSeek-V3's multi-token-prediction modules: transformers has no counterpart
+        log.warning(
+            "warm start from %s: the %d tensors of the multi-token-prediction modules (mtp.*) have no "
+            "counterpart in transformers and keep their fresh initialisation",
+            hf_dir,
+            len(fresh),
+        )
+    wanted = [k for k in local if not _excluded(k, exclude) and k not in fresh]
     tensors = read_hf_tensors(hf_dir, wanted)
     missing = sorted(set(wanted) - set(tensors))
     if missing:

@@ -56,7 +56,7 @@ def _materialise(model: nn.Module, cfg: ModelSettings, dtype: torch.dtype, devic
     """
     model.to(dtype)  # on meta: free; RoPE tables are recomputed in fp32 below
     model.to_empty(device=device)
-    model.rope_cos, model.rope_sin = rope_tables(cfg.head_dim, cfg.max_seq_len, cfg.rope_theta, device)
+    model.rope_cos, model.rope_sin = rope_tables(cfg.rope_dim, cfg.max_seq_len, cfg.rope_theta, device)
     unknown: list[str] = []
     for module_name, module in model.named_modules():
         for name in sorted(getattr(module, "_non_persistent_buffers_set", set())):
@@ -176,7 +176,7 @@ def check_claims(model: nn.Module, cfg: ModelSettings, stored: dict[str, tuple[i
                 "(model settings and weights disagree; nothing was loaded)"
             )
     weights = sum(4 * math.prod(shape) for shape in stored.values())
-    rope = 8 * int(cfg.max_seq_len) * int(cfg.head_dim)
+    rope = 8 * int(cfg.max_seq_len) * int(cfg.rope_dim)
     if rope > max(weights, ROPE_FLOOR_BYTES):
         raise CheckpointError(
             f"{where}: max_seq_len={cfg.max_seq_len} would need {rope / 2**20:.0f} MiB of RoPE tables for "

@@ -222,8 +222,9 @@ def apply_tensor_parallel(
         parallelize_module(
             block, tp_mesh, block_plan(block, sequence_parallel=sequence_parallel, float8_recipe=float8_recipe)
         )
-        if hasattr(block.attention, "key_grad_group"):
-            block.attention.key_grad_group = tp_mesh.get_group()
+        attention = block.get_submodule("attention")
+        if hasattr(attention, "key_grad_group"):  # latent attention's shared rotary key (see block_plan)
+            attention.__dict__["key_grad_group"] = tp_mesh.get_group()
     if sequence_parallel:
         model.register_forward_pre_hook(_inject_positions, with_kwargs=True)
 

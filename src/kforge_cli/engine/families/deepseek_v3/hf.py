@@ -18,6 +18,7 @@ drops them with a warning, import builds them fresh (the caller warns).
 
 from __future__ import annotations
 
+import logging
 import re
 from collections.abc import Mapping
 from typing import Any
@@ -25,6 +26,9 @@ from typing import Any
 import torch
 
 from kforge_cli.errors import CheckpointError
+from kforge_cli.settings.training import ModelSettings
+
+log = logging.getLogger("kforge")
 
 MODEL_TYPE = "deepseek_v3"
 HF_CLASS = "DeepseekV3ForCausalLM"
@@ -281,3 +285,48 @@ def from_hf_tensors(
     if "output.weight" not in out and bool(config.get("tie_word_embeddings", False)) is False:
         raise CheckpointError("the DeepseekV3 checkpoint has no lm_head.weight")
     return out, skipped
+
+
+class DeepseekV3Export:
+    """How a DeepSeek-V3 checkpoint's tensors and config become ``DeepseekV3ForCausalLM``'s (the
+    family's ``HFExport``; ``interop.hf_export`` writes it). MTP tensors are dropped with a warning."""
+
+    hf_class = HF_CLASS
+
+    def __init__(self, fields: Mapping[str, Any], cfg: ModelSettings) -> None:
+        problems = export_problems(fields)
+        if problems:
+            raise CheckpointError("DeepseekV3ForCausalLM cannot hold this model: " + "; ".join(problems))
+        self.fields, self.text_settings = dict(fields), cfg
+        if cfg.mtp_depth:
+            log.warning(
+                "export-hf: the %d multi-token-prediction module(s) (mtp.*) have no counterpart in "
+                "transformers' DeepseekV3ForCausalLM and are not exported",
+                cfg.mtp_depth,
+            )
+
+    def name(self, key: str) -> str | None:
+        return to_hf_name(key)
+
+    def tensors(self, key: str, t: torch.Tensor) -> dict[str, torch.Tensor]:
+        hf = to_hf_name(key)
+        if hf is None:
+            return {}
+        if "{e}" in hf:
+            return {hf.format(e=i): t[i].clone() for i in range(t.shape[0])}
+        if key.endswith("feed_forward.expert_bias"):
+            return {hf: t.float().contiguous()}
+        return {hf: t.contiguous()}
+
+    def config(self, torch_dtype: str) -> dict[str, Any]:
+        cfg = self.text_settings
+        assert cfg.moe is not None
+        return hf_config(
+            self.fields,
+            dense_hidden=cfg.resolved_ffn_hidden_dim,
+            expert_hidden=cfg.moe.resolved_expert_hidden_dim(cfg),
+            torch_dtype=torch_dtype,
+        )
+
+    def write_extras(self, out: Any, tokenizer: Any) -> None:
+        return None

@@ -32,6 +32,8 @@ when the forward computed the loss) for the step feature (``engine.train.feature
 
 from __future__ import annotations
 
+from typing import cast
+
 import torch
 import torch.distributed._functional_collectives as funcol
 from torch import nn
@@ -230,7 +232,7 @@ class DeepseekV3Transformer(Transformer):
         if self.mtp is not None:
             std, out_std = self.cfg.init_std, residual_std(self.cfg)
             for key in sorted(self.mtp.keys(), key=int):
-                self.mtp[key].init_weights(std, out_std)
+                cast(MTPModule, self.mtp[key]).init_weights(std, out_std)
 
     def forward(
         self,
@@ -254,7 +256,7 @@ class DeepseekV3Transformer(Transformer):
         self.mtp_outputs = []
         self.mtp_computes_loss = loss_fn is not None
         for k in range(1, len(self.mtp) + 1):
-            module = self.mtp[str(k - 1)]
+            module = cast(MTPModule, self.mtp[str(k - 1)])
             h = module(h, self.tok_embeddings(shifted(tokens, k)), cos, sin, mask)
             normed = module.norm(h)
             weight = self.head_weight()
