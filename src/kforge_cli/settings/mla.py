@@ -56,6 +56,9 @@ class FamilyShape(Protocol):
     def n_kv_heads(self) -> int | None: ...
 
     @property
+    def n_heads(self) -> int: ...
+
+    @property
     def qk_norm(self) -> bool: ...
 
     @property
@@ -82,8 +85,10 @@ def deepseek_v3_issues(m: FamilyShape) -> list[ConfigIssue]:
         out.append(ConfigIssue("model.mla", 'model.family = "deepseek_v3" needs a [model.mla] section'))
     elif m.mla.qk_rope_head_dim % 2:
         out.append(ConfigIssue("model.mla.qk_rope_head_dim", f"{m.mla.qk_rope_head_dim} must be even for RoPE"))
-    if m.n_kv_heads is not None:
-        out.append(ConfigIssue("model.n_kv_heads", "MLA shares one latent across all heads; leave it unset"))
+    if m.n_kv_heads not in (None, m.n_heads):
+        out.append(
+            ConfigIssue("model.n_kv_heads", "MLA gives every head its own key and value; leave it unset (= n_heads)")
+        )
     if m.qk_norm:
         out.append(ConfigIssue("model.qk_norm", "MLA normalises its latents instead; set qk_norm = false"))
     if m.norm != "rmsnorm":

@@ -1,7 +1,7 @@
 """DeepSeek-V3: multi-head latent attention (MLA), kforge's MoE, and multi-token prediction (MTP).
 
 Parameter names (a checkpoint contract, as for the Llama family): the blocks are
-``layers.<i>.{attention_norm, attention.{wq | wq_a, q_norm, wq_b}, attention.{wkv_a, kv_norm,
+``layers.<i>.{attention_norm, attention.{wq | wq_a, q_a_norm, wq_b}, attention.{wkv_a, kv_a_norm,
 wkv_b, wo}, ffn_norm, feed_forward.*}`` (``feed_forward`` is kforge's dense MLP or
 :class:`~kforge_cli.engine.model.moe.MoEFeedForward`), then ``norm`` and ``output``; the
 MTP modules are ``mtp.<k>.{enorm, hnorm, eh_proj, block.*, norm}`` and share the token
@@ -11,7 +11,7 @@ MLA (per token): the residual stream is projected down to one key/value latent o
 ``kv_lora_rank`` (RMS-normed) plus one rotary key of ``qk_rope_head_dim`` shared by every
 head; ``wkv_b`` expands the latent into each head's key part without position
 (``qk_nope_head_dim``) and its value (``v_head_dim``). Queries are projected directly
-(``wq``) or through their own normed latent (``wq_a`` -> ``q_norm`` -> ``wq_b``) and split the
+(``wq``) or through their own normed latent (``wq_a`` -> ``q_a_norm`` -> ``wq_b``) and split the
 same way. A head's score is ``q_nope . k_nope + rope(q_rope) . rope(k_rope)`` over
 ``sqrt(qk_nope + qk_rope)`` (SDPA's default scale: DeepSeek-V3's softmax scale without
 YaRN, which kforge does not implement). Generation caches the normed latent and the rotated
@@ -38,6 +38,7 @@ import torch
 import torch.distributed._functional_collectives as funcol
 from torch import nn
 from torch.distributed import ProcessGroup
+from torch.distributed.tensor import DTensor
 
 from kforge_cli.engine.data.tokens import IGNORE_INDEX
 from kforge_cli.engine.families.llama.model import HeadLossFn, Transformer, TransformerBlock
@@ -90,16 +91,16 @@ class MLAttention(nn.Module):
         q_out = cfg.n_heads * mla.qk_head_dim
         self.wq: nn.Linear | None = None
         self.wq_a: nn.Linear | None = None
-        self.q_norm: RMSNorm | None = None
+        self.q_a_norm: RMSNorm | None = None
         self.wq_b: nn.Linear | None = None
         if mla.q_lora_rank is None:
             self.wq = nn.Linear(cfg.dim, q_out, bias=False)
         else:
             self.wq_a = nn.Linear(cfg.dim, mla.q_lora_rank, bias=False)
-            self.q_norm = RMSNorm(mla.q_lora_rank, LATENT_NORM_EPS)
+            self.q_a_norm = RMSNorm(mla.q_lora_rank, LATENT_NORM_EPS)
             self.wq_b = nn.Linear(mla.q_lora_rank, q_out, bias=False)
         self.wkv_a = nn.Linear(cfg.dim, self.rank + self.rope, bias=False)
-        self.kv_norm = RMSNorm(self.rank, LATENT_NORM_EPS)
+        self.kv_a_norm = RMSNorm(self.rank, LATENT_NORM_EPS)
         self.wkv_b = nn.Linear(self.rank, cfg.n_heads * (self.nope + self.v_dim), bias=False)
         self.wo = nn.Linear(cfg.n_heads * self.v_dim, cfg.dim, bias=False)
 
@@ -109,15 +110,15 @@ class MLAttention(nn.Module):
             if linear is not None:
                 nn.init.normal_(linear.weight, mean=0.0, std=std)
         nn.init.normal_(self.wo.weight, mean=0.0, std=out_std)
-        for norm in (self.q_norm, self.kv_norm):
+        for norm in (self.q_a_norm, self.kv_a_norm):
             if norm is not None:
                 reset_norm(norm)
 
     def queries(self, x: torch.Tensor) -> torch.Tensor:
         if self.wq is not None:
             return self.wq(x)
-        assert self.wq_a is not None and self.q_norm is not None and self.wq_b is not None
-        return self.wq_b(self.q_norm(self.wq_a(x)))
+        assert self.wq_a is not None and self.q_a_norm is not None and self.wq_b is not None
+        return self.wq_b(self.q_a_norm(self.wq_a(x)))
 
     def forward(
         self,
@@ -127,11 +128,15 @@ class MLAttention(nn.Module):
         mask: AttentionMask | torch.Tensor | None = None,
     ) -> torch.Tensor:
         """``x`` ``[B, T, D]`` -> ``[B, T, D]``; causal, or per ``mask``."""
+        if isinstance(x, DTensor):
+            # tensor parallelism hands in the gathered (replicated) stream: the latent down-projections
+            # are plain replicated weights, and the column-parallel up-projections take a local input
+            x = x.to_local()
         bsz, seqlen, _ = x.shape
         q = self.queries(x).view(bsz, seqlen, -1, self.nope + self.rope)
         q_nope, q_rope = torch.split(q, [self.nope, self.rope], dim=-1)
         latent, k_rope = torch.split(self.wkv_a(x), [self.rank, self.rope], dim=-1)
-        latent = self.kv_norm(latent)
+        latent = self.kv_a_norm(latent)
         q_rope = apply_rotary(q_rope, cos, sin)
         k_rope = apply_rotary(k_rope.unsqueeze(2), cos, sin)  # [B, T, 1, rope]: one key for all heads
         if self.key_grad_group is not None:
@@ -251,10 +256,13 @@ class DeepseekV3Transformer(Transformer):
             )
         if (labels is None) != (loss_fn is None):
             raise ValueError("pass both labels and loss_fn to get a loss, or neither to get logits")
-        h, cos, sin, mask = self.trunk(tokens, doc_ids, positions)
-        out = self.head(h, labels, loss_fn)
+        trunk, cos, sin, mask = self.trunk(tokens, doc_ids, positions)
+        # The MTP outputs are computed before the main head: FSDP2 gathers the root's parameters again
+        # for the backward when the gradient reaches the root's output (the main logits), and autograd
+        # runs later-created nodes first, so the main head's backward, and that gather, come first.
         self.mtp_outputs = []
         self.mtp_computes_loss = loss_fn is not None
+        h = trunk
         for k in range(1, len(self.mtp) + 1):
             module = cast(MTPModule, self.mtp[str(k - 1)])
             h = module(h, self.tok_embeddings(shifted(tokens, k)), cos, sin, mask)
@@ -265,7 +273,7 @@ class DeepseekV3Transformer(Transformer):
                 self.mtp_outputs.append(loss_fn(normed, weight, shifted(labels, k, IGNORE_INDEX)))
             else:
                 self.mtp_outputs.append(self.output(normed) if self.output is not None else normed @ weight.t())
-        return out
+        return self.head(trunk, labels, loss_fn)
 
 
 def mtp_labels(labels: torch.Tensor, depth: int) -> torch.Tensor:
