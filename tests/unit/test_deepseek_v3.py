@@ -268,3 +268,27 @@ def test_llama_fingerprints_do_not_see_the_new_fields() -> None:
     ours = shaping_config(settings())
     assert ours["model.family"] == "deepseek_v3" and ours["model.mtp_depth"] == 1
     assert ours["model.mla"]["kv_lora_rank"] == 16 and "model.mtp_loss_weight" not in ours
+
+
+def test_plan_of_the_16b_profile_is_exact_against_the_meta_build() -> None:
+    """HSDP 8 x (dp_shard 8 = ep 8): experts split 8 ways by EP, every other tensor FSDP-sharded 8 ways
+    (dim 0 padded up), fp32 master weights and AdamW's two moments plus a step counter per tensor."""
+    import math
+
+    from kforge_cli.engine.plan.planner import build_plan
+
+    s = load_settings(profile="deepseek-v3-16b-h100x64", use_env=False).settings
+    model = get_family("deepseek_v3").meta_model(s.model)
+    params = dict(model.named_parameters())
+    assert sum(p.numel() for p in params.values()) == s.model.param_count() == 16_299_726_848
+    local = sum(
+        p.numel() // 8 if ".experts." in name else math.ceil(p.shape[0] / 8) * (p.numel() // p.shape[0])
+        for name, p in params.items()
+    )
+    for rank in (0, 63):
+        plan = build_plan(s, 64, rank)
+        assert plan.total_params == s.model.param_count()
+        assert plan.local_params == local == 2_037_465_856
+        assert plan.item("parameters").bytes == 4 * local
+        assert plan.item("optimizer state").bytes == 2 * 4 * local + 4 * len(params)
+        assert plan.fits
