@@ -53,9 +53,11 @@ TPStyle = Literal[
     "replicated_input",  # a module whose input is already replicated (made a Replicate DTensor)
     "replicated_region",  # plain, all-gathered input in, plain full output out, sliced to the stream's layout
     "sequence_norm",  # a norm over the residual stream, split along the sequence under SP
+    "sequence_local",  # a per-position module on the stream (replicated weights), sequence-split under SP, local out
     "heads_norm",  # a norm over each rank's local heads ([B, T, heads, head_dim]); a replicated weight
     "vocab_embedding",  # the token embedding, split over vocabulary rows (root only)
     "vocab_head",  # the output head, split over the vocabulary (loss-parallel aware; root only)
+    "position_embedding",  # a replicated embedding of positions whose output joins the stream's layout (SP)
 ]
 """How tensor parallelism treats one module; ``parallel.tensor_parallel`` turns a style into torch's."""
 
@@ -86,7 +88,9 @@ class ParallelPlan:
     context parallelism sets to the :class:`~kforge_cli.engine.model.sequence_shard.SequenceShard`
     (None: the family has no context parallelism). ``expert_parallel``: its MoE layers
     (``engine.model.moe.MoEFeedForward``) may be split over ``distributed.ep``. ``float8_skip``:
-    last name segments of linears that stay in high precision (the head, routers).
+    last name segments of linears that stay in high precision (the head, routers). ``fp32_buffers``:
+    last name segments of buffers that stay fp32 when the model is cast to a lower master dtype
+    (RoPE tables: long positions' angles need it).
     """
 
     first_stage: tuple[str, ...]
@@ -95,6 +99,7 @@ class ParallelPlan:
     cp_hook: str | None = "sequence_shard"
     expert_parallel: bool = False
     float8_skip: tuple[str, ...] = (HEAD,)
+    fp32_buffers: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -185,12 +190,29 @@ class ModelFamily:
                     setattr(stage, attr, None)
         return stage
 
+    def reset_buffers(self, model: nn.Module, device: torch.device | str) -> tuple[str, ...]:
+        """Recompute, on ``device``, the non-persistent buffers no checkpoint holds (after ``to_empty``,
+        e.g. RoPE tables, in fp32); returns their names. None by default."""
+        del model, device
+        return ()
+
     def meta_model(self, cfg: ModelSettings) -> nn.Module:
         """The whole model on the meta device (the sharded init's shadow, the planner's build)."""
         with torch.device("meta"):
             return self.build(cfg)
 
     # -- plans ----------------------------------------------------------------------------
+    def extra_blocks(self, model: nn.Module) -> list[nn.Module]:
+        """Blocks outside :data:`BLOCKS` that tensor parallelism splits like blocks (by :meth:`tp_block_plan`),
+        e.g. DeepSeek-V3's multi-token-prediction blocks; none by default."""
+        del model
+        return []
+
+    def tp_extra_rules(self, model: nn.Module) -> tuple[TPRule, ...]:
+        """Root-relative TP rules that depend on the built model (e.g. one per MTP module); none by default."""
+        del model
+        return ()
+
     def tp_block_plan(self, block: nn.Module) -> tuple[TPRule, ...]:
         """TP rules of one block (paths relative to it); may depend on the block (dense or MoE)."""
         raise NotImplementedError
@@ -198,6 +220,14 @@ class ModelFamily:
     # -- FLOPs and shapes ----------------------------------------------------------------
     def non_embedding_params(self, cfg: ModelSettings) -> int:
         """Active parameters one token's matmuls use (no embedding lookups; the head once)."""
+        raise NotImplementedError
+
+    def param_count(self, cfg: ModelSettings, *, active: bool = False) -> int:
+        """Parameters of the whole model (tied ones once); ``active``: those one token uses (MoE)."""
+        raise NotImplementedError
+
+    def block_linear_params(self, cfg: ModelSettings) -> int:
+        """Weight elements of one block's linear layers (what float8 runs; the planner's float8 time share)."""
         raise NotImplementedError
 
     def flops_per_token(self, cfg: ModelSettings, seq_len: int) -> float:

@@ -24,6 +24,8 @@ if TYPE_CHECKING:
     from kforge_cli.settings.training import ModelSettings
 
 ENTRY_POINT_GROUP = "kforge.families"
+DEFAULT_FAMILY = "llama"
+"""``model.family``'s default: every run written before families existed is a Llama-family model."""
 
 BUILTIN: dict[str, str] = {
     "llama": "kforge_cli.engine.families.llama:FAMILY",
@@ -86,6 +88,14 @@ def family_for(cfg: ModelSettings) -> ModelFamily:
     return get_family(cfg.family)
 
 
+def family_of(model: object) -> ModelFamily:
+    """The family of a built model (or pipeline stage, or VLM around a text family): its ``cfg.family``."""
+    cfg = getattr(model, "cfg", None)
+    if cfg is None:
+        raise TypeError(f"{type(model).__name__} has no `cfg`: not a model built by a family")
+    return family_for(cfg)
+
+
 def family_for_hf(model_type: str) -> ModelFamily | None:
     """The family whose Hugging Face mapping imports ``config.json``'s ``model_type`` (None: no family)."""
     for name in family_names():
@@ -101,6 +111,7 @@ __all__ = [
     "family_for",
     "family_for_hf",
     "family_names",
+    "family_of",
     "get_family",
     "register_family",
 ]

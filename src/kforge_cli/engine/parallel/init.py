@@ -87,7 +87,7 @@ def init_sharded(
     ``modules`` are the model or its pipeline stages; their parameter names must be the
     full model's (``layers.<global index>...``). Call with the RNG seeded as for the
     single-process build; the RNG ends where the single-process init leaves it. ``shadow``
-    is a meta-device copy of the full model (default ``Transformer(cfg)``; a VLM passes its own).
+    is a meta-device copy of the full model (default: ``cfg``'s family's ``meta_model``; a VLM passes its own).
     """
     modules = list(modules)
     real: dict[str, torch.Tensor] = {}
@@ -103,8 +103,7 @@ def init_sharded(
                 raise ValueError(f"parameter {name} is held by two pipeline stages")
             real[name] = param
     if shadow is None:
-        with torch.device("meta"):
-            shadow = family_for(cfg).build(cfg)
+        shadow = family_for(cfg).meta_model(cfg)
     by_id = {id(p): (n, p) for n, p in shadow.named_parameters()}
     replay = _ReplayInit(by_id, real, device)
     with replay, torch.no_grad():

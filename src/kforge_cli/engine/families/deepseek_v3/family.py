@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar, cast
 
+import torch
 from torch import nn
 
-from kforge_cli.engine.families.base import HEAD, ActivationShapes, ModelFamily, ParallelPlan, TPRule
+from kforge_cli.engine.families.base import HEAD, ActivationShapes, HFMapping, ModelFamily, ParallelPlan, TPRule
 from kforge_cli.engine.families.deepseek_v3.model import DeepseekV3Transformer
+from kforge_cli.engine.model.layers import rope_tables
 from kforge_cli.engine.model.moe import MoEFeedForward
 from kforge_cli.settings.moe import active_ffn_hidden
 
@@ -25,6 +27,7 @@ PLAN = ParallelPlan(
     cp_hook="sequence_shard",
     expert_parallel=True,
     float8_skip=(HEAD, "gate"),
+    fp32_buffers=("rope_cos", "rope_sin"),
 )
 
 # MLA under TP: the query and key/value up-projections column-parallel by heads, the latent
@@ -63,11 +66,39 @@ class DeepseekV3Family(ModelFamily):
     plan: ClassVar[ParallelPlan] = PLAN
 
     @property
-    def hf(self):  # type: ignore[override]
-        return None  # export/import go through engine.families.deepseek_v3.hf (see interop)
+    def hf(self) -> HFMapping | None:  # type: ignore[override]
+        from kforge_cli.engine.families.deepseek_v3.hf import HF
+
+        return HF
 
     def build(self, cfg: ModelSettings) -> nn.Module:
         return DeepseekV3Transformer(cfg)
+
+    def reset_buffers(self, model: nn.Module, device: torch.device | str) -> tuple[str, ...]:
+        cfg = cast(Any, model).cfg
+        model.rope_cos, model.rope_sin = rope_tables(cfg.rope_dim, cfg.max_seq_len, cfg.rope_theta, device)
+        return ("rope_cos", "rope_sin")
+
+    def param_count(self, cfg: ModelSettings, *, active: bool = False) -> int:
+        return cfg.param_count(active=active)
+
+    def block_linear_params(self, cfg: ModelSettings) -> int:
+        assert cfg.mla is not None
+        d = cfg.dim
+        mla = cfg.mla.attention_params(d, cfg.n_heads) - cfg.mla.kv_lora_rank - (cfg.mla.q_lora_rank or 0)
+        return mla + 3 * d * cfg.resolved_ffn_hidden_dim
+
+    def extra_blocks(self, model: nn.Module) -> list[nn.Module]:
+        mtp = getattr(model, "mtp", None)
+        return [] if mtp is None else [module.block for module in mtp.values()]
+
+    def tp_extra_rules(self, model: nn.Module) -> tuple[TPRule, ...]:
+        """Each MTP module's norms and ``eh_proj`` act per position: sequence-split under SP."""
+        mtp = getattr(model, "mtp", None)
+        if mtp is None:
+            return ()
+        names = ("enorm", "hnorm", "eh_proj", "norm")
+        return tuple(TPRule(f"mtp.{k}.{n}", "sequence_local", sp_only=True) for k in mtp for n in names)
 
     def tp_block_plan(self, block: nn.Module) -> tuple[TPRule, ...]:
         moe = isinstance(block.get_submodule("feed_forward"), MoEFeedForward)

@@ -20,7 +20,8 @@ from __future__ import annotations
 
 import logging
 import re
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -330,3 +331,64 @@ class DeepseekV3Export:
 
     def write_extras(self, out: Any, tokenizer: Any) -> None:
         return None
+
+
+def read_deepseek_v3_tensors(
+    config: dict[str, Any], files: Sequence[Path], wanted: set[str] | None, hf_dir: Path
+) -> dict[str, torch.Tensor]:
+    """kforge name -> CPU tensor of a ``DeepseekV3ForCausalLM`` directory's safetensors (all, or ``wanted``);
+    tensors of layers past ``num_hidden_layers`` (DeepSeek's own MTP layers) are skipped with a warning."""
+    from safetensors import SafetensorError, safe_open
+
+    raw: dict[str, torch.Tensor] = {}
+    for path in files:
+        try:
+            with safe_open(str(path), framework="pt", device="cpu") as f:
+                for key in f.keys():  # noqa: SIM118 (a safetensors handle, not a dict)
+                    if not key.endswith("rotary_emb.inv_freq"):
+                        raw[key] = f.get_tensor(key)
+        except (SafetensorError, OSError) as exc:
+            raise CheckpointError(f"cannot read {path}: {exc}") from None
+    try:
+        out, skipped = from_hf_tensors(raw, config)
+    except (KeyError, ValueError, RuntimeError) as exc:
+        raise CheckpointError(f"{hf_dir}: cannot map its DeepseekV3 tensors ({exc})") from None
+    n_layers = int(config.get("num_hidden_layers", 0))
+    unknown = [k for k in skipped if not _beyond_layers(k, n_layers)]
+    if unknown:
+        shown = ", ".join(unknown[:5]) + (f" (and {len(unknown) - 5} more)" if len(unknown) > 5 else "")
+        raise CheckpointError(f"{hf_dir} holds tensors a kforge model has no place for: {shown}")
+    if skipped:
+        log.warning(
+            "%s: %d tensors of layers past num_hidden_layers (DeepSeek's MTP layers) not read", hf_dir, len(skipped)
+        )
+    return {k: v for k, v in out.items() if wanted is None or k in wanted}
+
+
+def _beyond_layers(name: str, n_layers: int) -> bool:
+    parts = name.split(".")
+    return len(parts) > 2 and parts[:2] == ["model", "layers"] and parts[2].isdigit() and int(parts[2]) >= n_layers
+
+
+class DeepseekV3HF:
+    """The family's ``HFMapping``: export to and import from ``DeepseekV3ForCausalLM``."""
+
+    model_types: tuple[str, ...] = (MODEL_TYPE,)
+    fresh_on_import: tuple[str, ...] = ("mtp.",)  # MTP modules: no transformers counterpart
+
+    def export_problems(self, fields: dict[str, Any]) -> list[str]:
+        return export_problems(fields)
+
+    def exporter(self, fields: dict[str, Any], cfg: ModelSettings) -> DeepseekV3Export:
+        return DeepseekV3Export(fields, cfg)
+
+    def model_fields(self, config: dict[str, Any]) -> dict[str, Any]:
+        return model_fields_from_hf(config)
+
+    def read_tensors(
+        self, config: dict[str, Any], files: Sequence[Path], wanted: set[str] | None, where: Path
+    ) -> dict[str, torch.Tensor]:
+        return read_deepseek_v3_tensors(config, files, wanted, where)
+
+
+HF = DeepseekV3HF()

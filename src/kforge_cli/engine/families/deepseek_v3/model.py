@@ -68,13 +68,21 @@ class _SumGradOverGroup(torch.autograd.Function):
         return funcol.all_reduce(grad.contiguous(), "sum", ctx.group), None  # type: ignore[attr-defined]
 
 
+def tensor_parallel_group(weight: torch.Tensor) -> ProcessGroup | None:
+    """The TP group a column-parallel weight is split over in this forward (None: not split). FSDP2 unshards
+    a 2-D (dp, tp) parameter to its TP-only DTensor for the forward, so the mesh seen here is TP's."""
+    if isinstance(weight, DTensor) and weight.device_mesh.ndim == 1 and weight.placements[0].is_shard():
+        return weight.device_mesh.get_group()
+    return None
+
+
 class MLAttention(nn.Module):
     """Multi-head latent attention (see module docstring).
 
     Heads are recovered with ``view(B, T, -1, ...)`` so a tensor-parallel rank works on its
     slice of heads (``wq``/``wq_b``/``wkv_b`` column-parallel, ``wo`` row-parallel, the down
-    projections and latent norms replicated); ``key_grad_group`` is then set to the TP group
-    so the shared rotary key's gradient is summed over every rank's heads.
+    projections and latent norms replicated); the shared rotary key's gradient is then summed
+    over every rank's heads, over the group ``wkv_b`` is split over (or ``key_grad_group`` when set).
     """
 
     kv_cache: KVCache | None = None
@@ -139,8 +147,9 @@ class MLAttention(nn.Module):
         latent = self.kv_a_norm(latent)
         q_rope = apply_rotary(q_rope, cos, sin)
         k_rope = apply_rotary(k_rope.unsqueeze(2), cos, sin)  # [B, T, 1, rope]: one key for all heads
-        if self.key_grad_group is not None:
-            k_rope = _SumGradOverGroup.apply(k_rope, self.key_grad_group)
+        group = self.key_grad_group if self.key_grad_group is not None else tensor_parallel_group(self.wkv_b.weight)
+        if group is not None:
+            k_rope = _SumGradOverGroup.apply(k_rope, group)
         cache, past = self.kv_cache, 0
         if cache is not None:
             check_decoding_mask(mask)

@@ -3,13 +3,15 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar, cast
 
+import torch
 from torch import nn
 
 from kforge_cli.engine.families.base import ActivationShapes, HFMapping, ModelFamily, ParallelPlan, TPRule
 from kforge_cli.engine.families.llama.model import Transformer
 from kforge_cli.engine.families.llama.plans import PLAN, tp_block_plan
+from kforge_cli.engine.model.layers import rope_tables
 from kforge_cli.settings.moe import active_ffn_hidden
 
 if TYPE_CHECKING:
@@ -31,11 +33,23 @@ class LlamaFamily(ModelFamily):
     def build(self, cfg: ModelSettings) -> nn.Module:
         return Transformer(cfg)
 
+    def reset_buffers(self, model: nn.Module, device: torch.device | str) -> tuple[str, ...]:
+        cfg = cast(Any, model).cfg
+        model.rope_cos, model.rope_sin = rope_tables(cfg.head_dim, cfg.max_seq_len, cfg.rope_theta, device)
+        return ("rope_cos", "rope_sin")
+
     def tp_block_plan(self, block: nn.Module) -> tuple[TPRule, ...]:
         return tp_block_plan(block)
 
     def non_embedding_params(self, cfg: ModelSettings) -> int:
         return cfg.non_embedding_params()
+
+    def param_count(self, cfg: ModelSettings, *, active: bool = False) -> int:
+        return cfg.param_count(active=active)
+
+    def block_linear_params(self, cfg: ModelSettings) -> int:
+        d, q, kv, f = cfg.dim, cfg.n_heads * cfg.head_dim, cfg.kv_heads * cfg.head_dim, cfg.resolved_ffn_hidden_dim
+        return 2 * d * q + 2 * d * kv + (3 if cfg.activation == "swiglu" else 2) * d * f
 
     def activation_shapes(self, cfg: ModelSettings, tp: int) -> ActivationShapes:
         q_dim, kv_dim = cfg.n_heads * cfg.head_dim, cfg.kv_heads * cfg.head_dim

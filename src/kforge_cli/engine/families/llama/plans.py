@@ -28,6 +28,7 @@ PLAN = ParallelPlan(
     cp_hook="sequence_shard",
     expert_parallel=True,
     float8_skip=(HEAD, "gate"),  # the head, and MoE routers (routing stays in high precision)
+    fp32_buffers=("rope_cos", "rope_sin"),
 )
 
 _ATTENTION = (
