@@ -28,7 +28,7 @@ def export_hf(
         ),
     ] = None,
 ) -> None:
-    """Write the checkpoint as the transformers model that holds it exactly (Llama, Qwen3, Qwen3-MoE, GLM-4-MoE, ERNIE-4.5-MoE, LLaVA), on CPU.
+    """Write the checkpoint as the transformers model that holds it exactly (Llama, Qwen3, Qwen3-MoE, GLM-4-MoE, ERNIE-4.5-MoE, DeepSeek-V3, LLaVA), on CPU.
 
     Dense: LlamaForCausalLM (Qwen3ForCausalLM with QK-norm). Vision-language (joint
     decoder): LlavaForConditionalGeneration.
@@ -36,6 +36,8 @@ def export_hf(
     MoE: Qwen3MoeForCausalLM (softmax router, QK-norm, no shared experts or selection bias),
     Glm4MoeForCausalLM (sigmoid router: DeepSeek-V3 routing, shared experts, bias, groups) or
     Ernie4_5_MoeForCausalLM (softmax router with bias and shared experts, no QK-norm).
+    model.family = deepseek_v3: DeepseekV3ForCausalLM (its multi-token-prediction modules
+    have no counterpart there and are dropped, with a warning).
 
     Load it with transformers' AutoModelForCausalLM (a VLM: AutoModelForImageTextToText).
     What none holds is refused, naming the fields. Continue pre-training a text model from

@@ -18,10 +18,12 @@ if TYPE_CHECKING:
 # Fields that change parameters or the function the model computes. `model.init_std`
 # only matters at step 0, and `model.attention` picks a kernel for the same function, so
 # both may differ on resume.
-_MODEL_EXCLUDED = frozenset({"init_std", "attention"})
+_MODEL_EXCLUDED = frozenset({"init_std", "attention", "mtp_loss_weight"})
 # `model.family` shapes the model, but runs written before families existed are all Llama: the
 # default family is left out, so their fingerprints (and resumes) stay what they were.
 _DEFAULT_FAMILY = "llama"
+# Likewise the DeepSeek-V3 fields at their defaults (no latent attention, no MTP modules).
+_ABSENT_DEFAULTS = {"family": _DEFAULT_FAMILY, "mla": None, "mtp_depth": 0}
 _VLM_SHAPING = ("arch", "cross_attention_every", "modalities")
 
 
@@ -29,7 +31,7 @@ def shaping_config(settings: JobSettings) -> dict[str, object]:
     """Dotted key -> JSON value of every model-shaping field (absent VLM sections are None)."""
     out: dict[str, object] = {}
     for name, value in settings.model.model_dump(mode="json").items():
-        if name not in _MODEL_EXCLUDED and not (name == "family" and value == _DEFAULT_FAMILY):
+        if name not in _MODEL_EXCLUDED and not (name in _ABSENT_DEFAULTS and value == _ABSENT_DEFAULTS[name]):
             out[f"model.{name}"] = value
     for section in ("vision_encoder", "adapter"):
         sub = getattr(settings, section)

@@ -11,6 +11,7 @@ from kforge_cli.errors import ConfigError, ConfigIssue
 from kforge_cli.settings.context_parallel import context_parallel_issues
 from kforge_cli.settings.infrastructure import MAX_WORLD_SIZE
 from kforge_cli.settings.job import JobSettings
+from kforge_cli.settings.mla import deepseek_v3_issues
 from kforge_cli.settings.moe import ep_dp_shard_issues, expert_parallel_issues, moe_issues
 from kforge_cli.settings.parallel_dims import ParallelDims
 from kforge_cli.settings.pipeline_schedules import schedule_facts
@@ -51,7 +52,9 @@ def config_issues(s: JobSettings) -> list[ConfigIssue]:
                 f"world size {MAX_WORLD_SIZE:,}",
             )
         )
-    if m.dim % m.n_heads:
+    if m.family == "deepseek_v3":
+        pass  # MLA's head dimensions are set in [model.mla], not derived from model.dim
+    elif m.dim % m.n_heads:
         out.append(ConfigIssue("model.dim", f"{m.dim} is not divisible by model.n_heads ({m.n_heads})"))
     elif m.head_dim % 2:
         out.append(ConfigIssue("model.dim", f"head dim dim/n_heads = {m.head_dim} must be even for RoPE"))
@@ -92,6 +95,23 @@ def config_issues(s: JobSettings) -> list[ConfigIssue]:
     ):
         out.append(ConfigIssue("train.ac_every_n_blocks", f"exceeds model.n_layers ({m.n_layers})"))
     out += moe_issues(m) + expert_parallel_issues(m, s.distributed.ep, s.distributed.dp_shard)
+    out += deepseek_v3_issues(m)
+    if m.mtp_depth and s.distributed.pp > 1:
+        out.append(
+            ConfigIssue(
+                "model.mtp_depth",
+                "multi-token prediction reads the token embedding (first stage) after the last block (last stage); "
+                "not supported with distributes.distributed.pp > 1: set mtp_depth = 0, or pp = 1",
+            )
+        )
+    if m.mtp_depth and s.distributed.cp > 1:
+        out.append(
+            ConfigIssue(
+                "model.mtp_depth",
+                "multi-token prediction shifts the sequence by whole tokens across context-parallel shards; "
+                "not supported with distributes.distributed.cp > 1: set mtp_depth = 0, or cp = 1",
+            )
+        )
     if m.attention == "flex" and t.device == "cpu":
         out.append(ConfigIssue("model.attention", FLEX_CPU))
     if s.profiling.memory_snapshot_steps and t.device == "cpu":
@@ -378,6 +398,8 @@ def _combination_issues(s: JobSettings) -> list[ConfigIssue]:
         )
     if d.tp > 1 and m.tie_embeddings:
         out.append(ConfigIssue("model.tie_embeddings", "not supported with distributed.tp > 1; untie, or use tp = 1"))
+    if m.family != "llama" and s.vlm is not None:
+        out.append(ConfigIssue("model.family", "vision-language models compose around the llama family only"))
     if m.moe is not None and s.vlm is not None:
         out.append(ConfigIssue("model.moe", "MoE language models are not supported for VLMs yet; drop [model.moe]"))
     if d.tp > 1 and t.loss_chunk_size and not d.loss_parallel:

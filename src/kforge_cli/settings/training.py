@@ -6,6 +6,7 @@ from typing import Annotated, Literal
 
 from pydantic import Field
 
+from kforge_cli.settings.mla import MLASettings
 from kforge_cli.settings.moe import MoESettings, ffn_params
 from kforge_cli.settings.section import Section, field
 
@@ -18,7 +19,7 @@ class ModelSettings(Section):
 
     family: str = field(
         "llama",
-        "Model family (engine/families): llama (Llama/Qwen3, dense or MoE), gpt2, or one a package registers.",
+        "Model family (engine/families): llama (Llama/Qwen3, dense or MoE), deepseek_v3 (MLA, MTP), gpt2, or one a package registers.",
         min_length=1,
     )
     dim: int = field(256, "Hidden size of the residual stream.", gt=0)
@@ -42,6 +43,11 @@ class ModelSettings(Section):
     tie_embeddings: bool = field(False, "Share the token embedding with the output head.")
     init_std: float = field(0.02, "Std of the normal initialisation of weights.", gt=0)
     moe: MoESettings | None = field(None, "Mixture-of-Experts feed-forward layers (None = a dense model).")
+    mla: MLASettings | None = field(None, "Multi-head latent attention (model.family = deepseek_v3 only).")
+    mtp_depth: int = field(
+        0, "Multi-token prediction modules: each predicts one token further ahead (0 = off).", ge=0, le=8
+    )
+    mtp_loss_weight: float = field(0.3, "Weight of the mean multi-token-prediction loss in the total loss.", ge=0)
     attention: Literal["sdpa", "flex", "auto"] = field(
         "auto",
         "Attention kernel: sdpa, flex (FlexAttention block mask; CUDA for training), "
@@ -55,6 +61,11 @@ class ModelSettings(Section):
     @property
     def head_dim(self) -> int:
         return self.dim // self.n_heads
+
+    @property
+    def rope_dim(self) -> int:
+        """Dimensions RoPE rotates per head (the whole head; MLA's rotary part)."""
+        return self.mla.qk_rope_head_dim if self.mla is not None else self.head_dim
 
     @property
     def resolved_ffn_hidden_dim(self) -> int:
@@ -71,10 +82,21 @@ class ModelSettings(Section):
         ``active``: only those one token passes through (an MoE block's top_k routed experts).
         """
         d, hd = self.dim, self.head_dim
-        attention = 2 * d * self.n_heads * hd + 2 * d * self.kv_heads * hd
-        if self.qk_norm:
-            attention += 2 * hd
+        if self.mla is not None:
+            attention = self.mla.attention_params(d, self.n_heads)
+        else:
+            attention = 2 * d * self.n_heads * hd + 2 * d * self.kv_heads * hd
+            if self.qk_norm:
+                attention += 2 * hd
         return attention + ffn_params(self, layer, active=active) + 2 * d
+
+    def mtp_params(self, *, active: bool = False) -> int:
+        """Parameters of the multi-token-prediction modules (each: two input norms, the ``2 dim -> dim``
+        projection, a block like block ``n_layers + k``, an output norm; embedding and head shared)."""
+        d = self.dim
+        return sum(
+            3 * d + 2 * d * d + self.block_params(self.n_layers + k, active=active) for k in range(self.mtp_depth)
+        )
 
     def _blocks_params(self, active: bool) -> int:
         return sum(self.block_params(i, active=active) for i in range(self.n_layers))
@@ -82,12 +104,15 @@ class ModelSettings(Section):
     def non_embedding_params(self) -> int:
         """``N`` of the FLOP formula: all *active* parameters but the token embedding (the head counts
         once, tied or not); an MoE block counts its router, shared and top_k routed experts."""
-        return self._blocks_params(True) + self.dim + self.vocab_size * self.dim
+        mtp = self.mtp_params(active=True) + self.mtp_depth * self.vocab_size * self.dim
+        return self._blocks_params(True) + self.dim + self.vocab_size * self.dim + mtp
 
     def param_count(self, *, active: bool = False) -> int:
         """Parameters of the built text Transformer (a tied head counted once); ``active``: per token."""
         head = 0 if self.tie_embeddings else self.vocab_size * self.dim
-        return self.vocab_size * self.dim + self._blocks_params(active) + self.dim + head
+        return (
+            self.vocab_size * self.dim + self._blocks_params(active) + self.dim + head + self.mtp_params(active=active)
+        )
 
 
 class TrainSettings(Section):

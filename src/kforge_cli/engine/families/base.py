@@ -53,6 +53,7 @@ TPStyle = Literal[
     "replicated_input",  # a module whose input is already replicated (made a Replicate DTensor)
     "replicated_region",  # plain, all-gathered input in, plain full output out, sliced to the stream's layout
     "sequence_norm",  # a norm over the residual stream, split along the sequence under SP
+    "sequence_local",  # a per-position module on the stream (replicated weights), sequence-split under SP, local out
     "heads_norm",  # a norm over each rank's local heads ([B, T, heads, head_dim]); a replicated weight
     "vocab_embedding",  # the token embedding, split over vocabulary rows (root only)
     "vocab_head",  # the output head, split over the vocabulary (loss-parallel aware; root only)
@@ -201,6 +202,17 @@ class ModelFamily:
             return self.build(cfg)
 
     # -- plans ----------------------------------------------------------------------------
+    def extra_blocks(self, model: nn.Module) -> list[nn.Module]:
+        """Blocks outside :data:`BLOCKS` that tensor parallelism splits like blocks (by :meth:`tp_block_plan`),
+        e.g. DeepSeek-V3's multi-token-prediction blocks; none by default."""
+        del model
+        return []
+
+    def tp_extra_rules(self, model: nn.Module) -> tuple[TPRule, ...]:
+        """Root-relative TP rules that depend on the built model (e.g. one per MTP module); none by default."""
+        del model
+        return ()
+
     def tp_block_plan(self, block: nn.Module) -> tuple[TPRule, ...]:
         """TP rules of one block (paths relative to it); may depend on the block (dense or MoE)."""
         raise NotImplementedError

@@ -23,7 +23,7 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_
 from kforge_cli.engine.checkpoint.dcp_io import OPTIONS, _excluded
 from kforge_cli.engine.checkpoint.errors import CheckpointError
 from kforge_cli.engine.families.base import ModelFamily
-from kforge_cli.engine.families.registry import DEFAULT_FAMILY, family_for_hf, get_family
+from kforge_cli.engine.families.registry import DEFAULT_FAMILY, family_for, family_for_hf, get_family
 from kforge_cli.engine.interop.hf_format import hf_weight_files, read_hf_config
 from kforge_cli.settings.training import ModelSettings
 
@@ -40,6 +40,8 @@ _SHAPE_FIELDS = (
     "norm",
     "activation",
     "qk_norm",
+    "family",
+    "mla",
 )
 _SOFT_FIELDS = ("rope_theta", "norm_eps")
 _MOE_FIELDS = (
@@ -170,7 +172,18 @@ def load_hf_weights(model: nn.Module, hf_dir: str | Path, cfg: ModelSettings, ex
     hf_dir = Path(hf_dir).expanduser().resolve()
     check_matches(cfg, hf_dir)
     local = get_model_state_dict(model, options=OPTIONS)
-    wanted = [k for k in local if not _excluded(k, exclude)]
+    mapping = family_for(cfg).hf
+    prefixes = tuple(getattr(mapping, "fresh_on_import", ()))
+    fresh = [k for k in local if prefixes and k.startswith(prefixes) and not _excluded(k, exclude)]
+    if fresh:  # modules the Hugging Face class has no counterpart for (the family names them)
+        log.warning(
+            "warm start from %s: %d tensors (%s) have no counterpart in the Hugging Face model and keep their "
+            "fresh initialisation",
+            hf_dir,
+            len(fresh),
+            ", ".join(f"{p}*" for p in prefixes),
+        )
+    wanted = [k for k in local if not _excluded(k, exclude) and k not in fresh]
     tensors = read_hf_tensors(hf_dir, wanted)
     missing = sorted(set(wanted) - set(tensors))
     if missing:

@@ -173,7 +173,7 @@ def check_claims(model: nn.Module, cfg: ModelSettings, stored: dict[str, tuple[i
                 "(model settings and weights disagree; nothing was loaded)"
             )
     weights = sum(4 * math.prod(shape) for shape in stored.values())
-    rope = 8 * int(cfg.max_seq_len) * int(cfg.head_dim)
+    rope = 8 * int(cfg.max_seq_len) * int(cfg.rope_dim)
     if rope > max(weights, ROPE_FLOOR_BYTES):
         raise CheckpointError(
             f"{where}: max_seq_len={cfg.max_seq_len} would need {rope / 2**20:.0f} MiB of RoPE tables for "

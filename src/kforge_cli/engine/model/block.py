@@ -55,7 +55,7 @@ def init_decoder_weights(model: Any, device: torch.device) -> None:
     index, final norm, head. Shared by the text Transformer and the VLM language model, which
     use the same attribute names (``cfg``, ``tok_embeddings``, ``layers``, ``norm``, ``output``)."""
     cfg = model.cfg
-    model.rope_cos, model.rope_sin = rope_tables(cfg.head_dim, cfg.max_seq_len, cfg.rope_theta, device)
+    model.rope_cos, model.rope_sin = rope_tables(cfg.rope_dim, cfg.max_seq_len, cfg.rope_theta, device)
     std, out_std = cfg.init_std, residual_std(cfg)
     if model.tok_embeddings is not None:
         nn.init.normal_(model.tok_embeddings.weight, mean=0.0, std=std)

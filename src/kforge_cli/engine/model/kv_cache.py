@@ -36,7 +36,7 @@ class KVCache:
             raise ValueError(f"a KV cache needs max_len >= 1, got {max_len}")
         self.max_len = max_len
         self.length = 0
-        self._store: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        self._store: dict[int, tuple[torch.Tensor, ...]] = {}
 
     def extend(self, owner: nn.Module, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Append ``k``/``v`` ``[B, H_kv, T, hd]`` at ``length`` for `owner`; all cached keys/values so far."""
@@ -52,6 +52,27 @@ class KVCache:
         keys[:, :, start : start + new] = k
         values[:, :, start : start + new] = v
         return keys[:, :, : start + new], values[:, :, : start + new]
+
+    def extend_latent(
+        self, owner: nn.Module, latent: torch.Tensor, rope_key: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Append a latent-attention module's per-token state at ``length``: the compressed key/value
+        ``latent`` ``[B, T, rank]`` and the rotated key ``rope_key`` ``[B, T, 1, rope_dim]`` shared by all
+        heads (DeepSeek-V3's MLA caches these, not per-head keys and values); all of them so far."""
+        start, new = self.length, latent.shape[1]
+        if start + new > self.max_len:
+            raise ValueError(f"KV cache holds {self.max_len} positions; {start} + {new} do not fit")
+        slot = self._store.get(id(owner))
+        if slot is None:
+            slot = (
+                latent.new_empty((latent.shape[0], self.max_len, *latent.shape[2:])),
+                rope_key.new_empty((rope_key.shape[0], self.max_len, *rope_key.shape[2:])),
+            )
+            self._store[id(owner)] = slot
+        latents, keys = slot
+        latents[:, start : start + new] = latent
+        keys[:, start : start + new] = rope_key
+        return latents[:, : start + new], keys[:, : start + new]
 
     @contextmanager
     def bound(self, model: nn.Module, new_tokens: int) -> Iterator[int]:
@@ -80,6 +101,14 @@ def supports_kv_cache(model: nn.Module) -> bool:
     return any(hasattr(type(m), "kv_cache") for m in model.modules())
 
 
+def check_decoding_mask(mask: AttentionMask | torch.Tensor | None) -> None:
+    """Refuse a mask while decoding with a cache (plain causal is what the cache does itself)."""
+    if isinstance(mask, AttentionMask) and mask.kind == "causal" and mask.shard is None:
+        return
+    if mask is not None:
+        raise ValueError("KV-cache decoding takes no attention mask (document masking is for packed training data)")
+
+
 def self_attention(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -97,14 +126,17 @@ def self_attention(
     """
     if cache is None:
         return attend(q, k, v, mask)  # training and plain forwards: SDPA causal, dense mask, or flex
-    gqa = q.shape[1] != k.shape[1]
-    if isinstance(mask, AttentionMask) and mask.kind == "causal" and mask.shard is None:
-        mask = None  # plain causal: the cache decides the masking
-    if mask is not None:
-        raise ValueError("KV-cache decoding takes no attention mask (document masking is for packed training data)")
+    check_decoding_mask(mask)
     assert owner is not None
-    past, new = cache.length, q.shape[2]
+    past = cache.length
     k, v = cache.extend(owner, k, v)
+    return attention_after(q, k, v, past)
+
+
+def attention_after(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, past: int) -> torch.Tensor:
+    """SDPA of new queries ``[B, H, new, hd]`` over ``past`` cached plus the new keys/values (causal)."""
+    gqa = q.shape[1] != k.shape[1]
+    new = q.shape[2]
     if past == 0:
         return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
     if new == 1:

@@ -128,6 +128,8 @@ def torch_style(
         )
     if style == "sequence_norm":
         return SequenceParallel()
+    if style == "sequence_local":
+        return SequenceParallel(use_local_output=True)
     if style == "heads_norm":
         # A norm over each rank's local heads ([B, T, heads, head_dim]): a replicated DTensor weight
         # over a head-sharded input gets its gradient summed over TP.
@@ -214,12 +216,14 @@ def apply_tensor_parallel(
     """Shard ``model`` (a family's model or one pipeline stage of it) over ``tp_mesh`` in place, by its
     family's TP rules (``model.cfg.family``)."""
     family = family_of(model)
-    root = plan_of(model, family.plan.tp_root, sequence_parallel=sequence_parallel, loss_parallel_on=loss_parallel_on)
+    rules = family.plan.tp_root + family.tp_extra_rules(model)
+    root = plan_of(model, rules, sequence_parallel=sequence_parallel, loss_parallel_on=loss_parallel_on)
     parallelize_module(model, tp_mesh, root)
     for rule in family.plan.tp_root:
         if rule.style == "vocab_embedding" and rule.path in root:
             model.get_submodule(rule.path).register_forward_hook(_wait_on_output)
-    for block in cast(nn.ModuleDict, model.get_submodule(BLOCKS)).values():
+    blocks = [*cast(nn.ModuleDict, model.get_submodule(BLOCKS)).values(), *family.extra_blocks(model)]
+    for block in blocks:
         plan = block_plan(block, sequence_parallel=sequence_parallel, float8_recipe=float8_recipe, family=family)
         parallelize_module(block, tp_mesh, plan)
     if sequence_parallel:

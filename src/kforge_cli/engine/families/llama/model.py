@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kforge_cli.engine.model.attention_mask import build_attention_mask
+from kforge_cli.engine.model.attention_mask import AttentionMask, build_attention_mask
 from kforge_cli.engine.model.block import (
     HeadLossFn,
     TransformerBlock,
@@ -41,6 +41,7 @@ class Transformer(nn.Module):
     rope_cos: torch.Tensor
     rope_sin: torch.Tensor
     sequence_shard: SequenceShard | None = None  # set by the parallel builder under context parallelism
+    block_class: type[nn.Module] = TransformerBlock  # a family with other blocks (DeepSeek-V3's MLA) sets its own
 
     def __init__(self, cfg: ModelSettings) -> None:
         super().__init__()
@@ -48,18 +49,22 @@ class Transformer(nn.Module):
         target = torch.get_default_device()
         with torch.device("meta"):  # skip torch's default inits: they would consume the RNG
             self.tok_embeddings: nn.Embedding | None = nn.Embedding(cfg.vocab_size, cfg.dim)
-            self.layers = nn.ModuleDict({str(i): TransformerBlock(cfg, i) for i in range(cfg.n_layers)})
+            self.layers = nn.ModuleDict({str(i): self.block_class(cfg, i) for i in range(cfg.n_layers)})
             self.norm: nn.Module | None = build_norm(cfg.norm, cfg.dim, cfg.norm_eps)
             self.output: nn.Linear | None = (
                 None if cfg.tie_embeddings else nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
             )
-            cos, sin = rope_tables(cfg.head_dim, cfg.max_seq_len, cfg.rope_theta)
+            cos, sin = rope_tables(cfg.rope_dim, cfg.max_seq_len, cfg.rope_theta)
+            self.build_extra_modules(cfg)
         # Non-persistent: derived from the config, so not part of checkpoints.
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
         if target.type != "meta":
             self.to_empty(device=target)
             self.init_weights()
+
+    def build_extra_modules(self, cfg: ModelSettings) -> None:
+        """Modules a family adds beside the blocks (built on the meta device; none here)."""
 
     @torch.no_grad()
     def init_weights(self, buffer_device: torch.device | None = None) -> None:
@@ -111,6 +116,14 @@ class Transformer(nn.Module):
             with kv_cache.bound(self, tokens.shape[1]) as start:
                 pos = torch.arange(start, start + tokens.shape[1], device=tokens.device)
                 return self(tokens, positions=pos, labels=labels, loss_fn=loss_fn)
+        h = self.trunk(tokens, doc_ids, positions)[0]
+        return self.head(h, labels, loss_fn)
+
+    def trunk(
+        self, tokens: torch.Tensor, doc_ids: torch.Tensor | None, positions: torch.Tensor | None
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, AttentionMask]:
+        """Embedding and blocks: the residual stream after the last block this stage holds, with the
+        RoPE tables and the attention mask it used (a family's extra modules reuse them)."""
         h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens
         seqlen = h.shape[1]
         if positions is None:
@@ -127,6 +140,13 @@ class Transformer(nn.Module):
         mask = build_attention_mask(self.cfg.attention, (h.shape[0], q_len), h.device, doc_ids, self.sequence_shard)
         for block in self.layers.values():
             h = block(h, cos, sin, mask)
+        return h, cos, sin, mask
+
+    def head(
+        self, h: torch.Tensor, labels: torch.Tensor | None = None, loss_fn: HeadLossFn | None = None
+    ) -> torch.Tensor:
+        """Final norm and output head of the residual stream ``h``: logits, the loss, or ``h`` unchanged
+        (normed without a head) on a non-last pipeline stage."""
         if self.norm is None:
             return h
         h = self.norm(h)

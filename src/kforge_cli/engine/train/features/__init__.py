@@ -12,6 +12,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from kforge_cli.engine.train.features.moe import MoEFeature
+from kforge_cli.engine.train.features.mtp import MTPFeature
 from kforge_cli.engine.train.features.vlm import FreezeFeature, init_optimizer_state
 from kforge_cli.engine.train.step import AccumulateStep, ScheduleStep, StepFeature, StepFn
 from kforge_cli.settings import JobSettings
@@ -22,6 +23,8 @@ def features_for(settings: JobSettings) -> list[StepFeature]:
     features: list[StepFeature] = []
     if settings.model.moe is not None:
         features.append(MoEFeature())
+    if settings.model.mtp_depth:
+        features.append(MTPFeature(settings.model.mtp_depth, settings.model.mtp_loss_weight))
     if settings.vlm is not None:
         features.append(FreezeFeature())
     return features
@@ -34,4 +37,4 @@ def build_step(settings: JobSettings, features: Sequence[StepFeature]) -> StepFn
     return AccumulateStep(features)
 
 
-__all__ = ["FreezeFeature", "MoEFeature", "build_step", "features_for", "init_optimizer_state"]
+__all__ = ["FreezeFeature", "MTPFeature", "MoEFeature", "build_step", "features_for", "init_optimizer_state"]
