@@ -18,7 +18,7 @@ from pathlib import Path
 
 import torch
 
-from kforge_cli.engine.model import Transformer
+from kforge_cli.engine.families.llama import Transformer
 from kforge_cli.engine.model.generation import generate_tokens
 from kforge_cli.settings import load_settings
 

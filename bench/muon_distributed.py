@@ -38,7 +38,7 @@ def worker(args: argparse.Namespace) -> None:
     from torch.distributed.fsdp import fully_shard
     from torch.distributed.tensor import DTensor, distribute_tensor
 
-    from kforge_cli.engine.model import Transformer
+    from kforge_cli.engine.families.llama import Transformer
     from kforge_cli.engine.train.optim import build_optimizer
     from kforge_cli.engine.train.optim.muon import Muon
     from kforge_cli.settings import load_settings

@@ -25,7 +25,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from kforge_cli.engine.model import Transformer
+from kforge_cli.engine.families.llama import Transformer
 from kforge_cli.engine.train import StepInfo, TrainHook, run_training
 from kforge_cli.engine.train.optim.optimizer import build_optimizer
 from kforge_cli.settings import JobSettings, load_settings

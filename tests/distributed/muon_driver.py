@@ -23,7 +23,7 @@ from torch import nn
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor, distribute_tensor
 
-from kforge_cli.engine.model import Transformer
+from kforge_cli.engine.families.llama import Transformer
 from kforge_cli.engine.parallel.fsdp import apply_fsdp
 from kforge_cli.engine.parallel.tensor_parallel import apply_tensor_parallel
 from kforge_cli.engine.runtime.mesh import build_mesh, dp_mesh, sub_mesh

@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from kforge_cli.engine.model import Transformer
+from kforge_cli.engine.families.llama import Transformer
 from kforge_cli.engine.model.sequence_shard import SequenceShard
 from kforge_cli.engine.observe import read_metrics
 from kforge_cli.engine.parallel.context_parallel import shard_batch

@@ -147,8 +147,8 @@ def test_hf_warm_start_under_fsdp_and_pp_loads_every_shard(launched: tuple[Path,
 def test_a_2_rank_fsdp_checkpoint_generates_what_its_one_process_model_generates(launched: tuple[Path, Path]) -> None:
     """Greedy and seeded sampling from the FSDP run dir (KV cache) equal the one-process models' tokens."""
     from kforge_cli import load_model
+    from kforge_cli.engine.families.llama import Transformer
     from kforge_cli.engine.inference.source import open_for_inference
-    from kforge_cli.engine.model import Transformer
     from kforge_cli.engine.model.generation import Sampling, generate_tokens
     from kforge_cli.settings import load_settings
 

@@ -12,7 +12,8 @@ import pytest
 import torch
 
 from kforge_cli import load_model
-from kforge_cli.engine.model import Transformer, count_params
+from kforge_cli.engine.families.llama import Transformer
+from kforge_cli.engine.model import count_params
 from kforge_cli.settings import load_settings
 from tests.conftest import run_kforge
 from tests.helpers import tiny

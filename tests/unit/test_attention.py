@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from kforge_cli.engine.data import build_data
-from kforge_cli.engine.model import Transformer
+from kforge_cli.engine.families.llama import Transformer
 from kforge_cli.engine.model.attention_mask import (
     attend,
     build_attention_mask,

@@ -8,8 +8,8 @@ import torch
 from torch import nn
 from torch.distributed.tensor.parallel import ColwiseParallel, PrepareModuleInput, RowwiseParallel
 
-from kforge_cli.engine.model import Transformer
-from kforge_cli.engine.parallel.float8 import float8_filter, fsdp_float8_all_gather
+from kforge_cli.engine.families.llama import Transformer
+from kforge_cli.engine.parallel.float8 import float8_filter, fsdp_float8_all_gather, linear_splits
 from kforge_cli.engine.parallel.tensor_parallel import block_plan
 from kforge_cli.engine.runtime import RuntimeContext
 from kforge_cli.engine.runtime.launcher import LaunchInfo
@@ -46,7 +46,7 @@ def test_float8_eligibility_reads_the_per_rank_shard_shape() -> None:
     linears = {n: m for n, m in model.named_modules() if isinstance(m, nn.Linear)}
 
     def eligible(tp: int) -> set[str]:
-        keep = float8_filter(tp)
+        keep = float8_filter(tp, linear_splits(model))
         return {n.split(".")[-1] for n, m in linears.items() if keep(m, n)}
 
     assert eligible(1) == {"wq", "wk", "wv", "wo", "w1", "w2", "w3"}  # the head never

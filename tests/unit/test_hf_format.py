@@ -8,14 +8,14 @@ from pathlib import Path
 import pytest
 
 from kforge_cli.engine.checkpoint import CheckpointError
-from kforge_cli.engine.interop.hf_format import (
+from kforge_cli.engine.families.llama.hf_names import (
     export_problems,
     from_hf_name,
     hf_config,
-    hf_weight_files,
     model_fields_from_hf,
     to_hf_name,
 )
+from kforge_cli.engine.interop.hf_format import hf_weight_files
 from kforge_cli.rundir.checkpoints import is_hf_dir
 from kforge_cli.settings.training import ModelSettings
 

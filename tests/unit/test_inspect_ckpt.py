@@ -18,7 +18,8 @@ from kforge_cli.engine.checkpoint.dcp_io import quiet_single_process
 from kforge_cli.engine.checkpoint.inspection import diff_checkpoints, summarize, tensor_stats
 from kforge_cli.engine.checkpoint.reader import open_checkpoint, read_tensors
 from kforge_cli.engine.checkpoint.verify import verify_checkpoint
-from kforge_cli.engine.model import Transformer, count_params
+from kforge_cli.engine.families.llama import Transformer
+from kforge_cli.engine.model import count_params
 from kforge_cli.rundir.names import COMMIT_FILE
 from kforge_cli.settings import JobSettings, load_settings
 from tests.helpers import tiny

@@ -8,7 +8,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from kforge_cli.engine.model import Transformer, count_params, flops_per_token, non_embedding_params
+from kforge_cli.engine.families.llama import Transformer
+from kforge_cli.engine.model import count_params, flops_per_token, non_embedding_params
 from kforge_cli.engine.model.layers import apply_rotary, rope_tables
 from kforge_cli.settings.training import ModelSettings
 

@@ -7,7 +7,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.checkpoint import checkpoint
 
-from kforge_cli.engine.model import Transformer
+from kforge_cli.engine.families.llama import Transformer
 from kforge_cli.engine.model.moe import GroupedExperts, MoEFeedForward, finish_moe_step, moe_aux_loss
 from kforge_cli.errors import ConfigError
 from kforge_cli.settings import load_settings

@@ -18,7 +18,7 @@ import torch
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from kforge_cli.engine.model import Transformer
+from kforge_cli.engine.families.llama import Transformer
 from kforge_cli.engine.model.moe import MoEFeedForward, finish_moe_step, moe_aux_loss
 from kforge_cli.engine.parallel import build_parallel_model
 from kforge_cli.engine.parallel.activation_checkpoint import apply_activation_checkpointing

@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kforge_cli.engine.model import Transformer
+from kforge_cli.engine.families.llama import Transformer
 from kforge_cli.engine.plan.activations import (
     ActivationInputs,
     block_full_bytes,

@@ -8,7 +8,7 @@ import math
 import pytest
 import torch
 
-from kforge_cli.engine.model import Transformer
+from kforge_cli.engine.families.llama import Transformer
 from kforge_cli.engine.parallel.grad_norm import clip_grad_norm
 from kforge_cli.engine.parallel.init import init_sharded
 from kforge_cli.engine.parallel.pipeline import (

@@ -15,8 +15,8 @@ from kforge_cli.engine.checkpoint import (
     load_model_weights,
 )
 from kforge_cli.engine.checkpoint.reader import open_checkpoint, read_tensors
+from kforge_cli.engine.families.llama import Transformer
 from kforge_cli.engine.interop.mot_convert import convert_mot, dense_name, load_dense_into_mot, maybe_mot_warm_start
-from kforge_cli.engine.model import Transformer
 from kforge_cli.engine.model.vlm import build_vlm
 from kforge_cli.engine.parallel import build_parallel_model
 from kforge_cli.engine.runtime import init_runtime

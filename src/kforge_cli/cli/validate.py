@@ -154,7 +154,7 @@ def _print_summary(s: Any, dims: Any, n: int) -> None:
     typer.echo(f"config is valid: profile {s.profile or '-'}, world size {n}")
     cp = f" cp={dims.cp}" if dims.cp > 1 else ""
     typer.echo(f"  mesh: pp={dims.pp} dp_replicate={dims.dp_replicate} dp_shard={dims.dp_shard}{cp} tp={dims.tp}")
-    text = s.model.param_count()
+    text = _text_params(s)
     vision = vision_param_counts(s)
     known = [v for v in vision.values() if v is not None]
     total = text + sum(known)
@@ -187,3 +187,12 @@ def _plan(settings: Any, world_size: int, rank: int, fmt: str | None, mfu: float
     typer.echo(plan_json(result) if fmt == "json" else "\n" + format_plan(result))
     if not result.fits:
         raise typer.Exit(1)
+
+
+def _text_params(s: Any) -> int:
+    """The text model's parameter count; a family other than the default one is asked (imports torch)."""
+    if s.model.family == "llama":
+        return s.model.param_count()
+    from kforge_cli.engine.families.registry import family_for
+
+    return family_for(s.model).param_count(s.model)

@@ -19,6 +19,9 @@ if TYPE_CHECKING:
 # only matters at step 0, and `model.attention` picks a kernel for the same function, so
 # both may differ on resume.
 _MODEL_EXCLUDED = frozenset({"init_std", "attention"})
+# `model.family` shapes the model, but runs written before families existed are all Llama: the
+# default family is left out, so their fingerprints (and resumes) stay what they were.
+_DEFAULT_FAMILY = "llama"
 _VLM_SHAPING = ("arch", "cross_attention_every", "modalities")
 
 
@@ -26,7 +29,7 @@ def shaping_config(settings: JobSettings) -> dict[str, object]:
     """Dotted key -> JSON value of every model-shaping field (absent VLM sections are None)."""
     out: dict[str, object] = {}
     for name, value in settings.model.model_dump(mode="json").items():
-        if name not in _MODEL_EXCLUDED:
+        if name not in _MODEL_EXCLUDED and not (name == "family" and value == _DEFAULT_FAMILY):
             out[f"model.{name}"] = value
     for section in ("vision_encoder", "adapter"):
         sub = getattr(settings, section)

@@ -14,8 +14,13 @@ Beta = Annotated[float, Field(ge=0, lt=1)]
 
 
 class ModelSettings(Section):
-    """A Llama-style decoder-only Transformer."""
+    """The model: its family (``engine/families``) and the shape fields that family reads."""
 
+    family: str = field(
+        "llama",
+        "Model family (engine/families): llama (Llama/Qwen3, dense or MoE), gpt2, or one a package registers.",
+        min_length=1,
+    )
     dim: int = field(256, "Hidden size of the residual stream.", gt=0)
     n_layers: int = field(4, "Number of Transformer blocks.", gt=0)
     n_heads: int = field(8, "Number of attention (query) heads.", gt=0)

@@ -16,7 +16,7 @@ import os
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 
@@ -31,12 +31,57 @@ from kforge_cli.engine.checkpoint.reader import (
     read_tensors,
     shaping_of,
 )
-from kforge_cli.engine.interop.hf_format import CONFIG_FILE, INDEX_FILE, SINGLE_FILE, export_problems
-from kforge_cli.engine.interop.hf_layout import ExportPlan, Layout, TextPlan
+from kforge_cli.engine.families.base import HFExport
+from kforge_cli.engine.interop.hf_family import export_problems, family_of_fields
+from kforge_cli.engine.interop.hf_format import CONFIG_FILE, INDEX_FILE, SINGLE_FILE
 from kforge_cli.engine.interop.hf_tokenizer import ExportedTokenizer, run_tokenizer, write_tokenizer
 from kforge_cli.engine.runtime.dtypes import DTYPES, torch_dtype_name
 from kforge_cli.files import output_dir, private_dir_beside, swap_in
 from kforge_cli.rundir.layout import kforge_contents
+from kforge_cli.settings.training import ModelSettings
+
+
+class ExportPlan(Protocol):
+    """What `export_hf` needs to know of a model: names, tensor transforms, config, extra files."""
+
+    @property
+    def hf_class(self) -> str: ...
+
+    @property
+    def text_settings(self) -> ModelSettings: ...
+
+    def name(self, key: str) -> str | None: ...
+
+    def tensors(self, key: str, t: torch.Tensor) -> dict[str, torch.Tensor]: ...
+
+    def config(self, torch_dtype: str) -> dict[str, Any]: ...
+
+    def write_extras(self, out: Path, tokenizer: ExportedTokenizer | None) -> None: ...
+
+
+@dataclass(frozen=True)
+class TextPlan:
+    """A text model: its family's exporter (names, tensors, config)."""
+
+    export: HFExport
+    text_settings: ModelSettings
+
+    @property
+    def hf_class(self) -> str:
+        return self.export.hf_class
+
+    def name(self, key: str) -> str | None:
+        return self.export.name(key)
+
+    def tensors(self, key: str, t: torch.Tensor) -> dict[str, torch.Tensor]:
+        return self.export.tensors(key, t)
+
+    def config(self, torch_dtype: str) -> dict[str, Any]:
+        return self.export.config(torch_dtype)
+
+    def write_extras(self, out: Path, tokenizer: ExportedTokenizer | None) -> None:
+        return None
+
 
 DEFAULT_SHARD_BYTES = 5 * 2**30
 
@@ -215,7 +260,10 @@ def export_hf(
 
 def _text_plan(view: CheckpointView) -> TextPlan:
     fields = _check_exportable(view)
-    return TextPlan(Layout.of(fields), fields, model_settings_of(view))
+    family = family_of_fields(fields)
+    assert family.hf is not None  # _check_exportable refused a family without a mapping
+    cfg = model_settings_of(view)
+    return TextPlan(family.hf.exporter(fields, cfg), cfg)
 
 
 def _write_weights(

@@ -1,6 +1,7 @@
 """Hugging Face weights into a kforge model: ``checkpoint.init_from = HF_DIR`` and ``load_model(HF_DIR)``.
 
-Llama, Qwen3 (dense with QK-norm), and the MoE architectures of ``hf_moe``.
+Any family with a Hugging Face mapping (``ModelFamily.hf``), picked by ``config.json``'s
+``model_type``; the Llama family's covers Llama, Qwen3 (dense with QK-norm) and its MoE architectures.
 
 Weights are read from safetensors only (never pickle). The HF config must describe
 the same model the run builds: a shape difference is an error that spells out the
@@ -21,9 +22,9 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_
 
 from kforge_cli.engine.checkpoint.dcp_io import OPTIONS, _excluded
 from kforge_cli.engine.checkpoint.errors import CheckpointError
-from kforge_cli.engine.interop.hf_format import from_hf_name, hf_weight_files, model_fields_from_hf, read_hf_config
-from kforge_cli.engine.interop.hf_layout import from_interleaved_rope
-from kforge_cli.engine.interop.hf_moe import BY_MODEL_TYPE, EXPERT_BIAS, ROUTER_GATE, from_hf_moe_name
+from kforge_cli.engine.families.base import ModelFamily
+from kforge_cli.engine.families.registry import DEFAULT_FAMILY, family_for_hf, get_family
+from kforge_cli.engine.interop.hf_format import hf_weight_files, read_hf_config
 from kforge_cli.settings.training import ModelSettings
 
 log = logging.getLogger("kforge")
@@ -41,7 +42,6 @@ _SHAPE_FIELDS = (
     "qk_norm",
 )
 _SOFT_FIELDS = ("rope_theta", "norm_eps")
-_IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)  # buffers some old exports carry; recomputed from the config
 _MOE_FIELDS = (
     "num_experts",
     "top_k",
@@ -54,8 +54,6 @@ _MOE_FIELDS = (
     "renormalize",
     "route_scale",
 )
-FUSED_GATE = "feed_forward.experts.w1"
-FUSED_UP = "feed_forward.experts.w3"
 
 
 def hf_model_settings(hf_dir: str | Path) -> ModelSettings:
@@ -64,8 +62,13 @@ def hf_model_settings(hf_dir: str | Path) -> ModelSettings:
     path = Path(hf_dir).expanduser()
     config = read_hf_config(path)
     where = path / "config.json"
+    family = _family_of(config)
+    assert family.hf is not None
     try:
-        return ModelSettings.model_validate(model_fields_from_hf(config))
+        fields = family.hf.model_fields(config)
+        if family.name != DEFAULT_FAMILY:
+            fields = {**fields, "family": family.name}
+        return ModelSettings.model_validate(fields)
     except CheckpointError as exc:
         raise CheckpointError(f"{where}: {exc}") from None
     except (KeyError, TypeError, ValueError, AttributeError) as exc:  # pydantic's ValidationError is a ValueError
@@ -141,69 +144,21 @@ def _moe_differences(cfg: ModelSettings, theirs: ModelSettings, name: str) -> li
 def read_hf_tensors(hf_dir: str | Path, names: Iterable[str] | None = None) -> dict[str, torch.Tensor]:
     """kforge name -> CPU tensor for every (or every wanted) weight in the directory's safetensors.
 
-    Llama / Qwen3 names map one to one; MoE experts written per expert are stacked into
-    kforge's ``[E, out, in]`` (a fused ``gate_up_proj`` is split), the selection bias is
-    read from wherever the architecture keeps it (zeros for Qwen3-MoE, which has none),
-    and ERNIE's interleaved-RoPE ``q_proj``/``k_proj`` rows are put back in kforge's order.
+    The directory's ``config.json`` (read by the one bounded reader) names its ``model_type``; the
+    family whose HF mapping imports it decodes the tensors (per-expert stacks, permutations).
     """
-    from safetensors import SafetensorError, safe_open
-
     hf_dir = Path(hf_dir).expanduser()
     config = read_hf_config(hf_dir)
-    arch = BY_MODEL_TYPE.get(str(config.get("model_type")))
+    family = _family_of(config)
     wanted = set(names) if names is not None else None
-    out: dict[str, torch.Tensor] = {}
-    experts: dict[str, dict[int, torch.Tensor]] = {}
-    unknown: list[str] = []
+    assert family.hf is not None
+    return family.hf.read_tensors(config, hf_weight_files(hf_dir), wanted, hf_dir)
 
-    def keep(name: str, tensor: torch.Tensor) -> None:
-        if wanted is None or name in wanted:
-            out[name] = tensor
 
-    for path in hf_weight_files(hf_dir):
-        try:
-            with safe_open(str(path), framework="pt", device="cpu") as f:
-                for key in f.keys():  # noqa: SIM118 (a safetensors handle, not a dict)
-                    plain = from_hf_name(key)
-                    moe = None if plain is not None else from_hf_moe_name(key)
-                    if plain is not None:
-                        keep(plain, f.get_tensor(key))
-                    elif moe is None:
-                        if not key.endswith(_IGNORED_SUFFIXES):
-                            unknown.append(key)
-                    elif moe.fused:  # gate_up_proj [E, 2 x hidden, dim]: w1 over w3
-                        gate, up = f.get_tensor(key).chunk(2, dim=1)
-                        keep(moe.name, gate.contiguous())
-                        keep(moe.name.removesuffix(FUSED_GATE) + FUSED_UP, up.contiguous())
-                    elif moe.expert is not None:
-                        if wanted is None or moe.name in wanted:
-                            experts.setdefault(moe.name, {})[moe.expert] = f.get_tensor(key)
-                    elif moe.name.endswith(EXPERT_BIAS):
-                        keep(moe.name, f.get_tensor(key).reshape(-1).float())
-                    else:
-                        keep(moe.name, f.get_tensor(key))
-        except (SafetensorError, OSError) as exc:
-            raise CheckpointError(f"cannot read {path}: {exc}") from None
-    for name, parts in experts.items():
-        if sorted(parts) != list(range(len(parts))):
-            raise CheckpointError(f"{hf_dir}: the experts of {name} are not numbered 0..{len(parts) - 1}")
-        out[name] = torch.stack([parts[e] for e in range(len(parts))])
-    for name in [n for n in out if n.endswith(ROUTER_GATE)]:  # an architecture without a selection bias: zero
-        bias = name.removesuffix(ROUTER_GATE) + EXPERT_BIAS
-        if bias not in out and (wanted is None or bias in wanted):
-            out[bias] = torch.zeros(out[name].shape[0], dtype=torch.float32)
-    if arch is not None and arch.interleaved_rope:
-        n_heads = int(config["num_attention_heads"])
-        kv_heads = int(config.get("num_key_value_heads") or n_heads)
-        for name in out:
-            if name.endswith("attention.wq.weight"):
-                out[name] = from_interleaved_rope(out[name], n_heads)
-            elif name.endswith("attention.wk.weight"):
-                out[name] = from_interleaved_rope(out[name], kv_heads)
-    if unknown:
-        shown = ", ".join(unknown[:5]) + (f" (and {len(unknown) - 5} more)" if len(unknown) > 5 else "")
-        raise CheckpointError(f"{hf_dir} holds tensors a kforge model has no place for: {shown}")
-    return out
+def _family_of(config: dict[str, Any]) -> ModelFamily:
+    """The family importing this HF config (the default one, whose mapping refuses it by name, when none does)."""
+    family = family_for_hf(str(config.get("model_type")))
+    return family if family is not None else get_family(DEFAULT_FAMILY)
 
 
 def load_hf_weights(model: nn.Module, hf_dir: str | Path, cfg: ModelSettings, exclude: list[str]) -> list[str]:

@@ -35,7 +35,7 @@ import torch
 
 from kforge_cli.engine.checkpoint.errors import CheckpointError
 from kforge_cli.engine.checkpoint.reader import CheckpointView
-from kforge_cli.engine.interop.hf_layout import Layout, text_config
+from kforge_cli.engine.families.base import HFExport
 from kforge_cli.engine.interop.hf_tokenizer import ExportedTokenizer
 from kforge_cli.settings import JobSettings
 from kforge_cli.settings.training import ModelSettings
@@ -55,7 +55,7 @@ _VIT_BLOCK = {
 
 def vlm_export_problems(settings: JobSettings) -> list[str]:
     """What ``LlavaForConditionalGeneration`` cannot hold of this VLM (empty: exportable)."""
-    from kforge_cli.engine.interop.hf_format import export_problems
+    from kforge_cli.engine.interop.hf_family import export_problems
 
     vlm, adapter, model = settings.vlm, settings.adapter, settings.model
     problems = []
@@ -82,7 +82,7 @@ class VLMPlan:
     """``export_hf``'s plan for a joint-decoder VLM (see the module docstring)."""
 
     settings: JobSettings
-    layout: Layout
+    text: HFExport  # the text family's exporter (the decoder under ``language_model``)
     fields: dict[str, Any]
     family: str  # "vit" (written as SigLIP), "siglip" or "clip"
     vision_config: dict[str, Any]
@@ -111,7 +111,7 @@ class VLMPlan:
         if key.startswith("adapter."):  # fc1/fc2 (mlp_2layer) or proj (linear), .weight/.bias
             module, kind = key.removeprefix("adapter.").split(".", 1)
             return f"multi_modal_projector.{_PROJECTOR[module]}.{kind}"
-        text = self.layout.name(key)
+        text = self.text.name(key)
         return None if text is None else "language_model." + text
 
     def _vision_name(self, key: str) -> str:
@@ -154,10 +154,10 @@ class VLMPlan:
             return {name: t.contiguous(), name.replace("linear_1", "linear_2"): second}
         if key.startswith("adapter."):
             return {name: t.contiguous()}
-        return {"language_model." + k: v for k, v in self.layout.tensors(key, t).items()}
+        return {"language_model." + k: v for k, v in self.text.tensors(key, t).items()}
 
     def config(self, torch_dtype: str) -> dict[str, Any]:
-        text = text_config(self.layout, self.fields, self.settings.model, torch_dtype)
+        text = self.text.config(torch_dtype)
         text.pop("architectures", None)
         adapter = self.settings.adapter
         linear = adapter is not None and adapter.type == "linear"
@@ -251,4 +251,9 @@ def vlm_export_plan(view: CheckpointView) -> VLMPlan:
         )
     fields = settings.model.model_dump()
     family, vision, mean, std = _vision_side(settings)
-    return VLMPlan(settings, Layout.of(fields), fields, family, vision, mean, std)
+    from kforge_cli.engine.interop.hf_family import family_of_fields
+
+    text_family = family_of_fields(fields)
+    assert text_family.hf is not None  # vlm_export_problems refused a family without a mapping
+    exporter = text_family.hf.exporter(fields, settings.model)
+    return VLMPlan(settings, exporter, fields, family, vision, mean, std)

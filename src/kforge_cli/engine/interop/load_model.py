@@ -10,7 +10,7 @@ ranks and pipeline stages wrote them (see ``reader``). The model is built on the
 device and materialised empty, so loading costs no random initialisation. A checkpoint
 whose saved config has a ``vlm`` section (joint decoder, cross-attention or
 Mixture-of-Transformers, including a ``convert-mot`` output) becomes the
-:class:`VisionLanguageModel` of that config; everything else a text :class:`Transformer`.
+:class:`VisionLanguageModel` of that config; everything else the text model of its family (``model.family``).
 """
 
 from __future__ import annotations
@@ -32,8 +32,7 @@ from kforge_cli.engine.checkpoint.reader import (
     open_checkpoint,
     shaping_of,
 )
-from kforge_cli.engine.model import Transformer
-from kforge_cli.engine.model.layers import rope_tables
+from kforge_cli.engine.families.registry import family_for
 from kforge_cli.engine.model.moe import MoEFeedForward
 from kforge_cli.engine.model.vlm import VisionLanguageModel, build_vlm
 from kforge_cli.rundir.checkpoints import is_hf_dir
@@ -41,7 +40,7 @@ from kforge_cli.rundir.saved_config import read_saved_config
 from kforge_cli.settings import JobSettings
 from kforge_cli.settings.training import ModelSettings
 
-LoadedModel = Transformer | VisionLanguageModel
+LoadedModel = nn.Module  # the text family's model, or a VisionLanguageModel
 _VLM_SECTIONS = ("model", "vision_encoder", "adapter", "vlm")
 
 
@@ -53,15 +52,15 @@ def _materialise(model: nn.Module, cfg: ModelSettings, dtype: torch.dtype, devic
     towers) refilled with their ``arange``. Any other such buffer would be silently wrong,
     so it is an error rather than a guess.
     """
-    model.to(dtype)  # on meta: free; RoPE tables are recomputed in fp32 below
+    model.to(dtype)  # on meta: free; the family recomputes its buffers (RoPE tables in fp32) below
     model.to_empty(device=device)
-    model.rope_cos, model.rope_sin = rope_tables(cfg.head_dim, cfg.max_seq_len, cfg.rope_theta, device)
+    rebuilt = family_for(cfg).reset_buffers(model, device)
     unknown: list[str] = []
     for module_name, module in model.named_modules():
         for name in sorted(getattr(module, "_non_persistent_buffers_set", set())):
             full = f"{module_name}.{name}" if module_name else name
             buf = module._buffers.get(name)
-            if buf is None or full in ("rope_cos", "rope_sin"):
+            if buf is None or full in rebuilt:
                 continue
             if isinstance(module, MoEFeedForward):
                 with torch.no_grad():
@@ -80,10 +79,9 @@ def _materialise(model: nn.Module, cfg: ModelSettings, dtype: torch.dtype, devic
 
 def empty_model(
     cfg: ModelSettings, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu"
-) -> Transformer:
-    """A Transformer with uninitialised weights in `dtype` and fp32 RoPE tables on `device`."""
-    with torch.device("meta"):
-        model = Transformer(cfg)
+) -> nn.Module:
+    """The model of ``cfg``'s family with uninitialised weights in `dtype` and its buffers (fp32 RoPE tables) on `device`."""
+    model = family_for(cfg).meta_model(cfg)
     _materialise(model, cfg, dtype, device)
     return model
 
@@ -214,14 +212,13 @@ def _fill_from_checkpoint(model: nn.Module, view: CheckpointView) -> None:
 
 def _load_hf(
     checkpoint: str | Path, cfg: ModelSettings | None, dtype: torch.dtype, device: str | torch.device
-) -> Transformer:
+) -> nn.Module:
     from kforge_cli.engine.interop.hf_import import hf_model_settings, read_hf_tensors
 
     cfg = cfg or hf_model_settings(checkpoint)
     tensors = read_hf_tensors(checkpoint)  # memory-mapped: bounded by the files, not by config.json
     refuse_layer_count(cfg, len(tensors), checkpoint)
-    with torch.device("meta"):
-        model = Transformer(cfg)
+    model = family_for(cfg).meta_model(cfg)
     wanted = set(model.state_dict())
     missing = sorted(wanted - set(tensors))
     if missing:
@@ -273,7 +270,7 @@ def load_model(
     if vlm_job is not None:
         refuse_layer_count(vlm_job.vision_encoder, len(stored), view.path, "vision_encoder.n_layers")
     with torch.device("meta"):
-        model: LoadedModel = build_vlm(vlm_job) if vlm_job is not None else Transformer(text_cfg)
+        model: LoadedModel = build_vlm(vlm_job) if vlm_job is not None else family_for(text_cfg).build(text_cfg)
     check_claims(model, text_cfg, stored, view.path)  # before a byte is allocated
     _materialise(model, text_cfg, dtype, device)
     _fill_from_checkpoint(model, view)

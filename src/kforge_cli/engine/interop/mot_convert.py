@@ -2,7 +2,7 @@
 
 Name mapping (engine.model.vlm.mot): the MoT parameter
 ``layers.<i>.experts.<modality>.<rest>`` starts from the dense ``layers.<i>.<rest>`` for
-*every* modality; ``tok_embeddings``, ``norm`` and ``output`` are shared and copied as
+*every* modality; the embedding, final norm and head are shared and copied as
 they are; ``vision.*`` and ``adapter.*`` have no dense counterpart and keep their fresh
 initialisation. So right after the conversion, text-only input gives the dense model's
 logits, and the text experts equal the dense weights whatever else is in the sequence.

@@ -1,6 +1,8 @@
-"""engine.model: the Llama-style Transformer, its initialisation, and parameter/FLOP counts."""
+"""engine.model (layer 1): model building blocks (attention, masks, MLP, MoE layers, norms, the
+pre-norm decoder block, KV cache, generation) and parameter/FLOP counts. Models are assembled by
+the families (``engine/families``)."""
 
+from kforge_cli.engine.model.block import TransformerBlock
 from kforge_cli.engine.model.flops import count_params, flops_per_token, non_embedding_params
-from kforge_cli.engine.model.transformer import Transformer, TransformerBlock
 
-__all__ = ["Transformer", "TransformerBlock", "count_params", "flops_per_token", "non_embedding_params"]
+__all__ = ["TransformerBlock", "count_params", "flops_per_token", "non_embedding_params"]

@@ -40,7 +40,15 @@ def non_embedding_params(cfg: ModelSettings) -> int:
     return cfg.non_embedding_params()
 
 
+def decoder_flops_per_token(non_embedding: int, n_layers: int, n_heads: int, head_dim: int, seq_len: int) -> float:
+    """The convention above from its parts: ``6 * N + 12 * n_layers * n_heads * head_dim * seq_len``.
+
+    A family's ``flops_per_token`` calls it with its own ``N`` (``engine.families.base``).
+    """
+    return float(6 * non_embedding + 12 * n_layers * n_heads * head_dim * seq_len)
+
+
 def flops_per_token(cfg: ModelSettings, seq_len: int) -> float:
-    """Training FLOPs per token (forward + backward) at sequence length ``seq_len``."""
-    attention = 12 * cfg.n_layers * cfg.n_heads * cfg.head_dim * seq_len
-    return float(6 * non_embedding_params(cfg) + attention)
+    """Training FLOPs per token (forward + backward) at sequence length ``seq_len`` of a Llama-family
+    shape (``cfg.non_embedding_params()``); MFU and the planner ask the model's family instead."""
+    return decoder_flops_per_token(non_embedding_params(cfg), cfg.n_layers, cfg.n_heads, cfg.head_dim, seq_len)

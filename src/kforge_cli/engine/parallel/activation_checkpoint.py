@@ -1,4 +1,4 @@
-"""Activation checkpointing per Transformer block, without changing parameter names.
+"""Activation checkpointing per block (the family's ``layers``), without changing parameter names.
 
 Each checkpointed block's ``forward`` is replaced (on the instance) by one that runs the
 original inside torch's non-reentrant ``checkpoint``: no wrapper module, so checkpoint
@@ -25,6 +25,7 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
+from kforge_cli.engine.families.base import BLOCKS
 from kforge_cli.settings.training import TrainSettings
 
 _aten = torch.ops.aten
@@ -96,9 +97,9 @@ def apply_activation_checkpointing(model: nn.Module, cfg: TrainSettings) -> int:
     """Checkpoint the model's blocks per `cfg`; returns how many blocks were checkpointed."""
     if cfg.activation_checkpointing == "none":
         return 0
-    layers = getattr(model, "layers", None)
+    layers = getattr(model, BLOCKS, None)
     if not isinstance(layers, nn.ModuleDict):
-        raise TypeError("activation checkpointing expects a model with a `layers` ModuleDict")
+        raise TypeError(f"activation checkpointing expects a model with a `{BLOCKS}` ModuleDict")
     done = 0
     for key, block in layers.items():
         index = int(key)  # the global block index, so a pipeline stage picks the same blocks as the full model

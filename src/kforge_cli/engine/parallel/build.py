@@ -14,12 +14,14 @@ stages are wrapped in a schedule (`PipelineBundle`).
 from __future__ import annotations
 
 import logging
+from typing import Any, cast
 
 import torch
 from torch import nn
 from torch.distributed.fsdp import fully_shard
 
-from kforge_cli.engine.model import Transformer
+from kforge_cli.engine.families.base import BLOCKS
+from kforge_cli.engine.families.registry import family_for, family_of
 from kforge_cli.engine.model.moe import MoEFeedForward
 from kforge_cli.engine.model.vlm import build_vlm
 from kforge_cli.engine.parallel.activation_checkpoint import apply_activation_checkpointing
@@ -65,7 +67,7 @@ def apply_compile(model: nn.Module, *, fullgraph: bool = True, backend: str = "i
     """
     if any(isinstance(m, MoEFeedForward) for m in model.modules()):
         allow_moe_tracing()
-    layers = model.get_submodule("layers")
+    layers = model.get_submodule(BLOCKS)
     for block in layers.children():
         block.compile(fullgraph=fullgraph, backend=backend)
 
@@ -88,22 +90,33 @@ def allow_moe_tracing() -> None:
     cfg.skip_fwd_side_effects_in_bwd_under_checkpoint = True
 
 
-ROPE_BUFFERS = ("rope_cos", "rope_sin")
-
-
 def cast_keeping_rope_fp32(model: nn.Module, dtype: torch.dtype) -> None:
-    """``model.to(dtype)``, except the RoPE tables: they stay fp32 (long positions' angles need it),
-    as on the sharded path, where ``init_sharded`` computes them in fp32 after the cast."""
-    rope = {n: b for n, b in model.named_buffers() if n.rsplit(".", 1)[-1] in ROPE_BUFFERS}
+    """``model.to(dtype)``, except the family's ``plan.fp32_buffers`` (RoPE tables): they stay fp32 (long
+    positions' angles need it), as on the sharded path, where ``init_sharded`` computes them in fp32 after the cast."""
+    keep = family_of(model).plan.fp32_buffers
+    rope = {n: b for n, b in model.named_buffers() if n.rsplit(".", 1)[-1] in keep}
     model.to(dtype)
     for name, table in rope.items():
         owner, _, leaf = name.rpartition(".")
         setattr(model.get_submodule(owner), leaf, table)
 
 
+def check_family_supports(settings: JobSettings, runtime: RuntimeContext) -> None:
+    """Refuse a parallelism the model's family has no plan for (exit 2 naming the setting)."""
+    family = family_for(settings.model)
+    issues = []
+    if runtime.dims.cp > 1 and family.plan.cp_hook is None:
+        issues.append(ConfigIssue("distributed.cp", f"model family {family.name!r} has no context-parallel plan"))
+    if runtime.dims.ep > 1 and not family.plan.expert_parallel:
+        issues.append(ConfigIssue("distributed.ep", f"model family {family.name!r} has no experts to split"))
+    if issues:
+        raise ConfigError(issues, header=f"unsupported by model family {family.name!r}")
+
+
 def parallelize(module: nn.Module, settings: JobSettings, runtime: RuntimeContext) -> None:
     """Apply float8 -> TP -> CP -> AC -> compile -> FSDP2 to one meta-device module (model or stage)."""
     t, d = settings.train, settings.distributed
+    check_family_supports(settings, runtime)
     distributed = runtime.world_size > 1
     if t.float8:
         fp8_gather = fsdp_float8_all_gather(t, runtime)
@@ -170,13 +183,13 @@ def parallelize(module: nn.Module, settings: JobSettings, runtime: RuntimeContex
 
 def _build_single(settings: JobSettings, runtime: RuntimeContext) -> nn.Module:
     with torch.device("meta"):
-        model = build_vlm(settings) if settings.vlm is not None else Transformer(settings.model)
+        model = build_vlm(settings) if settings.vlm is not None else family_for(settings.model).build(settings.model)
     parallelize(model, settings, runtime)
     if runtime.world_size == 1:
         master = DTYPES[settings.train.master_dtype]
         model.to_empty(device=runtime.device)
         with torch.no_grad():
-            model.init_weights(buffer_device=runtime.device)  # in fp32 order; cast like init_sharded does
+            cast(Any, model).init_weights(buffer_device=runtime.device)  # in fp32 order; cast like init_sharded does
         if master != torch.float32:
             cast_keeping_rope_fp32(model, master)
     else:

@@ -25,6 +25,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from kforge_cli.engine.families.registry import family_of
 from kforge_cli.engine.model.sequence_shard import SequenceShard, enable_ring_attention, load_balanced_indices
 from kforge_cli.engine.runtime import RuntimeContext
 from kforge_cli.engine.runtime.mesh import sub_mesh
@@ -49,7 +50,10 @@ def apply_context_parallel(module: nn.Module, runtime: RuntimeContext, *, ring: 
         ring_mesh = sub_mesh(runtime.mesh, "cp")
         enable_ring_attention()
     shard = SequenceShard(runtime.cp_group(), runtime.cp_size, runtime.cp_rank, ring_mesh=ring_mesh)
-    module.sequence_shard = shard  # type: ignore[assignment]
+    hook = family_of(module).plan.cp_hook
+    if hook is None:
+        raise ConfigError([ConfigIssue("distributed.cp", "this model family has no context-parallel plan")])
+    setattr(module, hook, shard)
     return True
 
 

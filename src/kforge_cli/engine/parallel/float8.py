@@ -1,12 +1,13 @@
-"""float8 training of the Transformer's linear layers with torchao.
+"""float8 training of a model's linear layers with torchao.
 
 Each eligible ``nn.Linear`` is swapped for torchao's ``Float8Linear``: its matmuls cast
 inputs, weights and output gradients to float8 with dynamic scales (tensorwise or
 rowwise) and accumulate in higher precision; parameters and optimizer state keep their
-dtype. The output head stays in high precision (the logits are sensitive to it), as does
-any layer whose dims are not multiples of 16 (a float8 GEMM requirement). Under tensor
-parallelism the GEMM runs on each rank's shard, so it is the shard's dims that must be
-multiples of 16 (a column-parallel layer's outputs / tp, a row-parallel one's inputs / tp).
+dtype. The linears the family lists in ``plan.float8_skip`` stay in high precision (the head:
+the logits are sensitive to it; routers), as does any layer whose dims are not multiples of 16
+(a float8 GEMM requirement). Under tensor parallelism the GEMM runs on each rank's shard, so it
+is the shard's dims that must be multiples of 16 (a column-parallel layer's outputs / tp, a
+row-parallel one's inputs / tp), read from the family's TP rules.
 
 The swap must happen *before* tensor parallelism: it replaces module objects, which
 would drop the TP hooks registered on the old ones. With FSDP2 on CUDA and the
@@ -26,14 +27,13 @@ import torch
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
-from kforge_cli.engine.parallel.tensor_parallel import COLWISE_LINEARS, ROWWISE_LINEARS
+from kforge_cli.engine.families.base import BLOCKS
+from kforge_cli.engine.families.registry import DEFAULT_FAMILY, family_of, get_family
 from kforge_cli.engine.runtime import RuntimeContext
 from kforge_cli.errors import InvalidInputError
 from kforge_cli.settings.training import TrainSettings
 
 log = logging.getLogger("kforge")
-
-SKIP_MODULES = ("output", "gate")  # the head, and MoE routers (routing stays in high precision)
 
 
 def require_torchao() -> None:
@@ -52,25 +52,44 @@ def require_torchao() -> None:
         quiet.setLevel(level)
 
 
-def gemm_dims_per_rank(linear: nn.Linear, fqn: str, tp: int) -> tuple[int, int]:
-    """(in, out) features of the GEMM this rank runs: a block linear's TP shard, else the whole layer."""
-    parts = fqn.split(".")
+def linear_splits(model: nn.Module) -> dict[str, str]:
+    """``fqn -> "colwise" | "rowwise"`` of every block linear the model's family TP rules split."""
+    family = family_of(model)
+    out: dict[str, str] = {}
+    for key, block in model.get_submodule(BLOCKS).named_children():
+        for rule in family.tp_block_plan(block):
+            if rule.style == "colwise":
+                out[f"{BLOCKS}.{key}.{rule.path}"] = "colwise"
+            elif rule.style in ("rowwise", "rowwise_replicated"):
+                out[f"{BLOCKS}.{key}.{rule.path}"] = "rowwise"
+    return out
+
+
+def gemm_dims_per_rank(linear: nn.Linear, fqn: str, tp: int, splits: dict[str, str]) -> tuple[int, int]:
+    """(in, out) features of the GEMM this rank runs: a TP-split linear's shard, else the whole layer."""
     in_features, out_features = linear.in_features, linear.out_features
-    if tp > 1 and parts[0] == "layers":  # tensor_parallel shards only the blocks' linears
-        if parts[-1] in COLWISE_LINEARS:
-            out_features //= tp
-        elif parts[-1] in ROWWISE_LINEARS:
-            in_features //= tp
+    split = splits.get(fqn) if tp > 1 else None
+    if split == "colwise":
+        out_features //= tp
+    elif split == "rowwise":
+        in_features //= tp
     return in_features, out_features
 
 
-def float8_filter(tp: int = 1) -> Callable[[nn.Module, str], bool]:
-    """Which linears become float8: not the head or a router, and per-rank GEMM dims multiples of 16."""
+def float8_filter(
+    tp: int = 1, splits: dict[str, str] | None = None, skip: tuple[str, ...] | None = None
+) -> Callable[[nn.Module, str], bool]:
+    """Which linears become float8: not one the family keeps in high precision (``skip``, default the
+    default family's), and per-rank GEMM dims multiples of 16 (``splits``: :func:`linear_splits`, needed when tp > 1)."""
+    if tp > 1 and splits is None:
+        raise ValueError("float8_filter under TP needs the model's linear_splits")
+    skipped = skip if skip is not None else get_family(DEFAULT_FAMILY).plan.float8_skip
+    split_of = splits or {}
 
     def eligible(module: nn.Module, fqn: str) -> bool:
-        if not isinstance(module, nn.Linear) or fqn.split(".")[-1] in SKIP_MODULES:
+        if not isinstance(module, nn.Linear) or fqn.split(".")[-1] in skipped:
             return False
-        in_features, out_features = gemm_dims_per_rank(module, fqn, tp)
+        in_features, out_features = gemm_dims_per_rank(module, fqn, tp, split_of)
         return in_features % 16 == 0 and out_features % 16 == 0
 
     return eligible
@@ -107,7 +126,9 @@ def apply_float8(model: nn.Module, *, recipe: str, fsdp_float8_all_gather: bool,
     else:
         config = Float8LinearConfig.from_recipe_name(recipe)
     before = sum(1 for _, m in model.named_modules() if isinstance(m, nn.Linear))
-    convert_to_float8_training(model, module_filter_fn=float8_filter(tp), config=config)
+    splits = linear_splits(model) if tp > 1 else None
+    keep = float8_filter(tp, splits, family_of(model).plan.float8_skip)
+    convert_to_float8_training(model, module_filter_fn=keep, config=config)
     after = sum(1 for _, m in model.named_modules() if type(m) is nn.Linear)
     swapped = before - after
     log.info("float8 (%s) on %d linear layers (%d kept in high precision)", recipe, swapped, after)

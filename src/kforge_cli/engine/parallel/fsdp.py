@@ -1,4 +1,4 @@
-"""FSDP2 (``fully_shard``) per Transformer block and at the root, with mixed precision.
+"""FSDP2 (``fully_shard``) per block (the family's ``layers``) and at the root, with mixed precision.
 
 Every parameter is sharded over the data-parallel mesh (HSDP when it is 2-D: sharded
 within ``dp_shard``, replicated across ``dp_replicate``). Each block is its own
@@ -20,6 +20,7 @@ import torch
 from torch import nn
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
+from kforge_cli.engine.families.base import BLOCKS
 from kforge_cli.settings import JobSettings
 
 
@@ -43,9 +44,9 @@ def resolve_reshard_after_forward(settings: JobSettings) -> bool:
 
 
 def apply_fsdp(model: nn.Module, mesh: Any, *, param_dtype: torch.dtype, reshard_after_forward: bool) -> None:
-    """``fully_shard`` each block of ``model`` (a Transformer or pipeline stage), then the root."""
+    """``fully_shard`` each block of ``model`` (a family's model or pipeline stage), then the root."""
     policy = mixed_precision_policy(param_dtype)
-    blocks = list(cast(nn.ModuleDict, model.layers).values())
+    blocks = list(cast(nn.ModuleDict, model.get_submodule(BLOCKS)).values())
     for i, block in enumerate(blocks):
         # The last block's parameters are needed again at once by the backward: keep them.
         last = i == len(blocks) - 1

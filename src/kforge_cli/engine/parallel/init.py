@@ -22,7 +22,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor, distribute_tensor
 from torch.overrides import TorchFunctionMode
 
-from kforge_cli.engine.model import Transformer
+from kforge_cli.engine.families.registry import family_for
 from kforge_cli.settings.training import ModelSettings
 
 # Ops that only read metadata of a shadow parameter, passed through untouched.
@@ -87,7 +87,7 @@ def init_sharded(
     ``modules`` are the model or its pipeline stages; their parameter names must be the
     full model's (``layers.<global index>...``). Call with the RNG seeded as for the
     single-process build; the RNG ends where the single-process init leaves it. ``shadow``
-    is a meta-device copy of the full model (default ``Transformer(cfg)``; a VLM passes its own).
+    is a meta-device copy of the full model (default: ``cfg``'s family's ``meta_model``; a VLM passes its own).
     """
     modules = list(modules)
     real: dict[str, torch.Tensor] = {}
@@ -103,8 +103,7 @@ def init_sharded(
                 raise ValueError(f"parameter {name} is held by two pipeline stages")
             real[name] = param
     if shadow is None:
-        with torch.device("meta"):
-            shadow = Transformer(cfg)
+        shadow = family_for(cfg).meta_model(cfg)
     by_id = {id(p): (n, p) for n, p in shadow.named_parameters()}
     replay = _ReplayInit(by_id, real, device)
     with replay, torch.no_grad():

@@ -2,8 +2,8 @@
 
 The blocks are split into ``pp * pp_stages_per_rank`` consecutive stages (layers that
 do not divide evenly go to the earliest stages, which also carry the embedding); the
-last stage carries the final norm and the head. A stage is the Transformer itself with
-the blocks it does not own deleted, so its parameter names stay those of the full
+last stage carries the final norm and the head (the family's ``plan.first_stage`` and
+``plan.last_stage`` modules). A stage is the family's model itself with the blocks it does not own deleted, so its parameter names stay those of the full
 model (``layers.<global index>...``), which keeps checkpoints independent of the
 pipeline layout.
 
@@ -21,7 +21,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from kforge_cli.engine.model import Transformer
+from kforge_cli.engine.families.base import BLOCKS
+from kforge_cli.engine.families.registry import family_for, family_of
 from kforge_cli.settings import JobSettings
 from kforge_cli.settings.pipeline_schedules import schedule_facts
 from kforge_cli.settings.training import ModelSettings
@@ -54,41 +55,33 @@ def stage_owner(stage_id: int, pp_size: int, schedule: str) -> int:
     return stage_id % pp_size
 
 
-def build_stage_module(cfg: ModelSettings, layer_ids: list[int], *, first: bool, last: bool) -> Transformer:
-    """A Transformer on the meta device holding only ``layer_ids`` (+ embedding if first, norm/head if last)."""
-    with torch.device("meta"):
-        stage = Transformer(cfg)
-    keep = {str(i) for i in layer_ids}
-    for key in list(stage.layers.keys()):
-        if key not in keep:
-            del stage.layers[key]
-    if not first:
-        stage.tok_embeddings = None
-    if not last:
-        stage.norm = None
-        stage.output = None
-    return stage
+def build_stage_module(cfg: ModelSettings, layer_ids: list[int], *, first: bool, last: bool) -> nn.Module:
+    """The model of ``cfg``'s family on the meta device holding only ``layer_ids`` (+ the family's
+    first-stage modules if ``first``, its last-stage ones if ``last``): ``ModelFamily.build_stage``."""
+    return family_for(cfg).build_stage(cfg, layer_ids, first=first, last=last)
 
 
 class PipelineModel(nn.Module):
     """This rank's stages seen as one module (for the optimizer, clipping and checkpoints).
 
-    It shares the stages' submodules, so its parameter names are the full model's
-    (``tok_embeddings``, ``layers.<i>``, ``norm``, ``output``) whatever the layout. It
+    It shares the stages' submodules, so its parameter names are the full model's (the blocks
+    ``layers.<i>``, and the family's first- and last-stage root modules) whatever the layout. It
     cannot be called: the pipeline schedule runs the stages.
     """
 
     def __init__(self, stages: list[nn.Module]) -> None:
         super().__init__()
         self.stage_modules = stages  # plain list: not registered, so no "stage_modules." prefix
-        self.layers = nn.ModuleDict()
-        self.tok_embeddings: nn.Module | None = None
-        self.norm: nn.Module | None = None
-        self.output: nn.Module | None = None
+        setattr(self, BLOCKS, nn.ModuleDict())
+        blocks = self.get_submodule(BLOCKS)
+        plan = family_of(stages[0]).plan
+        roots = plan.first_stage + plan.last_stage
+        for name in roots:
+            setattr(self, name, None)
         for stage in stages:
-            for key, block in stage.layers.items():  # type: ignore[union-attr]
-                self.layers[key] = block
-            for name in ("tok_embeddings", "norm", "output"):
+            for key, block in stage.get_submodule(BLOCKS).named_children():
+                blocks.add_module(key, block)
+            for name in roots:
                 if getattr(stage, name, None) is not None:
                     setattr(self, name, getattr(stage, name))
 

@@ -1,28 +1,30 @@
-"""Tensor parallelism (Megatron style) with sequence parallelism, on DTensor.
+"""Tensor parallelism (Megatron style) with sequence parallelism, on DTensor, from a family's TP rules.
 
-Per block: Q/K/V and the MLP's gate/up (``w1``/``w3``) are column-parallel (each rank
-owns a slice of the heads / hidden units), the attention output ``wo`` and the MLP's
-down projection ``w2`` are row-parallel (partial sums reduced across the TP group).
+A family says, per module path, how TP treats it (``families.base.TPRule``/``TPStyle``); this
+module turns each rule into torch's ``ParallelStyle`` and applies them to the root and to every
+block. In a decoder block the query/key/value projections and the MLP's gate/up are
+column-parallel (each rank owns a slice of the heads / hidden units), the attention output
+and the MLP's down projection row-parallel (partial sums reduced across the TP group).
 With sequence parallelism the norms and the residual stream between blocks are split
 along the sequence, so the all-reduce after a row-parallel layer becomes a
 reduce-scatter and each rank stores 1/tp of the activations outside attention/MLP.
 
 Mixture-of-Experts blocks (no expert-TP, as torchtitan without expert tensor parallelism):
-the shared experts are split like the dense MLP (``w1``/``w3`` column-, ``w2`` row-parallel,
-all-reduced); the router and the routed experts stay whole on every TP rank and run on
-the all-gathered (replicated) tokens, so the TP ranks of a data-parallel rank route the
-same tokens to the same experts (with ``distributed.ep``, each TP rank exchanges them
-with its own EP group, made of ranks at the same TP index). Their gradients are then
-complete and identical on every TP rank (nothing to sum over TP), the expert counts are
-summed over the data-parallel ranks only (TP peers count the same tokens, so summing
-over them would double-count) and the load-balance shares stay those of the global
+the shared experts are split like the dense MLP (column-, then row-parallel, all-reduced:
+``rowwise_replicated``); the router and the routed experts stay whole on every TP rank and run
+on the all-gathered (replicated) tokens (``replicated_region``), so the TP ranks of a
+data-parallel rank route the same tokens to the same experts (with ``distributed.ep``, each
+TP rank exchanges them with its own EP group, made of ranks at the same TP index). Their
+gradients are then complete and identical on every TP rank (nothing to sum over TP), the
+expert counts are summed over the data-parallel ranks only (TP peers count the same tokens, so
+summing over them would double-count) and the load-balance shares stay those of the global
 batch. The price is the routed experts' FLOPs, and the all-to-all, repeated on each TP
 rank. The layer's replicated output is then split to the residual's layout (``Shard(1)``
 under sequence parallelism: a local slice, no communication).
 
-The embedding is vocabulary-parallel (row-wise); the output head is column-parallel.
-With loss parallelism its logits stay sharded over the vocabulary and
-:func:`vocab_parallel_loss_sum` computes the cross-entropy (and z-loss) without
+The embedding is vocabulary-parallel (row-wise, ``vocab_embedding``); the output head is
+column-parallel (``vocab_head``). With loss parallelism its logits stay sharded over the
+vocabulary and :func:`vocab_parallel_loss_sum` computes the cross-entropy (and z-loss) without
 gathering them.
 
 The residual stream stays a *local* tensor of ``T/tp`` positions under sequence
@@ -45,26 +47,24 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed import ProcessGroup
 from torch.distributed._functional_collectives import AsyncCollectiveTensor, wait_tensor
-from torch.distributed.tensor import DTensor, Placement, Replicate, Shard
+from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
     ParallelStyle,
     PrepareModuleInput,
     PrepareModuleInputOutput,
+    PrepareModuleOutput,
     RowwiseParallel,
     SequenceParallel,
     parallelize_module,
 )
 
 from kforge_cli.engine.data.tokens import IGNORE_INDEX
-from kforge_cli.engine.model.moe import MoEFeedForward
+from kforge_cli.engine.families.base import BLOCKS, ModelFamily, TPRule
+from kforge_cli.engine.families.registry import DEFAULT_FAMILY, family_of, get_family
 
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
-
-# Linear layers of a block by how TP splits them (block_plan; float8 eligibility reads the same split).
-COLWISE_LINEARS = ("wq", "wk", "wv", "w1", "w3")  # output features split over the TP ranks
-ROWWISE_LINEARS = ("wo", "w2")  # input features split over the TP ranks
 
 
 def _styles(float8_recipe: str | None) -> tuple[type, type, type]:
@@ -86,87 +86,103 @@ def _styles(float8_recipe: str | None) -> tuple[type, type, type]:
     return ColwiseParallel, RowwiseParallel, PrepareModuleInput
 
 
-def block_plan(
-    block: nn.Module, *, sequence_parallel: bool, float8_recipe: str | None = None
-) -> dict[str, ParallelStyle]:
-    """The parallelize_module plan of one TransformerBlock (``float8_recipe`` None: no float8)."""
+def _present(root: nn.Module, path: str) -> bool:
+    """Whether ``path`` names a module under ``root`` (a pipeline stage sets the ones it lacks to None)."""
+    try:
+        return isinstance(root.get_submodule(path), nn.Module)
+    except AttributeError:
+        return False
+
+
+def torch_style(
+    rule: TPRule, *, sequence_parallel: bool, loss_parallel_on: bool = False, float8_recipe: str | None = None
+) -> ParallelStyle:
+    """torch's ParallelStyle for one family TP rule (see ``families.base.TPStyle``)."""
     colwise, rowwise, prepare_input = _styles(float8_recipe)
     stream = Shard(1) if sequence_parallel else Replicate()
-    plan: dict[str, ParallelStyle] = {
-        "attention": prepare_input(
-            input_layouts=(stream, None, None, None), desired_input_layouts=(Replicate(), None, None, None)
-        ),
-        "attention.wq": colwise(),
-        "attention.wk": colwise(),
-        "attention.wv": colwise(),
-        "attention.wo": rowwise(output_layouts=stream),
-    }
-    if isinstance(block.feed_forward, MoEFeedForward):
-        plan.update(moe_plan(block.feed_forward, stream, colwise, rowwise, prepare_input))
-    else:
-        plan["feed_forward"] = prepare_input(input_layouts=(stream,), desired_input_layouts=(Replicate(),))
-        plan["feed_forward.w1"] = colwise()
-        plan["feed_forward.w2"] = rowwise(output_layouts=stream)
-        if getattr(block.feed_forward, "w3", None) is not None:
-            plan["feed_forward.w3"] = colwise()
-    if sequence_parallel:
-        plan["attention_norm"] = SequenceParallel()
-        plan["ffn_norm"] = SequenceParallel()
-    if getattr(block.attention, "q_norm", None) is not None:
-        # QK-norm weights act on each rank's local heads ([B, T, heads, head_dim]): a
-        # replicated DTensor weight over a head-sharded input gets its gradient summed over TP.
-        plan["attention.q_norm"] = SequenceParallel(sequence_dim=2, use_local_output=True)
-        plan["attention.k_norm"] = SequenceParallel(sequence_dim=2, use_local_output=True)
-    return plan
-
-
-def moe_plan(
-    layer: MoEFeedForward, stream: Placement, colwise: type, rowwise: type, prepare_input: type
-) -> dict[str, ParallelStyle]:
-    """The plan of an MoE feed-forward (see module docstring): TP over the shared experts only.
-
-    The layer gets a plain, all-gathered tensor (the router needs every token of the
-    sequence; a DTensor would not mix with its plain weights) and returns a plain full
-    one, which is sliced to ``stream``. Its input gradient is complete on every TP rank:
-    the routed path's by construction, the shared experts' because their input is made a
-    ``Replicate`` DTensor once, whose ``Partial`` gradient (``w1`` and ``w3`` summed) is
-    all-reduced once on the way back to the plain tensor.
-    """
-    plan: dict[str, ParallelStyle] = {
-        "feed_forward": PrepareModuleInputOutput(
-            input_layouts=(stream,),
-            desired_input_layouts=(Replicate(),),
+    rest = (None,) * (rule.inputs - 1)
+    style = rule.style
+    if style == "colwise":
+        return colwise()
+    if style == "rowwise":
+        return rowwise(output_layouts=stream)
+    if style == "rowwise_replicated":
+        return rowwise(output_layouts=Replicate())
+    if style == "gather_input":
+        return prepare_input(input_layouts=(stream, *rest), desired_input_layouts=(Replicate(), *rest))
+    if style == "replicated_input":
+        return prepare_input(input_layouts=(Replicate(), *rest), desired_input_layouts=(Replicate(), *rest))
+    if style == "replicated_region":
+        # Routed experts (see module docstring): a plain, all-gathered tensor in (the router needs every
+        # token; a DTensor would not mix with its plain weights), a plain full one out, sliced to the
+        # stream. Its input gradient is complete on every TP rank: the routed path's by construction,
+        # the shared experts' because their input is made a Replicate DTensor once (replicated_input),
+        # whose Partial gradient is all-reduced once on the way back to the plain tensor.
+        return PrepareModuleInputOutput(
+            input_layouts=(stream, *rest),
+            desired_input_layouts=(Replicate(), *rest),
             use_local_input=True,
             output_layouts=(Replicate(),),
             desired_output_layouts=(stream,),
             use_local_output=True,
         )
-    }
-    if layer.shared_experts is not None:
-        plan["feed_forward.shared_experts"] = prepare_input(
-            input_layouts=(Replicate(),), desired_input_layouts=(Replicate(),)
-        )
-        plan["feed_forward.shared_experts.w1"] = colwise()
-        plan["feed_forward.shared_experts.w2"] = rowwise(output_layouts=Replicate())
-        if layer.shared_experts.w3 is not None:
-            plan["feed_forward.shared_experts.w3"] = colwise()
-    return plan
-
-
-def _root_plan(model: nn.Module, *, sequence_parallel: bool, loss_parallel_on: bool) -> dict[str, ParallelStyle]:
-    stream = Shard(1) if sequence_parallel else Replicate()
-    plan: dict[str, ParallelStyle] = {}
-    if getattr(model, "tok_embeddings", None) is not None:
-        plan["tok_embeddings"] = RowwiseParallel(input_layouts=Replicate(), output_layouts=stream)
-    if getattr(model, "norm", None) is not None and sequence_parallel:
-        plan["norm"] = SequenceParallel()
-    if getattr(model, "output", None) is not None:
-        plan["output"] = ColwiseParallel(
+    if style == "sequence_norm":
+        return SequenceParallel()
+    if style == "heads_norm":
+        # A norm over each rank's local heads ([B, T, heads, head_dim]): a replicated DTensor weight
+        # over a head-sharded input gets its gradient summed over TP.
+        return SequenceParallel(sequence_dim=2, use_local_output=True)
+    if style == "vocab_embedding":
+        return RowwiseParallel(input_layouts=Replicate(), output_layouts=stream)
+    if style == "vocab_head":
+        return ColwiseParallel(
             input_layouts=stream,
             output_layouts=Shard(-1) if loss_parallel_on else Replicate(),
             use_local_output=not loss_parallel_on,
         )
+    if style == "position_embedding":
+        # Every rank looks up all positions with its whole (replicated) table and keeps its slice of the
+        # stream; the backward all-gathers the output gradient, so the table's gradient is complete.
+        return PrepareModuleOutput(
+            output_layouts=(Replicate(),), desired_output_layouts=(stream,), use_local_output=True
+        )
+    raise ValueError(f"unknown TP style {style!r} (module {rule.path})")
+
+
+def plan_of(
+    root: nn.Module,
+    rules: tuple[TPRule, ...],
+    *,
+    sequence_parallel: bool,
+    loss_parallel_on: bool = False,
+    float8_recipe: str | None = None,
+) -> dict[str, ParallelStyle]:
+    """The parallelize_module plan of ``root`` from a family's rules (absent optional modules skipped)."""
+    plan: dict[str, ParallelStyle] = {}
+    for rule in rules:
+        if rule.sp_only and not sequence_parallel:
+            continue
+        if not _present(root, rule.path):
+            if rule.optional:
+                continue
+            raise ValueError(f"the TP plan names {rule.path!r}, which {type(root).__name__} does not have")
+        plan[rule.path] = torch_style(
+            rule, sequence_parallel=sequence_parallel, loss_parallel_on=loss_parallel_on, float8_recipe=float8_recipe
+        )
     return plan
+
+
+def block_plan(
+    block: nn.Module,
+    *,
+    sequence_parallel: bool,
+    float8_recipe: str | None = None,
+    family: ModelFamily | None = None,
+) -> dict[str, ParallelStyle]:
+    """The parallelize_module plan of one block (``float8_recipe`` None: no float8; ``family`` None: the default)."""
+    family = family if family is not None else get_family(DEFAULT_FAMILY)
+    rules = family.tp_block_plan(block)
+    return plan_of(block, rules, sequence_parallel=sequence_parallel, float8_recipe=float8_recipe)
 
 
 def _inject_positions(
@@ -195,17 +211,17 @@ def apply_tensor_parallel(
     loss_parallel_on: bool,
     float8_recipe: str | None = None,
 ) -> None:
-    """Shard ``model`` (a Transformer or one pipeline stage of it) over ``tp_mesh`` in place."""
-    parallelize_module(
-        model, tp_mesh, _root_plan(model, sequence_parallel=sequence_parallel, loss_parallel_on=loss_parallel_on)
-    )
-    embedding = getattr(model, "tok_embeddings", None)
-    if embedding is not None:
-        embedding.register_forward_hook(_wait_on_output)
-    for block in cast(nn.ModuleDict, model.layers).values():
-        parallelize_module(
-            block, tp_mesh, block_plan(block, sequence_parallel=sequence_parallel, float8_recipe=float8_recipe)
-        )
+    """Shard ``model`` (a family's model or one pipeline stage of it) over ``tp_mesh`` in place, by its
+    family's TP rules (``model.cfg.family``)."""
+    family = family_of(model)
+    root = plan_of(model, family.plan.tp_root, sequence_parallel=sequence_parallel, loss_parallel_on=loss_parallel_on)
+    parallelize_module(model, tp_mesh, root)
+    for rule in family.plan.tp_root:
+        if rule.style == "vocab_embedding" and rule.path in root:
+            model.get_submodule(rule.path).register_forward_hook(_wait_on_output)
+    for block in cast(nn.ModuleDict, model.get_submodule(BLOCKS)).values():
+        plan = block_plan(block, sequence_parallel=sequence_parallel, float8_recipe=float8_recipe, family=family)
+        parallelize_module(block, tp_mesh, plan)
     if sequence_parallel:
         model.register_forward_pre_hook(_inject_positions, with_kwargs=True)
 

@@ -1,4 +1,4 @@
-"""Activation-memory estimate of one rank, from the shapes of a Transformer block.
+"""Activation-memory estimate of one rank, from the shapes of a decoder block (its family's ``activation_shapes``).
 
 Why a formula and not a trace: the plan must answer in seconds for a 70B model on a
 laptop, so nothing is run. The formula counts, tensor by tensor, what autograd keeps
@@ -128,7 +128,7 @@ def block_full_bytes(a: ActivationInputs) -> int:
     """Bytes one block keeps for its backward without activation checkpointing."""
     norms = 2 * _norm_saved(a, a.dim, a.stream_tokens)
     # The inputs of the attention and MLP linears (all-gathered under SP). Autocast casts the fp32
-    # norm output once per linear (wq, wk, wv; w1, w3), FSDP's mixed precision once per norm.
+    # norm output once per linear (query, key, value; gate, up), FSDP's mixed precision once per norm.
     casts = (3 + (2 if a.gated else 1)) if a.autocast else 2
     linear_inputs = casts * a.compute_bytes * a.tokens * a.dim
     return norms + linear_inputs + _attention_saved(a) + _mlp_saved(a) + a.block_weight_copy_bytes
@@ -142,8 +142,10 @@ def block_input_bytes(a: ActivationInputs) -> int:
 def block_op_bytes(a: ActivationInputs) -> int:
     """Selective op-level AC: the block input plus every matmul and SDPA output."""
     n, c, t = a.tokens, a.compute_bytes, a.tp
-    column = c * n * (a.q_dim + 2 * a.kv_dim) // t + c * n * (2 if a.gated else 1) * a.local_ffn  # wq..w1 (, w3)
-    row = 2 * c * n * a.dim  # wo, w2: full-size partial sums before TP's reduction
+    column = (
+        c * n * (a.q_dim + 2 * a.kv_dim) // t + c * n * (2 if a.gated else 1) * a.local_ffn
+    )  # the column-parallel projections
+    row = 2 * c * n * a.dim  # the row-parallel projections: full-size partial sums before TP's reduction
     sdpa = c * n * a.q_dim // t + FP32 * n * a.n_heads // t if a.cuda else 0
     return block_input_bytes(a) + column + row + sdpa
 

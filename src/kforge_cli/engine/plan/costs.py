@@ -15,6 +15,7 @@ from collections import defaultdict
 from collections.abc import Iterable
 from dataclasses import dataclass
 
+from kforge_cli.engine.families.registry import family_for
 from kforge_cli.engine.observe.mfu import peak_flops
 from kforge_cli.engine.plan.sharded_model import ParamShard
 from kforge_cli.settings import JobSettings, ParallelDims
@@ -194,22 +195,16 @@ class Throughput:
     tokens_per_s: float | None
 
 
-def _block_linear_params(cfg: ModelSettings) -> int:
-    d, q, kv, f = cfg.dim, cfg.n_heads * cfg.head_dim, cfg.kv_heads * cfg.head_dim, cfg.resolved_ffn_hidden_dim
-    return 2 * d * q + 2 * d * kv + (3 if cfg.activation == "swiglu" else 2) * d * f
-
-
 def throughput(settings: JobSettings, dims: ParallelDims, compute_dtype: str, mfu: float) -> Throughput:
-    """FLOPs per step (engine.model.flops convention) and the step time at ``mfu`` of the GPU's peak.
+    """FLOPs per step (the model family's count) and the step time at ``mfu`` of the GPU's peak.
 
     With float8, the blocks' linear layers run at the float8 peak and the rest (head,
     attention scores) at the compute dtype's.
     """
-    from kforge_cli.engine.model import flops_per_token
-
     t, m = settings.train, settings.model
+    family = family_for(m)
     tokens = t.tokens_per_step(dims.dp)
-    fpt = flops_per_token(m, t.seq_len)
+    fpt = family.flops_per_token(m, t.seq_len)
     flops = fpt * tokens
     override = settings.metrics.peak_tflops
     peak = override * _T if override is not None else peak_flops(settings.slurm.gpu_type, compute_dtype)
@@ -218,7 +213,7 @@ def throughput(settings: JobSettings, dims: ParallelDims, compute_dtype: str, mf
     seconds = flops / (dims.world_size * peak)
     fp8_peak = peak_flops(settings.slurm.gpu_type, "fp8") if t.float8 and override is None else None
     if fp8_peak is not None:
-        fp8_flops = 6.0 * m.n_layers * _block_linear_params(m) * tokens
+        fp8_flops = 6.0 * m.n_layers * family.block_linear_params(m) * tokens
         seconds = (flops - fp8_flops) / (dims.world_size * peak) + fp8_flops / (dims.world_size * fp8_peak)
     step = seconds / mfu
     return Throughput(tokens, fpt, flops, mfu, peak / _T, step, tokens / step)

@@ -21,6 +21,7 @@ from typing import Any
 
 import torch
 
+from kforge_cli.engine.families.registry import family_for
 from kforge_cli.engine.model.attention_mask import resolve_backend
 from kforge_cli.engine.parallel.build import compute_dtype
 from kforge_cli.engine.parallel.fsdp import resolve_reshard_after_forward
@@ -51,7 +52,6 @@ from kforge_cli.engine.plan.sharded_model import (
 from kforge_cli.engine.runtime.dtypes import dtype_name
 from kforge_cli.errors import InvalidInputError
 from kforge_cli.settings import JobSettings, ParallelDims, resolve_dims
-from kforge_cli.settings.moe import active_ffn_hidden
 
 GIB = 1024**3
 CUDA_RUNTIME_BYTES = 2 * GIB  # CUDA context + NCCL communicators: an allowance, not measured
@@ -122,29 +122,28 @@ class ParallelPlan:
 def _activation_inputs(settings: JobSettings, dims: ParallelDims, compute_bytes: int, cuda: bool) -> ActivationInputs:
     m, t, d = settings.model, settings.train, settings.distributed
     autocast = dims.world_size == 1 and compute_bytes < 4
-    linear_weights = 2 * m.dim * m.n_heads * m.head_dim + 2 * m.dim * m.kv_heads * m.head_dim
-    linear_weights += (3 if m.activation == "swiglu" else 2) * m.dim * active_ffn_hidden(m)
+    shapes = family_for(m).activation_shapes(m, dims.tp)
     ac = t.activation_checkpointing if t.activation_checkpointing != "selective" else f"selective_{t.ac_selective_mode}"
     return ActivationInputs(
         micro_batch=t.batch_size,
         seq_len=t.seq_len,
-        dim=m.dim,
-        q_dim=m.n_heads * m.head_dim,
-        kv_dim=m.kv_heads * m.head_dim,
-        n_heads=m.n_heads,
-        ffn=active_ffn_hidden(m),
-        ffn_local=active_ffn_hidden(m, dims.tp),
-        gated=m.activation == "swiglu",
+        dim=shapes.dim,
+        q_dim=shapes.q_dim,
+        kv_dim=shapes.kv_dim,
+        n_heads=shapes.n_heads,
+        ffn=shapes.ffn,
+        ffn_local=shapes.ffn_local,
+        gated=shapes.gated,
         vocab=m.vocab_size,
-        norm=m.norm,
-        qk_norm=m.qk_norm,
+        norm=shapes.norm,
+        qk_norm=shapes.qk_norm,
         tp=dims.tp,
         sequence_parallel=d.sequence_parallel,
         loss_parallel=d.loss_parallel,
         compute_bytes=compute_bytes,
         autocast=autocast,
         cuda=cuda,
-        block_weight_copy_bytes=compute_bytes * linear_weights if autocast else 0,
+        block_weight_copy_bytes=compute_bytes * shapes.block_linear_weights if autocast else 0,
         loss_chunk=t.loss_chunk_size if dims.tp == 1 else 0,
         document_mask=dense_attention_mask(settings, cuda),
         ac_mode=ac,
@@ -353,4 +352,4 @@ def build_plan(settings: JobSettings, world_size: int, rank: int = 0, *, mfu: fl
 
 def _full_model_params(settings: JobSettings) -> int:
     """Parameters of the whole model (a pipeline rank builds only its stages)."""
-    return settings.model.param_count()
+    return family_for(settings.model).param_count(settings.model)

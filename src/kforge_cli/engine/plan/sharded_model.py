@@ -20,7 +20,8 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor, Shard
 
-from kforge_cli.engine.model import Transformer
+from kforge_cli.engine.families.base import BLOCKS, HEAD
+from kforge_cli.engine.families.registry import family_for
 from kforge_cli.engine.parallel.build import parallelize
 from kforge_cli.engine.parallel.pipeline import (
     build_stage_module,
@@ -33,7 +34,7 @@ from kforge_cli.engine.runtime.dtypes import DTYPES
 from kforge_cli.errors import InvalidInputError
 from kforge_cli.settings import JobSettings, ParallelDims
 
-HEAD_NAME = "output.weight"
+HEAD_NAME = f"{HEAD}.weight"  # the family protocol: the head module is HEAD (families.base)
 
 
 @dataclass(frozen=True)
@@ -61,8 +62,8 @@ class ParamShard:
     def unit(self) -> str:
         """The FSDP unit holding it: ``layers.<i>`` for a block, ``root`` for the rest."""
         parts = self.name.split(".")
-        if len(parts) > 1 and parts[0] == "layers":
-            return f"layers.{parts[1]}"
+        if len(parts) > 1 and parts[0] == BLOCKS:
+            return f"{BLOCKS}.{parts[1]}"
         return "root"
 
 
@@ -207,7 +208,7 @@ def _meta_modules(settings: JobSettings, runtime: RuntimeContext, stage_ids: lis
             from kforge_cli.engine.model.vlm import build_vlm
 
             return [build_vlm(settings)]
-        return [Transformer(settings.model)]
+        return [family_for(settings.model).build(settings.model)]
 
 
 def parallel_modules(

@@ -29,6 +29,7 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor, Shard
 
+from kforge_cli.engine.families.base import BLOCKS
 from kforge_cli.engine.plan.sharded_model import (
     HEAD_NAME,
     MetaBuild,
@@ -249,7 +250,7 @@ def build_template(settings: JobSettings) -> ShardTemplate:
             seen.add(id(p))
             tp_dim, ep_dim = _split_dims(p)
             parts = name.split(".")
-            block = parts[0] == "layers"
+            block = parts[0] == BLOCKS
             spec = ParamSpec(
                 suffix=".".join(parts[2:]) if block else name,
                 shape=tuple(p.shape),

@@ -52,9 +52,9 @@ from torch import nn
 from kforge_cli.engine.checkpoint import CheckpointManager, RunParts
 from kforge_cli.engine.data import TrainData, build_data
 from kforge_cli.engine.data.vlm import build_vlm_data
+from kforge_cli.engine.families.registry import family_for
 from kforge_cli.engine.interop.hf_import import load_hf_weights
 from kforge_cli.engine.interop.mot_convert import maybe_mot_warm_start
-from kforge_cli.engine.model import flops_per_token
 from kforge_cli.engine.observe import (
     ProgressReporter,
     Tracker,
@@ -251,7 +251,7 @@ def assemble(
         checkpointer=checkpointer,
         step_fn=recipe.step(settings, recipe.features(settings)),
         compute_dtype=dtype,
-        flops_per_token=flops_per_token(settings.model, settings.train.seq_len),
+        flops_per_token=family_for(settings.model).flops_per_token(settings.model, settings.train.seq_len),
         peak_flops=device_peak_flops(runtime.device, dtype_name(dtype), settings.metrics.peak_tflops),
         state=state,
         grad_scaler=grad_scaler,

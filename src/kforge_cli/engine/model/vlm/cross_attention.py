@@ -16,8 +16,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from kforge_cli.engine.model.block import TransformerBlock
 from kforge_cli.engine.model.layers import build_norm, reset_norm
-from kforge_cli.engine.model.transformer import TransformerBlock
 from kforge_cli.settings.training import ModelSettings
 
 

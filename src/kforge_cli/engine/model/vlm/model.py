@@ -26,9 +26,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from kforge_cli.engine.model.block import HeadLossFn, TransformerBlock, decoder_head_weight, init_decoder_weights
 from kforge_cli.engine.model.kv_cache import KVCache
 from kforge_cli.engine.model.layers import build_norm, rope_tables
-from kforge_cli.engine.model.transformer import HeadLossFn, TransformerBlock, decoder_head_weight, init_decoder_weights
 from kforge_cli.engine.model.vlm.adapters import build_adapter
 from kforge_cli.engine.model.vlm.cross_attention import CrossAttentionDecoderLayer
 from kforge_cli.engine.model.vlm.mot import MoTBlock, build_routes

@@ -19,9 +19,9 @@ from collections.abc import Sequence
 import torch
 from torch import nn
 
+from kforge_cli.engine.model.block import TransformerBlock
 from kforge_cli.engine.model.kv_cache import KVCache, self_attention
 from kforge_cli.engine.model.layers import apply_rotary_pair
-from kforge_cli.engine.model.transformer import TransformerBlock
 from kforge_cli.settings.training import ModelSettings
 
 Route = tuple[str, torch.Tensor | None]

@@ -1,19 +1,16 @@
-"""How a kforge model's tensors and config become a Hugging Face model's: the text :class:`Layout`
-(Llama, Qwen3, the MoE architectures of ``hf_moe``) and the :class:`ExportPlan` that
-``hf_export`` writes from (``hf_vlm`` has the vision-language one).
+"""How a Llama-family model's tensors and config become a Hugging Face model's: the text
+:class:`Layout` (Llama, Qwen3, the MoE architectures of ``hf_moe``), which ``interop.hf_export``
+and ``interop.hf_vlm`` write from through the family's HF mapping.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from pathlib import Path
-from typing import Any, Protocol
+from typing import Any
 
 import torch
 
-from kforge_cli.engine.checkpoint.errors import CheckpointError
-from kforge_cli.engine.interop.hf_format import hf_config, qwen3_config, to_hf_name, to_hf_qwen3_name
-from kforge_cli.engine.interop.hf_moe import (
+from kforge_cli.engine.families.llama.hf_moe import (
     ERNIE_MOE,
     EXPERT_BIAS,
     EXPERT_DOWN,
@@ -23,7 +20,8 @@ from kforge_cli.engine.interop.hf_moe import (
     moe_config,
     to_hf_moe_name,
 )
-from kforge_cli.engine.interop.hf_tokenizer import ExportedTokenizer
+from kforge_cli.engine.families.llama.hf_names import hf_config, qwen3_config, to_hf_name, to_hf_qwen3_name
+from kforge_cli.errors import CheckpointError
 from kforge_cli.settings.training import ModelSettings
 
 
@@ -94,31 +92,13 @@ def from_interleaved_rope(w: torch.Tensor, heads: int) -> torch.Tensor:
     return w.reshape(heads, rows // heads // 2, 2, cols).transpose(1, 2).reshape(rows, cols).contiguous()
 
 
-class ExportPlan(Protocol):
-    """What `export_hf` needs to know of a model: names, tensor transforms, config, extra files."""
-
-    @property
-    def hf_class(self) -> str: ...
-
-    @property
-    def text_settings(self) -> ModelSettings: ...
-
-    def name(self, key: str) -> str | None: ...
-
-    def tensors(self, key: str, t: torch.Tensor) -> dict[str, torch.Tensor]: ...
-
-    def config(self, torch_dtype: str) -> dict[str, Any]: ...
-
-    def write_extras(self, out: Path, tokenizer: ExportedTokenizer | None) -> None: ...
-
-
 @dataclass(frozen=True)
-class TextPlan:
-    """A text model: its :class:`Layout` and config."""
+class LlamaExport:
+    """The family's :class:`~kforge_cli.engine.families.base.HFExport`: a :class:`Layout` and its config."""
 
     layout: Layout
     fields: dict[str, Any]
-    text_settings: ModelSettings
+    cfg: ModelSettings
 
     @property
     def hf_class(self) -> str:
@@ -131,10 +111,7 @@ class TextPlan:
         return self.layout.tensors(key, t)
 
     def config(self, torch_dtype: str) -> dict[str, Any]:
-        return text_config(self.layout, self.fields, self.text_settings, torch_dtype)
-
-    def write_extras(self, out: Path, tokenizer: ExportedTokenizer | None) -> None:
-        return None
+        return text_config(self.layout, self.fields, self.cfg, torch_dtype)
 
 
 def text_config(layout: Layout, fields: dict[str, Any], cfg: ModelSettings, torch_dtype: str) -> dict[str, Any]:

@@ -30,7 +30,7 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
-from kforge_cli.engine.checkpoint.errors import CheckpointError
+from kforge_cli.errors import CheckpointError
 
 
 @dataclass(frozen=True)
