@@ -29,7 +29,13 @@ def shaping_config(settings: JobSettings) -> dict[str, object]:
     """Dotted key -> JSON value of every model-shaping field (absent VLM sections are None)."""
     out: dict[str, object] = {}
     for name, value in settings.model.model_dump(mode="json").items():
-        if name not in _MODEL_EXCLUDED and not (name == "family" and value == _DEFAULT_FAMILY):
+        if (
+            name not in _MODEL_EXCLUDED
+            and not (name == "family" and value == _DEFAULT_FAMILY)
+            and not (
+                name == "gemma3" and value is None  # absent: runs written before the gemma3 family resume
+            )
+        ):
             out[f"model.{name}"] = value
     for section in ("vision_encoder", "adapter"):
         sub = getattr(settings, section)

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 
 from kforge_cli.errors import ConfigError, ConfigIssue
 from kforge_cli.settings.context_parallel import context_parallel_issues
+from kforge_cli.settings.gemma3 import gemma3_issues
 from kforge_cli.settings.job import JobSettings
 from kforge_cli.settings.moe import ep_dp_shard_issues, expert_parallel_issues, moe_issues
 from kforge_cli.settings.pipeline_schedules import schedule_facts
@@ -84,6 +85,7 @@ def config_issues(s: JobSettings) -> list[ConfigIssue]:
     ):
         out.append(ConfigIssue("train.ac_every_n_blocks", f"exceeds model.n_layers ({m.n_layers})"))
     out += moe_issues(m) + expert_parallel_issues(m, s.distributed.ep, s.distributed.dp_shard)
+    out += gemma3_issues(m, s.distributed.cp_attention)
     if m.attention == "flex" and t.device == "cpu":
         out.append(ConfigIssue("model.attention", FLEX_CPU))
     if s.profiling.memory_snapshot_steps and t.device == "cpu":

@@ -6,6 +6,7 @@ from typing import Annotated, Literal
 
 from pydantic import Field
 
+from kforge_cli.settings.gemma3 import Gemma3Settings
 from kforge_cli.settings.moe import MoESettings, ffn_params
 from kforge_cli.settings.section import Section, field
 
@@ -18,7 +19,7 @@ class ModelSettings(Section):
 
     family: str = field(
         "llama",
-        "Model family (engine/families): llama (Llama/Qwen3, dense or MoE), gpt2, or one a package registers.",
+        "Model family (engine/families): llama (Llama/Qwen3, dense or MoE), gemma3, gpt2, or one a package registers.",
         min_length=1,
     )
     dim: int = field(256, "Hidden size of the residual stream.", gt=0)
@@ -42,6 +43,7 @@ class ModelSettings(Section):
     tie_embeddings: bool = field(False, "Share the token embedding with the output head.")
     init_std: float = field(0.02, "Std of the normal initialisation of weights.", gt=0)
     moe: MoESettings | None = field(None, "Mixture-of-Experts feed-forward layers (None = a dense model).")
+    gemma3: Gemma3Settings | None = field(None, "Gemma 3's local/global attention layout (model.family = gemma3 only).")
     attention: Literal["sdpa", "flex", "auto"] = field(
         "auto",
         "Attention kernel: sdpa, flex (FlexAttention block mask; CUDA for training), "
@@ -54,6 +56,8 @@ class ModelSettings(Section):
 
     @property
     def head_dim(self) -> int:
+        if self.gemma3 is not None and self.gemma3.head_dim is not None:
+            return self.gemma3.head_dim
         return self.dim // self.n_heads
 
     @property

@@ -30,6 +30,7 @@ DEFAULT_FAMILY = "llama"
 BUILTIN: dict[str, str] = {
     "llama": "kforge_cli.engine.families.llama:FAMILY",
     "gpt2": "kforge_cli.engine.families.gpt2:FAMILY",
+    "gemma3": "kforge_cli.engine.families.gemma3:FAMILY",
 }
 """kforge's own families: name -> ``module:attribute`` of the instance (imported lazily)."""
 

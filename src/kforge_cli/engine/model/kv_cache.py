@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kforge_cli.engine.model.attention_mask import AttentionMask, attend
+from kforge_cli.engine.model.attention_mask import AttentionMask, attend, window_causal_mask
 
 
 class KVCache:
@@ -87,6 +87,7 @@ def self_attention(
     mask: AttentionMask | torch.Tensor | None,
     cache: KVCache | None = None,
     owner: nn.Module | None = None,
+    scale: float | None = None,
 ) -> torch.Tensor:
     """SDPA over ``[B, H, T, hd]`` tensors: causal, or `mask` (True = attend); with `cache`, over the cache.
 
@@ -96,19 +97,21 @@ def self_attention(
     cached positions gets an explicit mask (SDPA's ``is_causal`` aligns to the top-left).
     """
     if cache is None:
-        return attend(q, k, v, mask)  # training and plain forwards: SDPA causal, dense mask, or flex
+        return attend(q, k, v, mask, scale)  # training and plain forwards: SDPA causal, dense mask, or flex
     gqa = q.shape[1] != k.shape[1]
+    window = None
     if isinstance(mask, AttentionMask) and mask.kind == "causal" and mask.shard is None:
-        mask = None  # plain causal: the cache decides the masking
+        window = mask.window
+        mask = None  # plain causal (or a sliding window): the cache decides the masking
     if mask is not None:
         raise ValueError("KV-cache decoding takes no attention mask (document masking is for packed training data)")
     assert owner is not None
     past, new = cache.length, q.shape[2]
     k, v = cache.extend(owner, k, v)
-    if past == 0:
-        return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
-    if new == 1:
-        return F.scaled_dot_product_attention(q, k, v, enable_gqa=gqa)
+    if window is None and past == 0:
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa, scale=scale)
+    if window is None and new == 1:
+        return F.scaled_dot_product_attention(q, k, v, enable_gqa=gqa, scale=scale)
     keys = torch.arange(past + new, device=q.device)
-    chunk_mask = keys[None, :] <= (past + torch.arange(new, device=q.device))[:, None]
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=chunk_mask, enable_gqa=gqa)
+    chunk_mask = window_causal_mask(past + torch.arange(new, device=q.device), keys, window)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=chunk_mask, enable_gqa=gqa, scale=scale)
