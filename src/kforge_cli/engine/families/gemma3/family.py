@@ -45,9 +45,9 @@ BLOCK_TP = (
     TPRule("feed_forward.w3", "colwise"),
     TPRule("feed_forward.w2", "rowwise"),
     TPRule("attention_norm", "sequence_norm", sp_only=True),
-    TPRule("post_attention_norm", "sequence_norm", sp_only=True),
+    TPRule("post_attention_norm", "sequence_norm_residual", sp_only=True),
     TPRule("ffn_norm", "sequence_norm", sp_only=True),
-    TPRule("post_ffn_norm", "sequence_norm", sp_only=True),
+    TPRule("post_ffn_norm", "sequence_norm_residual", sp_only=True),
 )
 
 
