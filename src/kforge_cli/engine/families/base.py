@@ -53,7 +53,7 @@ TPStyle = Literal[
     "replicated_input",  # a module whose input is already replicated (made a Replicate DTensor)
     "replicated_region",  # plain, all-gathered input in, plain full output out, sliced to the stream's layout
     "sequence_norm",  # a norm over the residual stream, split along the sequence under SP
-    "sequence_norm_residual",  # as sequence_norm, its output a plain tensor added to the stream (a post-norm)
+    "sequence_local",  # a per-position module on the stream (replicated weights), sequence-split under SP, local out
     "heads_norm",  # a norm over each rank's local heads ([B, T, heads, head_dim]); a replicated weight
     "vocab_embedding",  # the token embedding, split over vocabulary rows (root only)
     "vocab_head",  # the output head, split over the vocabulary (loss-parallel aware; root only)

@@ -128,8 +128,7 @@ def torch_style(
         )
     if style == "sequence_norm":
         return SequenceParallel()
-    if style == "sequence_norm_residual":
-        # A post-norm (Gemma): its output is added to the residual stream, which is a plain local tensor.
+    if style == "sequence_local":
         return SequenceParallel(use_local_output=True)
     if style == "heads_norm":
         # A norm over each rank's local heads ([B, T, heads, head_dim]): a replicated DTensor weight

@@ -30,8 +30,9 @@ PLAN = ParallelPlan(
 )
 
 # Megatron-style TP with SP: Q/K/V and the MLP's gate/up column-parallel, the outputs row-parallel
-# (reduced or reduce-scattered to the stream's layout, so the post-norms run on it), the four block
-# norms on the sequence-split stream, QK-norm per local head.
+# (reduced or reduce-scattered to the stream's layout), the four block norms on the sequence-split
+# stream (the post-norms with a plain local output: it is added to the residual stream), QK-norm per
+# local head.
 BLOCK_TP = (
     TPRule("attention", "gather_input", inputs=4),  # (x, cos, sin, mask): only x is the stream
     TPRule("attention.wq", "colwise"),
@@ -45,9 +46,9 @@ BLOCK_TP = (
     TPRule("feed_forward.w3", "colwise"),
     TPRule("feed_forward.w2", "rowwise"),
     TPRule("attention_norm", "sequence_norm", sp_only=True),
-    TPRule("post_attention_norm", "sequence_norm_residual", sp_only=True),
+    TPRule("post_attention_norm", "sequence_local", sp_only=True),
     TPRule("ffn_norm", "sequence_norm", sp_only=True),
-    TPRule("post_ffn_norm", "sequence_norm_residual", sp_only=True),
+    TPRule("post_ffn_norm", "sequence_local", sp_only=True),
 )
 
 
