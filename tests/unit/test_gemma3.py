@@ -123,7 +123,9 @@ def test_import_from_transformers_warm_starts_and_trains_on(tmp_path: Path) -> N
         vocab_size=96, hidden_size=48, intermediate_size=64, num_hidden_layers=4, num_attention_heads=4,
         num_key_value_heads=2, head_dim=16, max_position_embeddings=64, sliding_window=5, query_pre_attn_scalar=16,
         sliding_window_pattern=2, rope_theta=50_000.0, rope_local_base_freq=5_000.0, initializer_range=0.2,
+        rope_scaling={"rope_type": "linear", "factor": 8.0},  # as Gemma 3 4B's global layers
     )  # fmt: skip
+    assert config.rope_parameters["full_attention"]["rope_type"] == "linear"
     hf = transformers.Gemma3ForCausalLM(config).eval()
     with torch.no_grad():
         for name, p in hf.named_parameters():
@@ -143,6 +145,7 @@ def test_import_from_transformers_warm_starts_and_trains_on(tmp_path: Path) -> N
             "--model.tie_embeddings=true", "--model.norm_eps=1e-6", "--model.rope_theta=50000",
             "--model.gemma3.head_dim=16", "--model.gemma3.sliding_window=5", "--model.gemma3.global_every=2",
             "--model.gemma3.rope_local_theta=5000", "--model.gemma3.query_pre_attn_scalar=16",
+            "--model.gemma3.rope_linear_factor=8",
             f"--checkpoint.init_from={tmp_path / 'hf'}",
         ],
         use_env=False,

@@ -28,6 +28,9 @@ class Gemma3Settings(Section):
         6, "Block i attends globally when (i + 1) % global_every == 0, locally otherwise (6: 5 local : 1 global).", gt=0
     )
     rope_local_theta: float = field(10000.0, "RoPE base of the local layers (model.rope_theta: the global ones).", gt=0)
+    rope_linear_factor: float = field(
+        1.0, "Linear RoPE scaling of the global layers: positions divided by this (Gemma 3 4B-27B: 8).", ge=1
+    )
     query_pre_attn_scalar: int | None = field(
         None, "Attention softmax scale is query_pre_attn_scalar ** -0.5 (None = the head width).", gt=0
     )

@@ -121,7 +121,9 @@ class Gemma3Export:
             "rms_norm_eps": c.norm_eps,
             "tie_word_embeddings": c.tie_embeddings,
             "rope_parameters": {
-                "full_attention": {"rope_type": "default", "rope_theta": c.rope_theta},
+                "full_attention": {"rope_type": "default", "rope_theta": c.rope_theta}
+                if g.rope_linear_factor == 1.0
+                else {"rope_type": "linear", "rope_theta": c.rope_theta, "factor": g.rope_linear_factor},
                 "sliding_attention": {"rope_type": "default", "rope_theta": g.rope_local_theta},
             },
             "attention_bias": False,
@@ -156,17 +158,21 @@ def _global_every(types: list[str]) -> int | None:
     return n
 
 
-def _rope_theta(text: dict[str, Any], kind: str, legacy: str, default: float) -> float:
+def _rope(text: dict[str, Any], kind: str, legacy: str, default: float) -> tuple[float, float]:
+    """(theta, linear factor) of one layer kind; the local layers take no scaling, the global ones linear."""
     params = text.get("rope_parameters") or {}
     one = params.get(kind) if isinstance(params, dict) else None
+    if not isinstance(one, dict) and kind == "full_attention" and isinstance(text.get("rope_scaling"), dict):
+        one = {"rope_theta": text.get(legacy, default), **text["rope_scaling"]}  # the transformers 4 layout
+    theta, factor = float(text.get(legacy, default)), 1.0
     if isinstance(one, dict):
-        if one.get("rope_type", "default") != "default":
-            raise CheckpointError(f"rope scaling {one.get('rope_type')!r} of the {kind} layers (kforge has none)")
-        if "rope_theta" in one:
-            return float(one["rope_theta"])
-    if kind == "full_attention" and text.get("rope_scaling"):
-        raise CheckpointError(f"rope_scaling {text['rope_scaling']!r} (kforge has none)")
-    return float(text.get(legacy, default))
+        kind_of = one.get("rope_type", one.get("type", "default"))
+        if kind_of == "linear" and kind == "full_attention":
+            factor = float(one["factor"])
+        elif kind_of != "default":
+            raise CheckpointError(f"rope scaling {kind_of!r} of the {kind} layers (kforge has linear, global layers)")
+        theta = float(one.get("rope_theta", theta))
+    return theta, factor
 
 
 class Gemma3HF:
@@ -206,7 +212,8 @@ class Gemma3HF:
             "head_dim": head_dim,
             "sliding_window": None if every is None else int(text["sliding_window"]),
             "global_every": every or 6,
-            "rope_local_theta": _rope_theta(text, "sliding_attention", "rope_local_base_freq", 10_000.0),
+            "rope_local_theta": _rope(text, "sliding_attention", "rope_local_base_freq", 10_000.0)[0],
+            "rope_linear_factor": _rope(text, "full_attention", "rope_theta", 1_000_000.0)[1],
             "query_pre_attn_scalar": int(text["query_pre_attn_scalar"]),
             "final_logit_softcapping": text.get("final_logit_softcapping"),
         }
@@ -219,7 +226,7 @@ class Gemma3HF:
             "vocab_size": int(text["vocab_size"]),
             "ffn_hidden_dim": int(text["intermediate_size"]),
             "max_seq_len": int(text["max_position_embeddings"]),
-            "rope_theta": _rope_theta(text, "full_attention", "rope_theta", 1_000_000.0),
+            "rope_theta": _rope(text, "full_attention", "rope_theta", 1_000_000.0)[0],
             "norm": "rmsnorm",
             "norm_eps": float(text["rms_norm_eps"]),
             "activation": "gelu",

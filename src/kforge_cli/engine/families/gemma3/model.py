@@ -33,6 +33,20 @@ def gemma_settings(cfg: ModelSettings) -> Gemma3Settings:
     return cfg.gemma3 if cfg.gemma3 is not None else Gemma3Settings()
 
 
+def global_rope_tables(
+    head_dim: int, max_seq_len: int, theta: float, factor: float, device: torch.device | str
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """fp32 ``(cos, sin)`` of the global layers: :func:`rope_tables` with linear scaling (the inverse
+    frequencies divided by ``factor``, as transformers' ``linear`` rope type computes them)."""
+    if factor == 1.0:
+        return rope_tables(head_dim, max_seq_len, theta, device)
+    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, device=device, dtype=torch.float32) / head_dim))
+    inv_freq = inv_freq / factor
+    angles = torch.outer(torch.arange(max_seq_len, device=device, dtype=torch.float32), inv_freq)
+    emb = torch.cat((angles, angles), dim=-1)
+    return emb.cos(), emb.sin()
+
+
 class GemmaRMSNorm(nn.Module):
     """``x / rms(x) * (1 + weight)`` in fp32, cast back to the input's dtype; weight starts at zero."""
 
@@ -174,7 +188,9 @@ class Gemma3Transformer(nn.Module):
     def rope_buffers(self, device: torch.device | str) -> dict[str, torch.Tensor]:
         """The fp32 RoPE tables of both layer kinds on ``device`` (derived from the config)."""
         g = gemma_settings(self.cfg)
-        cos, sin = rope_tables(self.cfg.head_dim, self.cfg.max_seq_len, self.cfg.rope_theta, device)
+        cos, sin = global_rope_tables(
+            self.cfg.head_dim, self.cfg.max_seq_len, self.cfg.rope_theta, g.rope_linear_factor, device
+        )
         lcos, lsin = rope_tables(self.cfg.head_dim, self.cfg.max_seq_len, g.rope_local_theta, device)
         return {"rope_cos": cos, "rope_sin": sin, "rope_local_cos": lcos, "rope_local_sin": lsin}
 
