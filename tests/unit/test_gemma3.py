@@ -312,3 +312,24 @@ def test_llama_fingerprints_do_not_see_the_new_section() -> None:
 
     assert "model.gemma3" not in shaping_config(load_settings(use_env=False).settings)
     assert shaping_config(settings())["model.gemma3"]["sliding_window"] == 6
+
+
+def test_plan_of_the_4b_profile_is_exact_against_the_meta_build() -> None:
+    """FSDP over 8 GPUs: every tensor sharded 8 ways along dim 0 (padded up), fp32 master weights,
+    AdamW's two fp32 moments plus a step counter per tensor; Gemma 3 4B's text model is 3.88B."""
+    import math
+
+    from kforge_cli.engine.plan.planner import build_plan
+
+    s = load_settings(profile="gemma3-4b-h100x8", use_env=False).settings
+    family = get_family("gemma3")
+    params = dict(family.meta_model(s.model).named_parameters())
+    assert sum(p.numel() for p in params.values()) == family.param_count(s.model) == 3_880_263_168
+    local = sum(math.ceil(p.shape[0] / 8) * (p.numel() // p.shape[0]) for p in params.values())
+    for rank in (0, 7):
+        plan = build_plan(s, 8, rank)
+        assert plan.total_params == family.param_count(s.model)
+        assert plan.local_params == local == 485_032_896
+        assert plan.item("parameters").bytes == 4 * local
+        assert plan.item("optimizer state").bytes == 2 * 4 * local + 4 * len(params)
+        assert plan.fits
