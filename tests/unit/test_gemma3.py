@@ -293,12 +293,22 @@ def test_param_count_matches_the_built_model() -> None:
         (["--model.norm=layernorm"], "model.norm"),
         (["--model.gemma3.head_dim=15"], "model.gemma3.head_dim"),
         (["--model.gemma3.global_every=0"], "model.gemma3.global_every"),
+        (["--model.gemma3.final_logit_softcapping=30", "--train.loss_chunk_size=16"], "train.loss_chunk_size"),
+        (["--distributed.cp=2", "--distributed.cp_attention=ring"], "model.gemma3.sliding_window"),
     ],
 )
 def test_rules_name_the_key(extra: list[str], key: str) -> None:
     with pytest.raises(ConfigError) as err:
         settings(*extra)
     assert key in str(err.value)
+
+
+def test_final_logit_softcapping_trains_with_full_logits() -> None:
+    s = settings("--model.gemma3.final_logit_softcapping=3")
+    torch.manual_seed(0)
+    model = get_family("gemma3").build(s.model)
+    logits = model(tokens())
+    assert float(logits.abs().max()) <= 3.0 and s.train.loss_chunk_size == 0
 
 
 def test_gemma3_settings_belong_to_the_family() -> None:

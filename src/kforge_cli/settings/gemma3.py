@@ -69,7 +69,7 @@ class Gemma3Shape(Protocol):
     def gemma3(self) -> Gemma3Settings | None: ...
 
 
-def gemma3_issues(m: Gemma3Shape, cp_attention: str) -> list[ConfigIssue]:
+def gemma3_issues(m: Gemma3Shape, cp_attention: str, loss_chunk_size: int = 0) -> list[ConfigIssue]:
     """Cross-field rules: ``model.gemma3`` belongs to the family; the family's fixed choices."""
     out: list[ConfigIssue] = []
     if m.family != "gemma3":
@@ -90,6 +90,13 @@ def gemma3_issues(m: Gemma3Shape, cp_attention: str) -> list[ConfigIssue]:
         out.append(ConfigIssue("model.qk_norm", "the gemma3 family normalises queries and keys: set it true"))
     if m.moe is not None:
         out.append(ConfigIssue("model.moe", "the gemma3 family has no MoE layers"))
+    if g.final_logit_softcapping is not None and loss_chunk_size:
+        out.append(
+            ConfigIssue(
+                "train.loss_chunk_size",
+                "the chunked loss never forms the logits model.gemma3.final_logit_softcapping caps; unset one of them",
+            )
+        )
     if g.sliding_window is not None and cp_attention == "ring":
         out.append(
             ConfigIssue(

@@ -85,7 +85,7 @@ def config_issues(s: JobSettings) -> list[ConfigIssue]:
     ):
         out.append(ConfigIssue("train.ac_every_n_blocks", f"exceeds model.n_layers ({m.n_layers})"))
     out += moe_issues(m) + expert_parallel_issues(m, s.distributed.ep, s.distributed.dp_shard)
-    out += gemma3_issues(m, s.distributed.cp_attention)
+    out += gemma3_issues(m, s.distributed.cp_attention, t.loss_chunk_size)
     if m.attention == "flex" and t.device == "cpu":
         out.append(ConfigIssue("model.attention", FLEX_CPU))
     if s.profiling.memory_snapshot_steps and t.device == "cpu":
