@@ -199,3 +199,12 @@ def test_kv_cache_decoding_equals_the_full_forward() -> None:
             model(tokens[:, i : i + 1], kv_cache=cache) for i in range(8, 12)
         ]
     torch.testing.assert_close(torch.cat(steps, dim=1), full, rtol=1e-5, atol=1e-5)
+
+
+def test_the_default_family_keeps_the_fingerprint_of_runs_before_families() -> None:
+    """A Llama run's shaping config has no model.family (its checkpoints resume as before); gpt2's has it."""
+    from kforge_cli.rundir.fingerprint import shaping_config
+
+    llama = shaping_config(load_settings(overrides=list(tiny.CPU_FP32)).settings)
+    assert not any(k == "model.family" for k in llama)
+    assert shaping_config(_settings())["model.family"] == "gpt2"

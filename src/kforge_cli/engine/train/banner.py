@@ -14,6 +14,7 @@ import os
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from kforge_cli.engine.families.registry import family_for
 from kforge_cli.engine.observe.curves import RESUMED
 from kforge_cli.engine.runtime import RuntimeContext
 from kforge_cli.errors import KforgeError
@@ -43,8 +44,10 @@ def params_text(n: float) -> str:
 
 def model_line(settings: JobSettings) -> str:
     m = settings.model
-    total = m.param_count() + sum(v for v in vision_param_counts(settings).values() if v is not None)
-    active = m.param_count(active=True) + (total - m.param_count())
+    family = family_for(m)
+    text = family.param_count(m)
+    total = text + sum(v for v in vision_param_counts(settings).values() if v is not None)
+    active = family.param_count(m, active=True) + (total - text)
     size = f"{params_text(total)} parameters" + (
         f" ({params_text(active)} active per token)" if active != total else ""
     )
@@ -180,7 +183,7 @@ def start_banner(
 
 def building_line(settings: JobSettings, runtime: RuntimeContext) -> str:
     """The line shown while the model and data are built (seconds on a CPU, minutes for a large model)."""
-    total = settings.model.param_count()
+    total = family_for(settings.model).param_count(settings.model)
     return f"building the model ({params_text(total)} parameters) and the data on {runtime.device} ..."
 
 
