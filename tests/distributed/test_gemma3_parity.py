@@ -33,6 +33,10 @@ GEMMA3 = [
 UNTIED = [*GEMMA3, "--model.tie_embeddings=false"]
 CASES: dict[str, tuple[list[str], list[str]]] = {
     "gemma3_fsdp": (GEMMA3, [*GEMMA3, "--train.batch_size=4"]),
+    "gemma3_hsdp_replicate": (
+        [*GEMMA3, "--distributed.dp_replicate=2", "--distributed.dp_shard=1"],
+        [*GEMMA3, "--train.batch_size=4"],
+    ),
     "gemma3_fsdp_ac_full": ([*GEMMA3, "--train.activation_checkpointing=full"], [*GEMMA3, "--train.batch_size=4"]),
     "gemma3_tp": ([*UNTIED, "--distributed.tp=2"], UNTIED),
     "gemma3_tp_no_sp": (
@@ -51,6 +55,7 @@ CASES: dict[str, tuple[list[str], list[str]]] = {
 # gradients, not a missing reduction (which would show from step 1). Those cases get 1e-4.
 GRAD_NORM_REL = {
     "gemma3_fsdp": REL,
+    "gemma3_hsdp_replicate": REL,
     "gemma3_fsdp_ac_full": REL,
     "gemma3_cp": REL,
     "gemma3_tp": 1e-4,
