@@ -28,10 +28,10 @@ def export_hf(
         ),
     ] = None,
 ) -> None:
-    """Write the checkpoint as the transformers model that holds it exactly (Llama, Qwen3, Qwen3-MoE, GLM-4-MoE, ERNIE-4.5-MoE, DeepSeek-V3, LLaVA), on CPU.
+    """Write the checkpoint as the transformers model that holds it exactly (Llama, Qwen3, Qwen3-MoE, GLM-4-MoE, ERNIE-4.5-MoE, DeepSeek-V3, Gemma 3, LLaVA), on CPU.
 
-    Dense: LlamaForCausalLM (Qwen3ForCausalLM with QK-norm). Vision-language (joint
-    decoder): LlavaForConditionalGeneration.
+    Dense: LlamaForCausalLM (Qwen3ForCausalLM with QK-norm); model.family = gemma3:
+    Gemma3ForCausalLM. Vision-language (joint decoder): LlavaForConditionalGeneration.
 
     MoE: Qwen3MoeForCausalLM (softmax router, QK-norm, no shared experts or selection bias),
     Glm4MoeForCausalLM (sigmoid router: DeepSeek-V3 routing, shared experts, bias, groups) or

@@ -22,8 +22,9 @@ _MODEL_EXCLUDED = frozenset({"init_std", "attention", "mtp_loss_weight"})
 # `model.family` shapes the model, but runs written before families existed are all Llama: the
 # default family is left out, so their fingerprints (and resumes) stay what they were.
 _DEFAULT_FAMILY = "llama"
-# Likewise the DeepSeek-V3 fields at their defaults (no latent attention, no MTP modules).
-_ABSENT_DEFAULTS = {"family": _DEFAULT_FAMILY, "mla": None, "mtp_depth": 0}
+# Likewise the DeepSeek-V3 and Gemma 3 fields at their defaults (no latent attention, no MTP modules, no
+# local/global layout): runs written before those families resume.
+_ABSENT_DEFAULTS = {"family": _DEFAULT_FAMILY, "mla": None, "mtp_depth": 0, "gemma3": None}
 _VLM_SHAPING = ("arch", "cross_attention_every", "modalities")
 
 

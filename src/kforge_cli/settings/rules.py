@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from kforge_cli.errors import ConfigError, ConfigIssue
 from kforge_cli.settings.context_parallel import context_parallel_issues
+from kforge_cli.settings.gemma3 import gemma3_issues
 from kforge_cli.settings.infrastructure import MAX_WORLD_SIZE
 from kforge_cli.settings.job import JobSettings
 from kforge_cli.settings.mla import deepseek_v3_issues
@@ -112,6 +113,7 @@ def config_issues(s: JobSettings) -> list[ConfigIssue]:
                 "not supported with distributes.distributed.cp > 1: set mtp_depth = 0, or cp = 1",
             )
         )
+    out += gemma3_issues(m, s.distributed.cp_attention, t.loss_chunk_size)
     if m.attention == "flex" and t.device == "cpu":
         out.append(ConfigIssue("model.attention", FLEX_CPU))
     if s.profiling.memory_snapshot_steps and t.device == "cpu":

@@ -6,6 +6,7 @@ from typing import Annotated, Literal
 
 from pydantic import Field
 
+from kforge_cli.settings.gemma3 import Gemma3Settings
 from kforge_cli.settings.mla import MLASettings
 from kforge_cli.settings.moe import MoESettings, ffn_params
 from kforge_cli.settings.section import Section, field
@@ -19,7 +20,7 @@ class ModelSettings(Section):
 
     family: str = field(
         "llama",
-        "Model family (engine/families): llama (Llama/Qwen3, dense or MoE), deepseek_v3 (MLA, MTP), gpt2, or one a package registers.",
+        "Model family (engine/families): llama (Llama/Qwen3, dense or MoE), deepseek_v3 (MLA, MTP), gemma3, gpt2, or one a package registers.",
         min_length=1,
     )
     dim: int = field(256, "Hidden size of the residual stream.", gt=0)
@@ -48,6 +49,7 @@ class ModelSettings(Section):
         0, "Multi-token prediction modules: each predicts one token further ahead (0 = off).", ge=0, le=8
     )
     mtp_loss_weight: float = field(0.3, "Weight of the mean multi-token-prediction loss in the total loss.", ge=0)
+    gemma3: Gemma3Settings | None = field(None, "Gemma 3's local/global attention layout (model.family = gemma3 only).")
     attention: Literal["sdpa", "flex", "auto"] = field(
         "auto",
         "Attention kernel: sdpa, flex (FlexAttention block mask; CUDA for training), "
@@ -60,6 +62,8 @@ class ModelSettings(Section):
 
     @property
     def head_dim(self) -> int:
+        if self.gemma3 is not None and self.gemma3.head_dim is not None:
+            return self.gemma3.head_dim
         return self.dim // self.n_heads
 
     @property

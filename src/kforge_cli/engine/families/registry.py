@@ -31,6 +31,7 @@ BUILTIN: dict[str, str] = {
     "llama": "kforge_cli.engine.families.llama:FAMILY",
     "gpt2": "kforge_cli.engine.families.gpt2:FAMILY",
     "deepseek_v3": "kforge_cli.engine.families.deepseek_v3.family:FAMILY",
+    "gemma3": "kforge_cli.engine.families.gemma3:FAMILY",
 }
 """kforge's own families: name -> ``module:attribute`` of the instance (imported lazily)."""
 

@@ -50,6 +50,7 @@ class AttentionMask:
     dense: torch.Tensor | None = None  # [B or 1, 1, Tq, Tk] bool, True = attend
     block_mask: Any = None  # torch BlockMask
     shard: SequenceShard | None = None  # gather K/V over this CP group before attending
+    window: int | None = None  # sliding window: a query sees keys q - window < k <= q (global positions)
 
 
 def resolve_backend(
@@ -89,6 +90,15 @@ def document_causal_mask(doc_ids: torch.Tensor) -> torch.Tensor:
     return (same_doc & causal).unsqueeze(1)
 
 
+def window_causal_mask(q_index: torch.Tensor, k_index: torch.Tensor, window: int | None) -> torch.Tensor:
+    """Boolean ``[Tq, Tk]``: key ``k`` at or before query ``q`` (global positions) and, with a
+    ``window``, fewer than ``window`` positions back (``q - window < k <= q``, transformers' rule)."""
+    keep = k_index[None, :] <= q_index[:, None]
+    if window is not None:
+        keep = keep & (k_index[None, :] > q_index[:, None] - window)
+    return keep
+
+
 def _flex_block_mask(
     q_index: torch.Tensor | None,
     k_index: torch.Tensor | None,
@@ -98,8 +108,10 @@ def _flex_block_mask(
     q_len: int,
     k_len: int,
     device: torch.device,
+    window: int | None = None,
 ) -> Any:
-    """A BlockMask for causal (within-document) attention; indices map local to global positions.
+    """A BlockMask for causal (within-document, within-``window``) attention; indices map local to
+    global positions.
 
     On CUDA ``create_block_mask`` is compiled once per process (torch 2.13 deprecates its
     ``_compile`` flag, which wraps a fresh ``torch.compile`` on every call): eager, it would
@@ -118,6 +130,8 @@ def _flex_block_mask(
         gq = q if q_index is None else q_index[q]
         gk = kv if k_index is None else k_index[kv]
         keep = gk <= gq
+        if window is not None:
+            keep = keep & (gk > gq - window)
         if q_docs is not None and k_docs is not None:
             keep = keep & (q_docs[b, q] == k_docs[b, kv])
         return keep
@@ -132,55 +146,73 @@ def build_attention_mask(
     device: torch.device,
     doc_ids: torch.Tensor | None = None,
     shard: SequenceShard | None = None,
+    window: int | None = None,
 ) -> AttentionMask:
-    """The mask of one batch ``[B, T_local]``: document-causal when ``doc_ids`` is given, else causal."""
+    """The mask of one batch ``[B, T_local]``: document-causal when ``doc_ids`` is given, else causal;
+    with ``window`` also a sliding window (a key fewer than ``window`` positions before the query,
+    global positions under context parallelism). A windowed mask without documents or a shard is
+    kind ``causal`` with its dense ``[1, 1, T, T]`` mask (a KV cache re-derives it per step)."""
     batch, q_len = tokens_shape
     if shard is not None and shard.ring_mesh is not None:  # validated: causal only, SDPA, CUDA
-        if doc_ids is not None:
-            raise ValueError("ring attention (distributed.cp_attention = 'ring') takes no document mask")
+        if doc_ids is not None or window is not None:
+            raise ValueError("ring attention (distributed.cp_attention = 'ring') takes no document or window mask")
         return AttentionMask("ring", shard=shard)
-    kernel = resolve_backend(backend, device, doc_ids is not None, shard is not None)
+    kernel = resolve_backend(backend, device, doc_ids is not None or window is not None, shard is not None)
     if shard is None:
         if kernel == "flex":
-            bm = _flex_block_mask(None, None, doc_ids, doc_ids, batch, q_len, q_len, device)
-            return AttentionMask("flex", block_mask=bm)
+            bm = _flex_block_mask(None, None, doc_ids, doc_ids, batch, q_len, q_len, device, window)
+            return AttentionMask("flex", block_mask=bm, window=window)
         if doc_ids is None:
-            return AttentionMask("causal")
-        return AttentionMask("dense", dense=document_causal_mask(doc_ids))
+            if window is None:
+                return AttentionMask("causal")
+            pos = torch.arange(q_len, device=device)
+            return AttentionMask("causal", dense=window_causal_mask(pos, pos, window)[None, None], window=window)
+        dense = document_causal_mask(doc_ids)
+        if window is not None:
+            pos = torch.arange(q_len, device=device)
+            dense = dense & window_causal_mask(pos, pos, window)[None, None]
+        return AttentionMask("dense", dense=dense, window=window)
     q_index = shard.query_index(q_len, device)
     k_index = shard.key_index(q_len, device)
     k_docs = gather_sequence_ids(doc_ids, shard) if doc_ids is not None else None
     if kernel == "flex":
-        bm = _flex_block_mask(q_index, k_index, doc_ids, k_docs, batch, q_len, k_index.numel(), device)
-        return AttentionMask("flex", block_mask=bm, shard=shard)
-    dense = (k_index[None, :] <= q_index[:, None]).unsqueeze(0)  # [1, Tq, Tk]
+        bm = _flex_block_mask(q_index, k_index, doc_ids, k_docs, batch, q_len, k_index.numel(), device, window)
+        return AttentionMask("flex", block_mask=bm, shard=shard, window=window)
+    dense = window_causal_mask(q_index, k_index, window).unsqueeze(0)  # [1, Tq, Tk]
     if doc_ids is not None and k_docs is not None:
         dense = dense & (doc_ids.unsqueeze(2) == k_docs.unsqueeze(1))
-    return AttentionMask("dense", dense=dense.unsqueeze(1), shard=shard)
+    return AttentionMask("dense", dense=dense.unsqueeze(1), shard=shard, window=window)
 
 
 def attend(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: AttentionMask | torch.Tensor | None
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    mask: AttentionMask | torch.Tensor | None,
+    scale: float | None = None,
 ) -> torch.Tensor:
     """``[B, H, Tq, hd]`` attention output for q ``[B, H, Tq, hd]``, k/v ``[B, Hkv, Tk, hd]``.
 
     ``mask`` is an :class:`AttentionMask`, a plain boolean tensor (True = attend; the VLM
-    paths build their own), or None for causal attention.
+    paths build their own), or None for causal attention. ``scale``: the softmax scale
+    (None: ``head_dim ** -0.5``).
     """
     gqa = q.shape[1] != k.shape[1]
     if mask is None:
-        return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa, scale=scale)
     if isinstance(mask, torch.Tensor):
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa, scale=scale)
     if mask.kind == "ring" and mask.shard is not None:
+        if scale is not None:
+            raise ValueError("ring attention takes no softmax scale")
         return ring_attention(q, k, v, mask.shard)
     if mask.shard is not None:
         k = gather_sequence(k, mask.shard, dim=2)
         v = gather_sequence(v, mask.shard, dim=2)
-    if mask.kind == "causal":
-        return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
-    if mask.kind == "dense":
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask.dense, enable_gqa=gqa)
-    out = flex_attention_fn(q.device)(q, k, v, block_mask=mask.block_mask, enable_gqa=gqa)
+    if mask.kind == "causal" and mask.dense is None:
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa, scale=scale)
+    if mask.kind in ("dense", "causal"):
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask.dense, enable_gqa=gqa, scale=scale)
+    out = flex_attention_fn(q.device)(q, k, v, block_mask=mask.block_mask, enable_gqa=gqa, scale=scale)
     assert isinstance(out, torch.Tensor)
     return out

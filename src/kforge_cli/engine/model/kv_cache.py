@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kforge_cli.engine.model.attention_mask import AttentionMask, attend
+from kforge_cli.engine.model.attention_mask import AttentionMask, attend, window_causal_mask
 
 
 class KVCache:
@@ -101,12 +101,14 @@ def supports_kv_cache(model: nn.Module) -> bool:
     return any(hasattr(type(m), "kv_cache") for m in model.modules())
 
 
-def check_decoding_mask(mask: AttentionMask | torch.Tensor | None) -> None:
-    """Refuse a mask while decoding with a cache (plain causal is what the cache does itself)."""
+def check_decoding_mask(mask: AttentionMask | torch.Tensor | None) -> int | None:
+    """Refuse a mask while decoding with a cache (plain causal, or causal within a sliding window, is
+    what the cache does itself); the window, if any."""
     if isinstance(mask, AttentionMask) and mask.kind == "causal" and mask.shard is None:
-        return
+        return mask.window
     if mask is not None:
         raise ValueError("KV-cache decoding takes no attention mask (document masking is for packed training data)")
+    return None
 
 
 def self_attention(
@@ -116,31 +118,42 @@ def self_attention(
     mask: AttentionMask | torch.Tensor | None,
     cache: KVCache | None = None,
     owner: nn.Module | None = None,
+    scale: float | None = None,
 ) -> torch.Tensor:
     """SDPA over ``[B, H, T, hd]`` tensors: causal, or `mask` (True = attend); with `cache`, over the cache.
 
     With a cache the new queries attend every cached position plus the new ones causally:
     a prefill (empty cache) is the ordinary causal call; a one-token decode step needs no
     mask and no causal flag (its single query may see every key); a multi-token chunk after
-    cached positions gets an explicit mask (SDPA's ``is_causal`` aligns to the top-left).
+    cached positions gets an explicit mask (SDPA's ``is_causal`` aligns to the top-left). A
+    sliding window always gets the explicit mask.
     """
     if cache is None:
-        return attend(q, k, v, mask)  # training and plain forwards: SDPA causal, dense mask, or flex
-    check_decoding_mask(mask)
+        return attend(q, k, v, mask, scale)  # training and plain forwards: SDPA causal, dense mask, or flex
+    window = check_decoding_mask(mask)
     assert owner is not None
     past = cache.length
     k, v = cache.extend(owner, k, v)
-    return attention_after(q, k, v, past)
+    return attention_after(q, k, v, past, window=window, scale=scale)
 
 
-def attention_after(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, past: int) -> torch.Tensor:
-    """SDPA of new queries ``[B, H, new, hd]`` over ``past`` cached plus the new keys/values (causal)."""
+def attention_after(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    past: int,
+    *,
+    window: int | None = None,
+    scale: float | None = None,
+) -> torch.Tensor:
+    """SDPA of new queries ``[B, H, new, hd]`` over ``past`` cached plus the new keys/values (causal,
+    within ``window`` positions when given)."""
     gqa = q.shape[1] != k.shape[1]
     new = q.shape[2]
-    if past == 0:
-        return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
-    if new == 1:
-        return F.scaled_dot_product_attention(q, k, v, enable_gqa=gqa)
+    if window is None and past == 0:
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa, scale=scale)
+    if window is None and new == 1:
+        return F.scaled_dot_product_attention(q, k, v, enable_gqa=gqa, scale=scale)
     keys = torch.arange(past + new, device=q.device)
-    chunk_mask = keys[None, :] <= (past + torch.arange(new, device=q.device))[:, None]
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=chunk_mask, enable_gqa=gqa)
+    chunk_mask = window_causal_mask(past + torch.arange(new, device=q.device), keys, window)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=chunk_mask, enable_gqa=gqa, scale=scale)

@@ -81,11 +81,14 @@ def _activation_inputs(settings: JobSettings, dims: ParallelDims, compute_bytes:
 
 def dense_attention_mask(settings: JobSettings, cuda: bool) -> bool:
     """Attention runs with a dense SDPA mask (not is_causal, nor FlexAttention's block mask):
-    document masking or context parallelism (local queries, gathered keys) with the sdpa kernel."""
-    d = settings.distributed
+    document masking, a sliding window (model.gemma3) or context parallelism (local queries,
+    gathered keys) with the sdpa kernel."""
+    d, g = settings.distributed, settings.model.gemma3
     docs, sharded = settings.data.document_masking, d.cp > 1 and d.cp_attention == "allgather"
+    windowed = g is not None and g.sliding_window is not None and settings.model.family == "gemma3"
     device = torch.device("cuda" if cuda else "cpu")
-    return (docs or sharded) and resolve_backend(settings.model.attention, device, docs, sharded) == "sdpa"
+    masked = docs or windowed  # a sliding window is a mask like documents (build_attention_mask)
+    return (masked or sharded) and resolve_backend(settings.model.attention, device, masked, sharded) == "sdpa"
 
 
 def param_items(settings: JobSettings, dims: ParallelDims, built: MetaBuild, cbytes: int) -> list[MemoryItem]:
