@@ -38,12 +38,12 @@ import torch
 
 from kforge_cli.engine.checkpoint import CheckpointManager, RunParts
 from kforge_cli.engine.checkpoint.dcp_io import state_nbytes, training_state_dict
+from kforge_cli.engine.checkpoint.run_position import TrainState
 from kforge_cli.engine.parallel import build_parallel_model
 from kforge_cli.engine.runtime import init_runtime
 from kforge_cli.engine.train.optim.optimizer import build_optimizer
 from kforge_cli.engine.train.optim.scheduler import build_scheduler
 from kforge_cli.engine.train.recipe import build_checkpointer
-from kforge_cli.engine.train.train_state import TrainState
 from kforge_cli.settings import load_settings
 
 HERE = Path(__file__).resolve().parent

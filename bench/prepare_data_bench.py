@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from kforge_cli.engine.data.builtin_corpus import generate_documents
-from kforge_cli.engine.data.prepare.pipeline import prepare_data
+from kforge_cli.engine.data.prepare.prepare_run import prepare_data
 
 HERE = Path(__file__).resolve().parent
 

@@ -37,12 +37,12 @@ def saved_case(name: str, overrides: list[str], out_dir: Path) -> dict[str, str]
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
     from kforge_cli.engine.checkpoint import RunParts
+    from kforge_cli.engine.checkpoint.run_position import TrainState
     from kforge_cli.engine.parallel import build_parallel_model
     from kforge_cli.engine.runtime import init_runtime
     from kforge_cli.engine.train.optim.optimizer import build_optimizer
     from kforge_cli.engine.train.optim.scheduler import build_scheduler
     from kforge_cli.engine.train.recipe import build_checkpointer
-    from kforge_cli.engine.train.train_state import TrainState
     from kforge_cli.settings import load_settings
 
     run_dir = Path(out_dir) / name
@@ -153,7 +153,7 @@ def test_a_2_rank_fsdp_checkpoint_generates_what_its_one_process_model_generates
     """Greedy and seeded sampling from the FSDP run dir (KV cache) equal the one-process models' tokens."""
     from kforge_cli import load_model
     from kforge_cli.engine.families.llama import Transformer
-    from kforge_cli.engine.inference.source import open_for_inference
+    from kforge_cli.engine.interop.open_checkpoint import open_for_inference
     from kforge_cli.engine.model.generation import Sampling, generate_tokens
     from kforge_cli.settings import load_settings
 

@@ -67,7 +67,7 @@ TASK = [
 
 def test_in_loop_eval_tasks_over_two_ranks_equal_the_one_process_scores(fsdp_run: Path) -> None:
     from kforge_cli.engine.data.tokenizer import ByteTokenizer
-    from kforge_cli.engine.inference.source import open_for_inference
+    from kforge_cli.engine.interop.open_checkpoint import open_for_inference
     from kforge_cli.engine.model.scoring import continuation_logliks
     from kforge_cli.engine.observe.metrics_file import read_metrics
 

@@ -10,12 +10,12 @@ from typing import Any
 import torch
 
 from kforge_cli.engine.checkpoint import CheckpointManager
+from kforge_cli.engine.checkpoint.run_position import TrainState
 from kforge_cli.engine.observe import Tracker
 from kforge_cli.engine.resilience import NanGuard
 from kforge_cli.engine.runtime import RuntimeContext, init_runtime
 from kforge_cli.engine.train.recipe import Recipe, assemble
 from kforge_cli.engine.train.session import TrainingSession
-from kforge_cli.engine.train.train_state import TrainState
 from kforge_cli.engine.train.update import LossScaler
 from kforge_cli.settings import JobSettings, load_settings
 from tests.helpers.tiny import TINY_MODEL  # a 2-layer, 32-wide GQA model, fp32 on the CPU

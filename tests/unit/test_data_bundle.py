@@ -11,7 +11,7 @@ import torch
 
 from kforge_cli.engine.data import DataBundle, build_data
 from kforge_cli.engine.data.builtin_corpus import generate_documents
-from kforge_cli.engine.data.prepare.pipeline import prepare_data
+from kforge_cli.engine.data.prepare.prepare_run import prepare_data
 from kforge_cli.errors import InvalidInputError
 from kforge_cli.settings import JobSettings
 from kforge_cli.settings.data import DataPhase, DatasetSpec

@@ -16,7 +16,7 @@ datasets = pytest.importorskip("datasets")
 
 from kforge_cli.engine.data.prepare import hf_source  # noqa: E402
 from kforge_cli.engine.data.prepare import inputs as inputs_mod  # noqa: E402
-from kforge_cli.engine.data.prepare.pipeline import prepare_data  # noqa: E402
+from kforge_cli.engine.data.prepare.prepare_run import prepare_data  # noqa: E402
 from kforge_cli.engine.data.shards import load_prepared  # noqa: E402
 from kforge_cli.errors import InvalidInputError  # noqa: E402
 

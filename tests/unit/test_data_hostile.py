@@ -8,7 +8,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from kforge_cli.engine.data.prepare.pipeline import prepare_data
+from kforge_cli.engine.data.prepare.prepare_run import prepare_data
 from kforge_cli.engine.data.shards import load_prepared
 from kforge_cli.errors import InvalidInputError
 
@@ -119,7 +119,7 @@ def test_a_fifo_metadata_json_is_refused_never_read(prepared: Path) -> None:
     the start banner, plot --bits-per-byte): each refuses it, naming the file."""
     import os
 
-    from kforge_cli.engine.inference.bits_per_byte import _prepared
+    from kforge_cli.engine.evaluation.bits_per_byte import _prepared
     from kforge_cli.settings import load_settings
     from kforge_cli.settings.data_check import data_issues
 

@@ -11,7 +11,7 @@ import pytest
 
 from kforge_cli.engine.data.builtin_corpus import generate_documents
 from kforge_cli.engine.data.prepare import inputs as inputs_mod
-from kforge_cli.engine.data.prepare.pipeline import prepare_data
+from kforge_cli.engine.data.prepare.prepare_run import prepare_data
 from kforge_cli.engine.data.shards import load_prepared
 from kforge_cli.errors import InvalidInputError
 

@@ -13,8 +13,8 @@ import numpy as np
 import pytest
 import torch
 
-from kforge_cli.engine.inference.evaluate import multiple_choice, run_task
-from kforge_cli.engine.inference.source import open_for_inference
+from kforge_cli.engine.evaluation.tasks import multiple_choice, run_task
+from kforge_cli.engine.interop.open_checkpoint import open_for_inference
 from kforge_cli.engine.model.scoring import continuation_logliks
 from kforge_cli.engine.observe.metrics_file import read_metrics
 from kforge_cli.errors import InvalidInputError
@@ -69,7 +69,7 @@ def test_heldout_loss_capped_equals_the_runs_own_eval_loss(run_dir: Path) -> Non
 def test_heldout_loss_covers_the_whole_validation_split_by_default(run_dir: Path) -> None:
     from kforge_cli.engine.data.bundle import build_data
     from kforge_cli.engine.data.tokens import make_batch
-    from kforge_cli.engine.inference.evaluate import run_settings
+    from kforge_cli.engine.evaluation.tasks import run_settings
     from kforge_cli.engine.train.loss import build_loss_fn
 
     loaded = open_for_inference(run_dir)
@@ -162,7 +162,7 @@ def test_a_bad_task_file_names_the_line_and_field(run_dir: Path, tmp_path: Path)
 
 def test_lm_eval_adapter_scores_like_our_own_scoring(run_dir: Path) -> None:
     pytest.importorskip("lm_eval")
-    from kforge_cli.engine.inference.lm_eval_adapter import make_adapter
+    from kforge_cli.engine.evaluation.lm_eval_adapter import make_adapter
 
     loaded = open_for_inference(run_dir)
     adapter = make_adapter(loaded)
@@ -179,7 +179,7 @@ def test_heldout_states_its_batch_count_and_a_tokenizer_clash_names_both_tokeniz
     run_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     from kforge_cli.cli.app import main
-    from kforge_cli.engine.data.prepare.pipeline import prepare_data
+    from kforge_cli.engine.data.prepare.prepare_run import prepare_data
     from tests.unit.test_data_tokens import _bpe_file
 
     with pytest.raises(SystemExit) as done:

@@ -13,6 +13,7 @@ import torch.nn.functional as F
 
 from kforge_cli import load_model
 from kforge_cli.engine.checkpoint import RunParts
+from kforge_cli.engine.checkpoint.run_position import TrainState
 from kforge_cli.engine.families.gemma3.model import Gemma3Transformer
 from kforge_cli.engine.families.registry import get_family
 from kforge_cli.engine.interop.hf_export import export_hf
@@ -23,7 +24,6 @@ from kforge_cli.engine.runtime import init_runtime
 from kforge_cli.engine.train.optim.optimizer import build_optimizer
 from kforge_cli.engine.train.optim.scheduler import build_scheduler
 from kforge_cli.engine.train.recipe import build_checkpointer
-from kforge_cli.engine.train.train_state import TrainState
 from kforge_cli.errors import ConfigError
 from kforge_cli.settings import JobSettings, load_settings
 from tests.helpers.tiny_run import tiny_run

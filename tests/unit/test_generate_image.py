@@ -18,8 +18,8 @@ import numpy as np
 import pytest
 import torch
 
-from kforge_cli.engine.inference.generate import generate_text
-from kforge_cli.engine.inference.source import open_for_inference
+from kforge_cli.engine.inference.sampling import generate_text
+from kforge_cli.engine.interop.open_checkpoint import open_for_inference
 from kforge_cli.engine.model.generation import Sampling, generate_tokens
 from kforge_cli.engine.train import run_training
 from tests.unit.test_vlm_model import vlm_settings

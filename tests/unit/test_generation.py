@@ -13,9 +13,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from kforge_cli.engine.inference.generate import generate_text
-from kforge_cli.engine.inference.source import open_for_inference
+from kforge_cli.engine.inference.sampling import generate_text
 from kforge_cli.engine.interop.hf_export import export_hf
+from kforge_cli.engine.interop.open_checkpoint import open_for_inference
 from kforge_cli.engine.model.generation import Sampling, generate_tokens
 from kforge_cli.engine.model.kv_cache import KVCache
 from kforge_cli.errors import InvalidInputError

@@ -16,8 +16,8 @@ from torch import nn
 from kforge_cli.engine.families import registry
 from kforge_cli.engine.families.base import ModelFamily
 from kforge_cli.engine.families.gpt2 import FAMILY, GPT2, GPT2Family
+from kforge_cli.engine.plan.param_shards import chunk_size
 from kforge_cli.engine.plan.planner import build_plan
-from kforge_cli.engine.plan.shards import chunk_size
 from kforge_cli.errors import ConfigError
 from kforge_cli.settings import JobSettings, load_settings
 from tests.helpers import tiny

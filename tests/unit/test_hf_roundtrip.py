@@ -17,13 +17,13 @@ from kforge_cli import load_model
 from kforge_cli.engine.checkpoint import CheckpointError, RunParts
 from kforge_cli.engine.checkpoint.inspection import summarize
 from kforge_cli.engine.checkpoint.reader import open_checkpoint
+from kforge_cli.engine.checkpoint.run_position import TrainState
 from kforge_cli.engine.interop.hf_export import export_hf
 from kforge_cli.engine.parallel import build_parallel_model
 from kforge_cli.engine.runtime import init_runtime
 from kforge_cli.engine.train.optim.optimizer import build_optimizer
 from kforge_cli.engine.train.optim.scheduler import build_scheduler
 from kforge_cli.engine.train.recipe import build_checkpointer
-from kforge_cli.engine.train.train_state import TrainState
 from kforge_cli.settings import load_settings
 from tests.unit.test_inspect_ckpt import TINY, train_and_save
 

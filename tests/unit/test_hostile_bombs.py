@@ -128,8 +128,8 @@ def test_runs_and_plot_stream_a_damaged_metrics_file(tmp_path: Path) -> None:
 def test_a_huge_multiple_choice_context_is_cut_before_it_is_tokenized(
     honest: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from kforge_cli.engine.inference.evaluate import multiple_choice
-    from kforge_cli.engine.inference.source import open_for_inference
+    from kforge_cli.engine.evaluation.tasks import multiple_choice
+    from kforge_cli.engine.interop.open_checkpoint import open_for_inference
 
     task = tmp_path / "big.jsonl"
     record = {"context": "word " * 400_000, "choices": [" a", " b"], "answer": 0}  # 2 MB of context

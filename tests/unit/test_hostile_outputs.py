@@ -81,7 +81,7 @@ def test_a_symlinked_output_is_refused_not_resolved(
 
 
 def test_an_earlier_export_is_replaced_but_not_once_the_user_added_to_it(ckpt: Path, tmp_path: Path) -> None:
-    from kforge_cli.engine.checkpoint.errors import CheckpointError
+    from kforge_cli.engine.checkpoint.checkpoint_errors import CheckpointError
     from kforge_cli.engine.interop.hf_export import EXPORT_MARKER
 
     out = tmp_path / "hf"

@@ -15,8 +15,8 @@ from typing import Any
 
 import pytest
 
+from kforge_cli.common.files import atomic_write
 from kforge_cli.errors import KforgeError
-from kforge_cli.files import atomic_write
 
 SECRET = "ssh-ed25519 AAAA... precious\n"
 

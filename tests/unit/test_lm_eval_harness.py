@@ -13,8 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from kforge_cli.engine.inference.lm_eval_adapter import make_adapter, task_config, task_manager
-from kforge_cli.engine.inference.source import open_for_inference
+from kforge_cli.engine.evaluation.lm_eval_adapter import make_adapter, task_config, task_manager
+from kforge_cli.engine.interop.open_checkpoint import open_for_inference
 from tests.helpers.tiny import model
 
 lm_eval = pytest.importorskip("lm_eval")

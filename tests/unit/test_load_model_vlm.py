@@ -19,6 +19,7 @@ from kforge_cli import load_model
 from kforge_cli.engine.checkpoint import CheckpointError, RunParts
 from kforge_cli.engine.checkpoint.dcp_io import quiet_single_process
 from kforge_cli.engine.checkpoint.reader import open_checkpoint
+from kforge_cli.engine.checkpoint.run_position import TrainState
 from kforge_cli.engine.interop.mot_convert import convert_mot, dense_name
 from kforge_cli.engine.model.vlm import VisionLanguageModel, build_vlm
 from kforge_cli.engine.parallel import build_parallel_model
@@ -30,7 +31,6 @@ from kforge_cli.engine.train.optim.scheduler import build_scheduler
 from kforge_cli.engine.train.recipe import build_checkpointer
 from kforge_cli.engine.train.run_dir import write_config
 from kforge_cli.engine.train.session import TrainingSession
-from kforge_cli.engine.train.train_state import TrainState
 from kforge_cli.settings import JobSettings
 from tests.unit.test_vlm_convert import dense_checkpoint
 from tests.unit.test_vlm_model import inputs, vlm_settings

@@ -309,7 +309,7 @@ def test_pipeline_aux_feed_skips_the_schedules_shape_inference_forward_in_either
     """A pipeline schedule's first step runs one forward per stage on stand-in (zero) activations to
     infer shapes: torch 2.11 under no_grad, 2.13 with grad. Either way it is not a micro-batch (no aux
     gradient, no load) and the step still counts one training forward per micro-batch."""
-    from kforge_cli.engine.train.features.moe import AuxLossFeed
+    from kforge_cli.engine.train.features.moe_aux import AuxLossFeed
 
     torch.manual_seed(0)
     model = Transformer(tiny(bias_update_rate=1e-3, aux_loss_weight=1e-2))

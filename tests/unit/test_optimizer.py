@@ -8,7 +8,7 @@ import pytest
 import torch
 from torch import nn
 
-from kforge_cli.engine.model.names import clean_param_name
+from kforge_cli.engine.model.module_names import clean_param_name
 from kforge_cli.engine.train.optim.lion import Lion
 from kforge_cli.engine.train.optim.muon import Muon, zeropower_via_newtonschulz
 from kforge_cli.engine.train.optim.optimizer import build_optimizer, build_param_groups, use_fused_adamw

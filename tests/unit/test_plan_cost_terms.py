@@ -9,8 +9,8 @@ from kforge_cli.engine.parallel import context_parallel, expert_parallel, fsdp, 
 from kforge_cli.engine.parallel.cost_terms import Traffic
 from kforge_cli.engine.plan.cost_model import StepShape, cost_constants, estimate_step, rank_work
 from kforge_cli.engine.plan.costs import newton_schulz_flops, optimizer_step_bytes
+from kforge_cli.engine.plan.param_shards import build_template, rank_place
 from kforge_cli.engine.plan.search import predict_step
-from kforge_cli.engine.plan.shards import build_template, rank_place
 from kforge_cli.settings import load_settings, resolve_dims
 
 

@@ -15,10 +15,10 @@ import pytest
 
 from kforge_cli.engine.plan.cost_model import HARDWARE, bubble_share, cost_constants
 from kforge_cli.engine.plan.layouts import layout_of
+from kforge_cli.engine.plan.param_shards import build_template, chunk_size
 from kforge_cli.engine.plan.planner import GIB, build_plan
 from kforge_cli.engine.plan.search import format_search, predict_layout, search_layouts
 from kforge_cli.engine.plan.sharded_model import build_meta, fake_process_group
-from kforge_cli.engine.plan.shards import build_template, chunk_size
 from kforge_cli.engine.runtime.mesh import mesh_shape
 from kforge_cli.errors import InvalidInputError
 from kforge_cli.settings import JobSettings, load_settings, resolve_dims

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from kforge_cli.engine.inference.bits_per_byte import bytes_per_token
+from kforge_cli.engine.evaluation.bits_per_byte import bytes_per_token
 from kforge_cli.engine.observe.curves import ema, load_run, plot_runs, si
 from kforge_cli.errors import InvalidInputError
 
@@ -119,7 +119,7 @@ def test_smooth_and_log_y(tmp_path: Path) -> None:
 
 
 def test_bits_per_byte_uses_the_bytes_per_token_recorded_at_prepare_time(tmp_path: Path) -> None:
-    from kforge_cli.engine.data.prepare.pipeline import prepare_data
+    from kforge_cli.engine.data.prepare.prepare_run import prepare_data
 
     text = tmp_path / "d.jsonl"
     text.write_text("\n".join(json.dumps({"text": f"héllo wörld {i}"}) for i in range(200)) + "\n")

@@ -150,7 +150,7 @@ def test_a_symlinked_checkpoints_root_is_refused_before_anything_is_read_written
 def test_eval_results_are_never_written_through_a_planted_link(tmp_path: Path, target: Path) -> None:
     from types import SimpleNamespace
 
-    from kforge_cli.engine.inference.evaluate import write_results
+    from kforge_cli.engine.evaluation.tasks import write_results
 
     run = tmp_path / "run"
     (run / "eval").mkdir(parents=True)

@@ -242,7 +242,7 @@ def test_explain_reports_description_default_value_source() -> None:
 
 
 def test_every_field_has_a_description() -> None:
-    from kforge_cli.settings.loader import _section_class
+    from kforge_cli.settings.config_layers import _section_class
 
     missing = []
     for name, info in JobSettings.model_fields.items():

@@ -23,7 +23,7 @@ from pydantic import BaseModel
 
 from kforge_cli.errors import ConfigError
 from kforge_cli.settings import JobSettings, load_settings
-from kforge_cli.settings.loader import nest
+from kforge_cli.settings.config_layers import nest
 
 NONE = type(None)
 UNBOUNDED: dict[str, str] = {}  # dotted key -> why a numeric field has no natural lower bound

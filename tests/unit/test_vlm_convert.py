@@ -15,6 +15,7 @@ from kforge_cli.engine.checkpoint import (
     load_model_weights,
 )
 from kforge_cli.engine.checkpoint.reader import open_checkpoint, read_tensors
+from kforge_cli.engine.checkpoint.run_position import TrainState
 from kforge_cli.engine.families.llama import Transformer
 from kforge_cli.engine.interop.mot_convert import convert_mot, dense_name, load_dense_into_mot, maybe_mot_warm_start
 from kforge_cli.engine.model.vlm import build_vlm
@@ -23,7 +24,6 @@ from kforge_cli.engine.runtime import init_runtime
 from kforge_cli.engine.train.optim.optimizer import build_optimizer
 from kforge_cli.engine.train.optim.scheduler import build_scheduler
 from kforge_cli.engine.train.recipe import build_checkpointer
-from kforge_cli.engine.train.train_state import TrainState
 from kforge_cli.settings import load_settings
 from tests.unit.test_vlm_model import VLM_TINY, inputs, vlm_settings
 

@@ -7,7 +7,7 @@ import torch
 
 from kforge_cli.engine.model.vlm import build_vlm, check_specs, freeze_mismatch, frozen_names, frozen_specs_at
 from kforge_cli.engine.model.vlm.freeze import freeze_record
-from kforge_cli.engine.train.features.vlm import init_optimizer_state
+from kforge_cli.engine.train.features.vlm_freeze import init_optimizer_state
 from kforge_cli.errors import InvalidInputError
 from kforge_cli.settings.vlm import VLMSettings
 from tests.unit.test_vlm_model import vlm_settings

@@ -18,10 +18,10 @@ from kforge_cli.cli import (
     export_hf,
     generate,
     inspect_ckpt,
+    list_profiles,
     plan,
     plot,
     prepare_data,
-    profiles,
     resume,
     runs,
     train,
@@ -55,7 +55,7 @@ def _root(
 
 for module in (train, resume, convert_mot, inspect_ckpt, export_hf, validate, plan, prepare_data):
     module.register(app)
-for module in (generate, evaluate, plot, runs, profiles):  # after training
+for module in (generate, evaluate, plot, runs, list_profiles):  # after training
     module.register(app)
 apply_readable_help(app)  # docstrings -> whole paragraphs, brackets kept, no literal backticks
 

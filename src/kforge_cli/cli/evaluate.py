@@ -59,8 +59,8 @@ def evaluate(
 ) -> None:
     """Score the checkpoint on each --task; results go to RUN_DIR/eval/step_N.json (and with --track to the
     run's metrics.jsonl and trackers)."""
-    from kforge_cli.engine.inference.evaluate import check_task, log_to_trackers, run_task, task_name, write_results
-    from kforge_cli.engine.inference.source import open_for_inference
+    from kforge_cli.engine.evaluation.tasks import check_task, log_to_trackers, run_task, task_name, write_results
+    from kforge_cli.engine.interop.open_checkpoint import open_for_inference
 
     tasks = task or ["heldout"]  # the run's own validation split
     for spec in tasks:  # printable names; a task file's bounds and code consent, before the checkpoint is loaded

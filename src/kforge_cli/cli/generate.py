@@ -12,7 +12,7 @@ import typer
 if TYPE_CHECKING:
     import torch
 
-    from kforge_cli.engine.inference.source import LoadedCheckpoint
+    from kforge_cli.engine.interop.open_checkpoint import LoadedCheckpoint
 
 
 def register(app: typer.Typer) -> None:
@@ -42,8 +42,8 @@ def _prompts(prompt: list[str] | None, prompt_file: Path | None) -> list[str]:
     Both are read capped at ``MAX_PROMPT_BYTES`` (exit 2 beyond it); --prompt-file only as a
     regular file (``/dev/zero`` or a FIFO is refused unread: pipe text on standard input instead).
     """
+    from kforge_cli.common.files import open_regular
     from kforge_cli.errors import InvalidInputError
-    from kforge_cli.files import open_regular
 
     prompts = list(prompt or [])
     if prompt_file is not None:
@@ -114,8 +114,8 @@ def generate(
     from kforge_cli.errors import InvalidInputError
 
     prompts = _prompts(prompt, prompt_file)
-    from kforge_cli.engine.inference.generate import check_prompts, generate_text
-    from kforge_cli.engine.inference.source import open_for_inference
+    from kforge_cli.engine.inference.sampling import check_prompts, generate_text
+    from kforge_cli.engine.interop.open_checkpoint import open_for_inference
     from kforge_cli.engine.model.generation import Sampling
 
     try:

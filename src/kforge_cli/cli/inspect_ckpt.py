@@ -76,7 +76,7 @@ def _emit(data: _Record, as_json: bool, to_text: Callable[[_Record], str]) -> No
 
 
 def _verify(path: Path, as_json: bool) -> None:
-    from kforge_cli.engine.checkpoint.errors import CheckpointError
+    from kforge_cli.engine.checkpoint.checkpoint_errors import CheckpointError
     from kforge_cli.engine.checkpoint.verify import verify_checkpoint
 
     report = verify_checkpoint(path)

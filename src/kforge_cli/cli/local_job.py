@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING
 import typer
 
 if TYPE_CHECKING:
-    from kforge_cli.settings.loader import ResolvedSettings
+    from kforge_cli.settings.config_layers import ResolvedSettings
 
 
 def run_processes(run_dir: Path) -> int | None:

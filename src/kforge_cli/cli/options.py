@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING, Annotated
 import typer
 
 if TYPE_CHECKING:  # the settings model is imported only when a command runs (`kforge --help` stays fast)
-    from kforge_cli.settings.loader import ResolvedSettings
+    from kforge_cli.settings.config_layers import ResolvedSettings
 
 # Subcommands that accept `--section.key=value` overrides after their own options.
 OVERRIDES = {"allow_extra_args": True, "ignore_unknown_options": True}
@@ -83,7 +83,7 @@ def refuse_underscored_options(args: list[str]) -> None:
 
 def _a_key(name: str) -> bool:
     """``--max_steps``: a setting's name without its section (the settings' own did-you-mean says which)."""
-    from kforge_cli.settings.loader import suggest_key
+    from kforge_cli.settings.config_layers import suggest_key
 
     leaf = name.lstrip("-").replace("-", "_")
     key = suggest_key([leaf])

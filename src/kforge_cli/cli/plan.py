@@ -281,10 +281,10 @@ def calibrate(
     `plan search --write-profile` wrote). No hidden file: the constants apply where a profile says so.
     """
     from kforge_cli.cli.plan_profile import check_profile_target
+    from kforge_cli.common.files import atomic_write, read_text_capped
     from kforge_cli.engine.plan.calibrate import calibrate as fit
     from kforge_cli.engine.plan.calibrate import format_calibration, fragment_toml, plan_toml, with_plan_section
     from kforge_cli.errors import InvalidInputError
-    from kforge_cli.files import atomic_write, read_text_capped
 
     if output is not None and write_profile is not None:
         raise InvalidInputError("give --output or --write-profile, not both")

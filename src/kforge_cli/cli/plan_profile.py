@@ -10,8 +10,8 @@ from kforge_cli.errors import InvalidInputError
 
 def write_best_profile(settings: Any, candidate: Any, path: Path, *, overwrite: bool) -> Path:
     """Write ``candidate`` as a profile extending the one ``settings`` came from (no link followed)."""
+    from kforge_cli.common.files import atomic_write
     from kforge_cli.engine.plan.written_profile import candidate_profile
-    from kforge_cli.files import atomic_write
 
     path = check_profile_target(path, overwrite=overwrite)
     atomic_write(path, candidate_profile(settings, candidate).encode())  # replaces a link, never follows it

@@ -61,7 +61,7 @@ def plot(
 
     scales = None
     if bits_per_byte:
-        from kforge_cli.engine.inference.bits_per_byte import bytes_per_token
+        from kforge_cli.engine.evaluation.bits_per_byte import bytes_per_token
 
         scales = [bytes_per_token(Path(r)) for r in run_dirs]
     plot_runs(run_dirs, out, metric or list(DEFAULT_METRICS), x, smooth=smooth, log_y=log_y, bytes_per_token=scales)

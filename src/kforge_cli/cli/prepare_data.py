@@ -7,7 +7,7 @@ from typing import Annotated
 
 import typer
 
-from kforge_cli.prepare_defaults import (
+from kforge_cli.common.prepare_defaults import (
     PREPARE_SHARD_TOKENS,
     PREPARE_TEXT_FIELD,
     PREPARE_TOKENIZER,
@@ -64,7 +64,7 @@ def prepare_data(
     from rich.console import Console
     from rich.progress import BarColumn, DownloadColumn, Progress, TimeRemainingColumn, TransferSpeedColumn
 
-    from kforge_cli.engine.data.prepare.pipeline import prepare_data as run
+    from kforge_cli.engine.data.prepare.prepare_run import prepare_data as run
 
     err = Console(stderr=True, soft_wrap=True)  # lines printed above the bar keep paths whole
     columns = (

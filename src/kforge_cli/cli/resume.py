@@ -208,7 +208,7 @@ def resolve_continuation(
 
 def _allows_changed_data(typed: list[str]) -> str:
     """``data.allow_changed_data`` for this command: as typed, else true when it types the data's path."""
-    from kforge_cli.settings.loader import parse_overrides
+    from kforge_cli.settings.config_layers import parse_overrides
 
     keys = {key: value for key, value in parse_overrides(typed)}
     if "data.allow_changed_data" in keys:

@@ -37,8 +37,8 @@ from collections.abc import Iterable, Mapping
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from kforge_cli.common.files import open_regular, read_text_capped
 from kforge_cli.errors import InvalidInputError, KforgeError
-from kforge_cli.files import open_regular, read_text_capped
 from kforge_cli.rundir.checkpoints import newest_complete, step_of
 from kforge_cli.rundir.launch import read_exit
 from kforge_cli.rundir.layout import RunDir

@@ -96,7 +96,7 @@ def train(
 def _existing_run(overrides: list[str]) -> Path | None:
     """The run directory the command names (its last --train.run_dir) when it holds a run's config.toml."""
     from kforge_cli.rundir.layout import RunDir
-    from kforge_cli.settings.loader import parse_overrides
+    from kforge_cli.settings.config_layers import parse_overrides
 
     named = [str(value) for key, value in parse_overrides(overrides) if key == "train.run_dir"]
     if not named:

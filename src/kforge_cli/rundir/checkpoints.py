@@ -20,8 +20,8 @@ import shutil
 from pathlib import Path
 from typing import Any
 
+from kforge_cli.common.files import atomic_write, open_regular
 from kforge_cli.errors import CheckpointError, KforgeError
-from kforge_cli.files import atomic_write, open_regular
 from kforge_cli.rundir.names import CHECKPOINTS_DIR, COMMIT_FILE, DCP_METADATA, LATEST_FILE
 
 log = logging.getLogger("kforge")

@@ -19,7 +19,7 @@ import json
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from kforge_cli.files import read_text_capped
+from kforge_cli.common.files import read_text_capped
 from kforge_cli.rundir.names import TRAIN_STATE_FILE
 
 if TYPE_CHECKING:

@@ -22,7 +22,7 @@ import os
 from collections.abc import Mapping
 from pathlib import Path
 
-from kforge_cli.files import MAX_TOML_BYTES, atomic_write, read_text_capped
+from kforge_cli.common.files import MAX_TOML_BYTES, atomic_write, read_text_capped
 from kforge_cli.rundir.layout import RunDir
 
 LOCAL_CHILD_ENV = "KFORGE_LOCAL_CHILD"  # set by `kforge train --nproc-per-node N` in each process it starts

@@ -13,8 +13,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from kforge_cli.common.files import SymlinkRefusedError, read_toml_file
 from kforge_cli.errors import InvalidInputError
-from kforge_cli.files import SymlinkRefusedError, read_toml_file
 from kforge_cli.rundir import names
 from kforge_cli.rundir.checkpoints import step_of
 

@@ -35,8 +35,8 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import IO, TypedDict
 
+from kforge_cli.common.files import open_append
 from kforge_cli.errors import InvalidInputError
-from kforge_cli.files import open_append
 from kforge_cli.rundir.layout import RunDir
 
 log = logging.getLogger("kforge")

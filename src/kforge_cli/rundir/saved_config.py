@@ -26,8 +26,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from kforge_cli.common.files import MAX_TOML_BYTES, atomic_write, open_append, read_text_capped, read_toml_file
 from kforge_cli.errors import CheckpointError, ConfigIssue, InvalidInputError
-from kforge_cli.files import MAX_TOML_BYTES, atomic_write, open_append, read_text_capped, read_toml_file
 from kforge_cli.rundir.checkpoints import newest_complete
 from kforge_cli.rundir.fingerprint import shaping_config, shaping_diff
 from kforge_cli.rundir.layout import RunDir

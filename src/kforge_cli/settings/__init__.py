@@ -1,7 +1,7 @@
 """The ONE settings model (`JobSettings`) and how it is loaded and validated. No torch here."""
 
+from kforge_cli.settings.config_layers import ResolvedSettings, load_settings, parse_overrides
 from kforge_cli.settings.job import JobSettings
-from kforge_cli.settings.loader import ResolvedSettings, load_settings, parse_overrides
 from kforge_cli.settings.parallel_dims import ParallelDims
 from kforge_cli.settings.rules import config_issues, resolve_dims, world_size_issues
 

@@ -14,9 +14,9 @@ import hashlib
 import json
 from pathlib import Path
 
+from kforge_cli.common.files import MAX_METADATA_BYTES, read_text_capped
+from kforge_cli.common.json_values import dict_of
 from kforge_cli.errors import ConfigIssue, InvalidInputError
-from kforge_cli.files import MAX_METADATA_BYTES, read_text_capped
-from kforge_cli.json_values import dict_of
 from kforge_cli.rundir.names import TOKENIZER_FILE
 from kforge_cli.settings.job import JobSettings
 

@@ -9,8 +9,8 @@ import tomli_w
 from pydantic import BaseModel
 
 from kforge_cli.errors import InvalidInputError
+from kforge_cli.settings.config_layers import ResolvedSettings, _section_class, suggest_key
 from kforge_cli.settings.job import JobSettings
-from kforge_cli.settings.loader import ResolvedSettings, _section_class, suggest_key
 
 
 def to_toml(settings: JobSettings) -> str:

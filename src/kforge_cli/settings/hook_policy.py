@@ -7,7 +7,7 @@ check anything about it. Hooks the user typed now (``--train.hooks=...`` or
 imported only when ``--allow-hooks`` lists their modules; otherwise the command is refused
 (exit 2) before anything is imported, naming the file and the modules. The same consent
 covers an lm-eval task YAML's ``!function`` tags (``kforge eval``,
-``engine/inference/lm_eval_adapter.py``). Torch-free.
+``engine/evaluation/lm_eval_adapter.py``). Torch-free.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING
 from kforge_cli.errors import InvalidInputError
 
 if TYPE_CHECKING:
-    from kforge_cli.settings.loader import ResolvedSettings
+    from kforge_cli.settings.config_layers import ResolvedSettings
 
 ALLOW_FLAG = "--allow-hooks"
 _TYPED_NOW = ("command line", "env ")

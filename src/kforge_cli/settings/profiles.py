@@ -6,8 +6,8 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
+from kforge_cli.common.files import read_toml_file
 from kforge_cli.errors import InvalidInputError
-from kforge_cli.files import read_toml_file
 
 DEFAULT_PROFILE = "cpu-debug"
 PROFILE_ONLY_KEYS = ("extends", "description")

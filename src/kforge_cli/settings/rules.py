@@ -8,7 +8,7 @@ field to change; all issues are collected and reported together.
 from __future__ import annotations
 
 from kforge_cli.errors import ConfigError, ConfigIssue
-from kforge_cli.settings.context_parallel import context_parallel_issues
+from kforge_cli.settings.cp_rules import context_parallel_issues
 from kforge_cli.settings.gemma3 import gemma3_issues
 from kforge_cli.settings.infrastructure import MAX_WORLD_SIZE
 from kforge_cli.settings.job import JobSettings

@@ -6,8 +6,8 @@ for inspection and conversion too); `resolve_checkpoint` turns a run dir or step
 a complete checkpoint directory; `load_model_weights` is the weights-only warm start.
 """
 
+from kforge_cli.engine.checkpoint.checkpoint_errors import CheckpointError, UnsafeCheckpointError
 from kforge_cli.engine.checkpoint.dcp_io import load_from_dirs, load_model_weights, training_state_dict
-from kforge_cli.engine.checkpoint.errors import CheckpointError, UnsafeCheckpointError
 from kforge_cli.engine.checkpoint.groups import CheckpointGroups
 from kforge_cli.engine.checkpoint.manager import CheckpointManager, Restored, SaveRecord
 from kforge_cli.engine.checkpoint.restore import HFLoader, RunParts

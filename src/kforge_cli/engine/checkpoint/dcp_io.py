@@ -43,7 +43,7 @@ from torch.distributed.checkpoint.state_dict import (
 from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
 from torch.futures import Future
 
-from kforge_cli.engine.checkpoint.errors import CheckpointError
+from kforge_cli.engine.checkpoint.checkpoint_errors import CheckpointError
 from kforge_cli.engine.checkpoint.safe_metadata import SafeFileSystemReader, SafeLoadPlanner, read_dcp_metadata
 from kforge_cli.errors import KforgeError
 from kforge_cli.settings.infrastructure import CheckpointSettings

@@ -25,6 +25,7 @@ from typing import Any, Literal
 import torch
 from torch.distributed.checkpoint.state_dict_saver import AsyncSaveResponse, async_save, save
 
+from kforge_cli.common.files import real_dir
 from kforge_cli.engine.checkpoint.dcp_io import (
     quiet_single_process,
     shard_writer,
@@ -37,10 +38,9 @@ from kforge_cli.engine.checkpoint.resolve import data_phase, freeze_config
 from kforge_cli.engine.checkpoint.restore import CheckpointedState, HFLoader, Restored, RunParts, restore_run
 from kforge_cli.engine.checkpoint.staging import HostStager
 from kforge_cli.engine.checkpoint.train_state import FORMAT, write_rank_state
-from kforge_cli.engine.model.names import clean_param_name
+from kforge_cli.engine.model.module_names import clean_param_name
 from kforge_cli.engine.model.vlm.freeze import freeze_record
 from kforge_cli.engine.runtime import RuntimeContext
-from kforge_cli.files import real_dir
 from kforge_cli.rundir.checkpoints import atomic_write_json, prune, remove_checkpoint, step_dir_name, write_latest
 from kforge_cli.rundir.fingerprint import fingerprint, shaping_config
 from kforge_cli.rundir.layout import RunDir

@@ -34,7 +34,7 @@ from torch.distributed.checkpoint.metadata import (
     TensorStorageMetadata,
 )
 
-from kforge_cli.engine.checkpoint.errors import CheckpointError
+from kforge_cli.engine.checkpoint.checkpoint_errors import CheckpointError
 
 # torch.save's zip container around a chunk's raw bytes is a few hundred bytes; a chunk can never
 # need more bytes than its storage entry holds (raw safetensors-style entries hold exactly them).

@@ -23,8 +23,8 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata, TensorStorageMetadata
 from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
 
+from kforge_cli.engine.checkpoint.checkpoint_errors import CheckpointError
 from kforge_cli.engine.checkpoint.dcp_io import quiet_single_process, user_error
-from kforge_cli.engine.checkpoint.errors import CheckpointError
 from kforge_cli.engine.checkpoint.safe_metadata import SafeFileSystemReader, SafeLoadPlanner, read_dcp_metadata
 from kforge_cli.errors import KforgeError
 from kforge_cli.rundir.checkpoints import dcp_dirs, is_complete, resolve_checkpoint, step_of
@@ -73,7 +73,7 @@ class CheckpointView:
     kforge: bool  # written by kforge (step dir with train_state.json / metadata.json)
     complete: bool  # kforge: the commit marker and every .metadata exist; plain DCP: .metadata exists
     summary: dict[str, object] = field(default_factory=dict)  # metadata.json (as read: check before use)
-    # train_state.json; TODO(types): dict[str, object] once engine/inference/evaluate.py narrows what it reads
+    # train_state.json; TODO(types): dict[str, object] once engine/evaluation/tasks.py narrows what it reads
     train_state: dict[str, Any] = field(default_factory=dict)
 
     @property

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal, Protocol
 
-from kforge_cli.engine.checkpoint.errors import CheckpointError, UnsafeCheckpointError
+from kforge_cli.engine.checkpoint.checkpoint_errors import CheckpointError, UnsafeCheckpointError
 from kforge_cli.engine.checkpoint.train_state import FORMAT
 from kforge_cli.engine.checkpoint.verify import damage
 from kforge_cli.engine.model.vlm.freeze import freeze_mismatch

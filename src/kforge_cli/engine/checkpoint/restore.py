@@ -16,13 +16,13 @@ from typing import Any, Literal, Protocol
 import torch
 from torch import nn
 
+from kforge_cli.engine.checkpoint.checkpoint_errors import CheckpointError, UnsafeCheckpointError
 from kforge_cli.engine.checkpoint.dcp_io import (
     apply_training_state_dict,
     load_from_dirs,
     load_model_weights,
     training_state_dict,
 )
-from kforge_cli.engine.checkpoint.errors import CheckpointError, UnsafeCheckpointError
 from kforge_cli.engine.checkpoint.groups import CheckpointGroups
 from kforge_cli.engine.checkpoint.resolve import RestoreDecision, Stateful, check_compatible, decide_restore
 from kforge_cli.engine.checkpoint.train_state import read_rank_state, restore_rng

@@ -26,7 +26,7 @@ from torch.distributed.checkpoint.filesystem import FileSystemReader
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 from torch.distributed.checkpoint.planner import ReadItem
 
-from kforge_cli.engine.checkpoint.errors import CheckpointError, UnsafeCheckpointError
+from kforge_cli.engine.checkpoint.checkpoint_errors import CheckpointError, UnsafeCheckpointError
 from kforge_cli.engine.checkpoint.metadata_checks import check_storage_files, check_structure
 
 METADATA_FILE = ".metadata"

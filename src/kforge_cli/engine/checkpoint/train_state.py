@@ -21,7 +21,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from kforge_cli.engine.checkpoint.errors import CheckpointError, UnsafeCheckpointError
+from kforge_cli.engine.checkpoint.checkpoint_errors import CheckpointError, UnsafeCheckpointError
 from kforge_cli.engine.checkpoint.safe_metadata import weights_only_reason
 from kforge_cli.errors import KforgeError
 from kforge_cli.rundir.checkpoints import atomic_write_bytes, atomic_write_json, read_json

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import torch
 
-from kforge_cli.engine.checkpoint.errors import UnsafeCheckpointError
+from kforge_cli.engine.checkpoint.checkpoint_errors import UnsafeCheckpointError
 from kforge_cli.engine.checkpoint.metadata_checks import storage_file_problems
 from kforge_cli.engine.checkpoint.reader import CheckpointView, batches, open_checkpoint, read_byte_items, read_tensors
 from kforge_cli.engine.checkpoint.safe_metadata import read_dcp_metadata

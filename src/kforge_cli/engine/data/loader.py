@@ -18,11 +18,11 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader, Dataset
 
+from kforge_cli.common.json_values import int_of
 from kforge_cli.engine.data.mixture import MixtureSchedule
 from kforge_cli.engine.data.sampler import BatchPlan, Cursor, SampleOrder
 from kforge_cli.engine.data.tokens import Windows, make_batch
 from kforge_cli.errors import KforgeError
-from kforge_cli.json_values import int_of
 from kforge_cli.rundir.data_fingerprint import changed_data_message
 from kforge_cli.rundir.data_fingerprint import describe as describe_prints
 from kforge_cli.settings.data import DataSettings

@@ -12,10 +12,10 @@ from __future__ import annotations
 import logging
 from pathlib import Path
 
+from kforge_cli.common.files import copy_file_atomic
 from kforge_cli.engine.data.shards import load_prepared
 from kforge_cli.engine.data.tokenizer import ByteTokenizer, HFTokenizer, load_tokenizer
 from kforge_cli.errors import InvalidInputError
-from kforge_cli.files import copy_file_atomic
 from kforge_cli.rundir.layout import RunDir
 from kforge_cli.rundir.names import TOKENIZER_FILE
 from kforge_cli.rundir.saved_config import read_saved_config

@@ -22,9 +22,9 @@ from typing import BinaryIO, TypedDict
 
 import numpy as np
 
+from kforge_cli.common.files import MAX_METADATA_BYTES, read_text_capped
+from kforge_cli.common.json_values import int_of
 from kforge_cli.errors import InvalidInputError
-from kforge_cli.files import MAX_METADATA_BYTES, read_text_capped
-from kforge_cli.json_values import int_of
 
 METADATA = "metadata.json"
 FORMAT = "kforge-tokens"

@@ -20,7 +20,8 @@ from typing import Any, Protocol
 
 import torch
 
-from kforge_cli.engine.checkpoint.errors import CheckpointError
+from kforge_cli.common.files import output_dir, private_dir_beside, swap_in
+from kforge_cli.engine.checkpoint.checkpoint_errors import CheckpointError
 from kforge_cli.engine.checkpoint.reader import (
     MODEL_PREFIX,
     CheckpointView,
@@ -36,7 +37,6 @@ from kforge_cli.engine.interop.hf_family import export_problems, family_of_field
 from kforge_cli.engine.interop.hf_format import CONFIG_FILE, INDEX_FILE, SINGLE_FILE
 from kforge_cli.engine.interop.hf_tokenizer import ExportedTokenizer, run_tokenizer, write_tokenizer
 from kforge_cli.engine.runtime.dtypes import DTYPES, torch_dtype_name
-from kforge_cli.files import output_dir, private_dir_beside, swap_in
 from kforge_cli.rundir.layout import kforge_contents
 from kforge_cli.settings.training import ModelSettings
 

@@ -10,10 +10,10 @@ import json
 from pathlib import Path
 from typing import Any
 
-from kforge_cli.engine.checkpoint.errors import CheckpointError
+from kforge_cli.common.files import read_text_capped
+from kforge_cli.common.hf_numbers import check_hf_numbers
+from kforge_cli.engine.checkpoint.checkpoint_errors import CheckpointError
 from kforge_cli.errors import KforgeError
-from kforge_cli.files import read_text_capped
-from kforge_cli.hf_numbers import check_hf_numbers
 from kforge_cli.rundir.checkpoints import HF_CONFIG_FILE
 
 CONFIG_FILE = HF_CONFIG_FILE

@@ -20,8 +20,8 @@ import torch
 from torch import nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, set_model_state_dict
 
+from kforge_cli.engine.checkpoint.checkpoint_errors import CheckpointError
 from kforge_cli.engine.checkpoint.dcp_io import OPTIONS, _excluded
-from kforge_cli.engine.checkpoint.errors import CheckpointError
 from kforge_cli.engine.families.base import ModelFamily
 from kforge_cli.engine.families.registry import DEFAULT_FAMILY, family_for, family_for_hf, get_family
 from kforge_cli.engine.interop.hf_format import hf_weight_files, read_hf_config

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from kforge_cli.engine.checkpoint.errors import CheckpointError
+from kforge_cli.engine.checkpoint.checkpoint_errors import CheckpointError
 from kforge_cli.engine.data.tokenizer import ByteTokenizer, HFTokenizer
 from kforge_cli.rundir.names import TOKENIZER_FILE
 from kforge_cli.rundir.saved_config import read_saved_config

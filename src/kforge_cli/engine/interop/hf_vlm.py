@@ -33,7 +33,7 @@ from typing import Any
 
 import torch
 
-from kforge_cli.engine.checkpoint.errors import CheckpointError
+from kforge_cli.engine.checkpoint.checkpoint_errors import CheckpointError
 from kforge_cli.engine.checkpoint.reader import CheckpointView
 from kforge_cli.engine.families.base import HFExport
 from kforge_cli.engine.interop.hf_tokenizer import ExportedTokenizer

@@ -30,13 +30,13 @@ from torch.distributed.checkpoint.filesystem import FileSystemWriter
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, set_model_state_dict
 from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
 
+from kforge_cli.common.files import output_dir, private_dir_beside, swap_in
+from kforge_cli.engine.checkpoint.checkpoint_errors import CheckpointError
 from kforge_cli.engine.checkpoint.dcp_io import OPTIONS, load_from_dirs, quiet_single_process
-from kforge_cli.engine.checkpoint.errors import CheckpointError
 from kforge_cli.engine.checkpoint.resolve import freeze_config
 from kforge_cli.engine.checkpoint.train_state import FORMAT
 from kforge_cli.engine.interop.hf_import import check_matches, read_hf_tensors
 from kforge_cli.errors import InvalidInputError
-from kforge_cli.files import output_dir, private_dir_beside, swap_in
 from kforge_cli.rundir.checkpoints import atomic_write_json, dcp_dirs, is_hf_dir, read_json, resolve_checkpoint
 from kforge_cli.rundir.fingerprint import fingerprint, shaping_config
 from kforge_cli.rundir.names import COMMIT_FILE, SUMMARY_FILE, TRAIN_STATE_FILE

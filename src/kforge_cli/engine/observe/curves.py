@@ -22,9 +22,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from kforge_cli.common.files import atomic_write_via
 from kforge_cli.engine.observe.metrics_file import count_lines, iter_metrics, sample_records
 from kforge_cli.errors import InvalidInputError
-from kforge_cli.files import atomic_write_via
 from kforge_cli.rundir.layout import RunDir
 
 if TYPE_CHECKING:

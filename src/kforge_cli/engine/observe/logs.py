@@ -14,8 +14,8 @@ import sys
 from pathlib import Path
 from typing import IO, TextIO
 
+from kforge_cli.common.files import open_append, real_dir
 from kforge_cli.errors import InvalidInputError
-from kforge_cli.files import open_append, real_dir
 
 LOGGER_NAME = "kforge"
 DATE_FORMAT = "%Y-%m-%d %H:%M:%S"

@@ -13,7 +13,7 @@ On every CUDA run, an out-of-memory error writes the allocator's state at that m
 is being recorded), and the error message names the file. The file is written from torch's
 out-of-memory observer, before the error unwinds the step and frees its tensors.
 
-Files are written through :func:`kforge_cli.files.atomic_write_via` (never through a link).
+Files are written through :func:`kforge_cli.common.files.atomic_write_via` (never through a link).
 The recording functions are PyTorch's ``torch.cuda.memory._record_memory_history`` and
 ``_dump_snapshot``: underscored, but the documented way to produce these files.
 """
@@ -24,10 +24,10 @@ from pathlib import Path
 
 import torch
 
+from kforge_cli.common.files import atomic_write_via, real_dir
 from kforge_cli.engine.observe.logs import get_logger
 from kforge_cli.engine.observe.profiler_base import TrainProfiler
 from kforge_cli.errors import ConfigError, ConfigIssue
-from kforge_cli.files import atomic_write_via, real_dir
 from kforge_cli.rundir.names import MEMORY_OOM_FILE, MEMORY_STEPS_FILE
 from kforge_cli.settings.infrastructure import ProfilingSettings
 

@@ -17,7 +17,7 @@ from pathlib import Path
 from types import TracebackType
 from typing import IO
 
-from kforge_cli.files import open_append, open_regular, real_dir
+from kforge_cli.common.files import open_append, open_regular, real_dir
 
 
 def _to_json_value(value: object) -> object:

@@ -16,9 +16,9 @@ from pathlib import Path
 import torch
 from torch.profiler import ProfilerAction, ProfilerActivity
 
+from kforge_cli.common.files import atomic_write_via, real_dir
 from kforge_cli.engine.observe.logs import get_logger
 from kforge_cli.engine.observe.profiler_base import TrainProfiler
-from kforge_cli.files import atomic_write_via, real_dir
 from kforge_cli.rundir.layout import RunDir
 from kforge_cli.settings.infrastructure import ProfilingSettings
 

@@ -14,8 +14,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
+from kforge_cli.common.files import real_dir
 from kforge_cli.errors import InvalidInputError
-from kforge_cli.files import real_dir
 from kforge_cli.rundir.names import TENSORBOARD_DIR
 
 if TYPE_CHECKING:

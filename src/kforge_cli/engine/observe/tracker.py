@@ -28,6 +28,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from types import TracebackType
 
+from kforge_cli.common.json_values import int_of
 from kforge_cli.engine.observe.metrics_file import MetricsFile
 from kforge_cli.engine.observe.mlflow_backend import MlflowBackend
 from kforge_cli.engine.observe.tracking_types import (
@@ -40,7 +41,6 @@ from kforge_cli.engine.observe.tracking_types import (
 )
 from kforge_cli.engine.observe.wandb_backend import WandbBackend
 from kforge_cli.errors import ConfigError
-from kforge_cli.json_values import int_of
 from kforge_cli.rundir.layout import RunDir
 from kforge_cli.settings import JobSettings
 from kforge_cli.settings.infrastructure import MetricsSettings

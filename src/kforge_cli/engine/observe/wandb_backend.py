@@ -25,8 +25,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 from urllib.parse import urlsplit
 
+from kforge_cli.common.files import real_dir
 from kforge_cli.errors import EXIT_FAILURE, EXIT_OK, EXIT_REQUEUE
-from kforge_cli.files import real_dir
 from kforge_cli.settings.infrastructure import MetricsSettings
 
 if TYPE_CHECKING:

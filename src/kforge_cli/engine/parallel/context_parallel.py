@@ -31,7 +31,7 @@ from kforge_cli.engine.parallel.cost_terms import Traffic, ring_share
 from kforge_cli.engine.runtime import RuntimeContext
 from kforge_cli.engine.runtime.mesh import sub_mesh
 from kforge_cli.errors import ConfigError, ConfigIssue
-from kforge_cli.settings.context_parallel import RING_CPU
+from kforge_cli.settings.cp_rules import RING_CPU
 from kforge_cli.settings.training import ModelSettings
 
 SEQUENCE_KEYS = ("input_ids", "labels", "positions", "doc_ids")  # batch entries of shape [B, T]

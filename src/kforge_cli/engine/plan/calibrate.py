@@ -82,9 +82,9 @@ def _case(trial_dir: Path, trial: dict[str, Any]) -> tuple[CostConstants, Callab
     """The trial's default constants and its step time as a function of the constants (the search's memo)."""
     from kforge_cli.engine.parallel.build import compute_dtype
     from kforge_cli.engine.plan.layouts import layout_of
+    from kforge_cli.engine.plan.param_shards import build_template
     from kforge_cli.engine.plan.search import _Memo
     from kforge_cli.engine.plan.sharded_model import target_device
-    from kforge_cli.engine.plan.shards import build_template
     from kforge_cli.engine.runtime.dtypes import dtype_name
     from kforge_cli.settings import load_settings, resolve_dims
 
@@ -102,7 +102,7 @@ def read_trials(trial_dir: Path) -> dict[str, Any]:
     path = Path(trial_dir) / "trials.json"
     if not path.is_file():
         raise InvalidInputError(f"{path} does not exist: give a directory `kforge plan trial` wrote (--trial-dir)")
-    from kforge_cli.files import read_text_capped
+    from kforge_cli.common.files import read_text_capped
 
     try:
         summary = json.loads(read_text_capped(path, 16 * 2**20))
@@ -157,7 +157,7 @@ def calibrate(trial_dir: Path) -> Calibration:
 
 
 def _extends_of(profile: Path) -> str:
-    from kforge_cli.files import read_toml_file
+    from kforge_cli.common.files import read_toml_file
 
     parent = read_toml_file(profile, "profile").get("extends")
     return str(parent) if isinstance(parent, str) else ""

@@ -38,7 +38,7 @@ from kforge_cli.engine.parallel import context_parallel, expert_parallel, fsdp, 
 from kforge_cli.engine.parallel.cost_terms import Traffic
 from kforge_cli.engine.parallel.pipeline import bubble_share
 from kforge_cli.engine.plan.costs import newton_schulz_flops, optimizer_step_bytes
-from kforge_cli.engine.plan.shards import HEAD_NAME, ParamSpec, RankPlace, ShardTemplate
+from kforge_cli.engine.plan.param_shards import HEAD_NAME, ParamSpec, RankPlace, ShardTemplate
 from kforge_cli.engine.runtime.device_peaks import match_device, peak_flops
 from kforge_cli.errors import InvalidInputError
 from kforge_cli.settings import JobSettings, ParallelDims

@@ -39,7 +39,7 @@ from kforge_cli.engine.plan.memory_items import (
     dense_attention_mask,
     peak_of,
 )
-from kforge_cli.engine.plan.moe import moe_notes
+from kforge_cli.engine.plan.moe_terms import moe_notes
 from kforge_cli.engine.plan.sharded_model import (
     MetaBuild,
     StageLayout,

@@ -58,8 +58,8 @@ from kforge_cli.engine.plan.memory_items import (
     param_items,
     peak_of,
 )
+from kforge_cli.engine.plan.param_shards import RankPlace, ShardTemplate, build_template, rank_place
 from kforge_cli.engine.plan.sharded_model import MetaBuild, target_device
-from kforge_cli.engine.plan.shards import RankPlace, ShardTemplate, build_template, rank_place
 from kforge_cli.engine.runtime.dtypes import dtype_name
 from kforge_cli.errors import InvalidInputError
 from kforge_cli.settings import JobSettings, ParallelDims, config_issues, resolve_dims, world_size_issues

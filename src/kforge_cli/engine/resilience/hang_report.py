@@ -18,9 +18,9 @@ from pathlib import Path
 from types import FrameType
 from typing import TypedDict
 
+from kforge_cli.common.files import atomic_write, read_text_capped, real_dir
+from kforge_cli.common.json_values import int_of
 from kforge_cli.errors import EXIT_HANG, KforgeError
-from kforge_cli.files import atomic_write, read_text_capped, real_dir
-from kforge_cli.json_values import int_of
 
 _DIST_MARK = f"{os.sep}torch{os.sep}distributed{os.sep}"
 

@@ -27,7 +27,7 @@ from typing import Literal
 
 import torch
 
-from kforge_cli.json_values import float_of, int_of, list_of
+from kforge_cli.common.json_values import float_of, int_of, list_of
 from kforge_cli.settings.infrastructure import ResilienceSettings
 
 # Tally slots: spikes since the last settle, the first one's step, loss and threshold.

@@ -14,11 +14,11 @@ import os
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from kforge_cli.common.files import MAX_METADATA_BYTES, read_text_capped
 from kforge_cli.engine.families.registry import family_for
 from kforge_cli.engine.observe.curves import RESUMED
 from kforge_cli.engine.runtime import RuntimeContext
 from kforge_cli.errors import KforgeError
-from kforge_cli.files import MAX_METADATA_BYTES, read_text_capped
 from kforge_cli.settings import JobSettings
 from kforge_cli.settings.data import DataSettings, EvalSettings
 from kforge_cli.settings.explain import vision_param_counts
@@ -189,8 +189,8 @@ def building_line(model: ModelSettings, runtime: RuntimeContext) -> str:
 def announce_start(session: TrainingSession) -> None:
     """Log the banner of ``session``; a job that resumed the run also writes ``{"step", "resumed": true}``
     to metrics.jsonl (kforge plot marks it). Call on rank 0, after the restore, before the first step."""
+    from kforge_cli.engine.evaluation.in_loop import eval_batches
     from kforge_cli.engine.runtime import dtype_name
-    from kforge_cli.engine.train.evaluation import eval_batches
     from kforge_cli.rundir.layout import RunDir
 
     s = session.settings

@@ -51,8 +51,10 @@ import torch
 from torch import nn
 
 from kforge_cli.engine.checkpoint import CheckpointManager, RunParts
+from kforge_cli.engine.checkpoint.run_position import TrainState
 from kforge_cli.engine.data import TrainData, build_data
 from kforge_cli.engine.data.vlm import build_vlm_data
+from kforge_cli.engine.evaluation.in_loop import eval_batches
 from kforge_cli.engine.interop.hf_import import load_hf_weights
 from kforge_cli.engine.interop.mot_convert import maybe_mot_warm_start
 from kforge_cli.engine.observe import (
@@ -74,8 +76,7 @@ from kforge_cli.engine.runtime import RuntimeContext, init_runtime, teardown_run
 from kforge_cli.engine.train.banner import announce_start, building_line
 from kforge_cli.engine.train.components import Components, LoopComponent
 from kforge_cli.engine.train.components.nan_policy import NanPolicy
-from kforge_cli.engine.train.components.registry import components_for
-from kforge_cli.engine.train.evaluation import eval_batches
+from kforge_cli.engine.train.components.selection import components_for
 from kforge_cli.engine.train.features import build_step, features_for
 from kforge_cli.engine.train.hooks import StepInfo, build_hooks
 from kforge_cli.engine.train.loop import TrainOutcome, run_training_loop
@@ -86,7 +87,6 @@ from kforge_cli.engine.train.run_dir import release_run_dir, resolve_run_dir, wr
 from kforge_cli.engine.train.session import TrainHook, TrainingSession
 from kforge_cli.engine.train.step import StepFeature, StepFn
 from kforge_cli.engine.train.step.schedule import bind_pipeline_loss
-from kforge_cli.engine.train.train_state import TrainState
 from kforge_cli.engine.train.update import Update, build_loss_scaler
 from kforge_cli.errors import KforgeError
 from kforge_cli.rundir import names

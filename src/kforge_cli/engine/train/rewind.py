@@ -22,15 +22,15 @@ import logging
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from kforge_cli.json_values import dict_of, int_of
+from kforge_cli.common.json_values import dict_of, int_of
 from kforge_cli.rundir import names
 from kforge_cli.rundir.checkpoints import atomic_write_json, read_json
 
 if TYPE_CHECKING:
     from kforge_cli.engine.checkpoint import CheckpointManager
+    from kforge_cli.engine.checkpoint.run_position import TrainState
     from kforge_cli.engine.data.loader import StatefulLoader
     from kforge_cli.engine.train.session import TrainingSession
-    from kforge_cli.engine.train.train_state import TrainState
 
 log = logging.getLogger("kforge")
 

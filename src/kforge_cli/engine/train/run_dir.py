@@ -8,10 +8,10 @@ from pathlib import Path
 
 import torch.distributed as dist
 
+from kforge_cli.common.files import check_run_dir, real_dir
 from kforge_cli.engine.data.run_tokenizer import record_run_tokenizer
 from kforge_cli.engine.runtime import RuntimeContext
 from kforge_cli.errors import InvalidInputError
-from kforge_cli.files import check_run_dir, real_dir
 from kforge_cli.rundir.launch import clear_exit, launch_of_env, read_launch, write_launch
 from kforge_cli.rundir.layout import RunDir, claim_default_run_dir
 from kforge_cli.rundir.lock import RunLock, acquire_run_lock

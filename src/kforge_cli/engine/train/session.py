@@ -47,13 +47,13 @@ import torch
 from torch import nn
 
 from kforge_cli.engine.checkpoint import CheckpointManager
+from kforge_cli.engine.checkpoint.run_position import TrainState
 from kforge_cli.engine.data import TrainData
 from kforge_cli.engine.observe import Tracker
 from kforge_cli.engine.parallel import PipelineBundle
 from kforge_cli.engine.resilience import NanGuard, ShutdownHandler
 from kforge_cli.engine.runtime import RuntimeContext
 from kforge_cli.engine.train.loss import LossFn
-from kforge_cli.engine.train.train_state import TrainState
 from kforge_cli.settings import JobSettings
 
 if TYPE_CHECKING:

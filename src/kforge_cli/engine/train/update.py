@@ -27,10 +27,10 @@ from typing import Any, Protocol
 
 import torch
 
+from kforge_cli.common.json_values import dict_of
 from kforge_cli.engine.resilience import NanGuard
 from kforge_cli.engine.train.loss_scaler import LossScaler, build_loss_scaler
 from kforge_cli.engine.train.step.result import StepResult
-from kforge_cli.json_values import dict_of
 
 __all__ = ["LossScaler", "Update", "apply_update", "build_loss_scaler", "skips_on_device"]
 

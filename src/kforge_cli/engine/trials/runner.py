@@ -27,8 +27,8 @@ from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
+from kforge_cli.common.files import atomic_write, open_append, output_dir, real_dir
 from kforge_cli.errors import InvalidInputError
-from kforge_cli.files import atomic_write, open_append, output_dir, real_dir
 
 TRIAL_OVERRIDES = [
     "--checkpoint.interval=0",
@@ -158,8 +158,8 @@ def _trial_env(index: int, slurm: bool) -> dict[str, str]:
 
 def read_measurements(metrics: Path, steps: int) -> dict[str, Any]:
     """Median step time and tokens/s over the timed steps, and the peak memory, from a run's metrics.jsonl."""
+    from kforge_cli.common.json_values import float_of, int_of
     from kforge_cli.engine.observe.metrics_file import iter_metrics
-    from kforge_cli.json_values import float_of, int_of
 
     records = [r for r in iter_metrics(metrics) if "step_time_s" in r] if metrics.is_file() else []
     timed = [r for r in records if int_of(r.get("step", 0)) > warmup(steps)]

@@ -18,9 +18,9 @@ from collections.abc import Callable
 from pathlib import Path
 from types import FrameType
 
+from kforge_cli.common.files import fsync_dir
 from kforge_cli.engine.data.shards import FORMAT, METADATA
 from kforge_cli.errors import InvalidInputError
-from kforge_cli.files import fsync_dir
 
 
 def replace_dir(tmp: Path, out: Path) -> None:

@@ -23,9 +23,9 @@ from typing import Literal
 
 import numpy as np
 
+from kforge_cli.common.files import read_text_capped
 from kforge_cli.engine.data.vlm.media import IMAGE_SUFFIXES, BadSampleError, load_clip, load_image
 from kforge_cli.errors import InvalidInputError
-from kforge_cli.files import read_text_capped
 
 log = logging.getLogger("kforge")
 

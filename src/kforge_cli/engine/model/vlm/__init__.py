@@ -17,9 +17,9 @@ from kforge_cli.engine.model.vlm.freeze import (
     frozen_specs_at,
     matches,
 )
-from kforge_cli.engine.model.vlm.model import VisionLanguageModel, build_vlm, visual_modality
 from kforge_cli.engine.model.vlm.mot import MoTBlock, build_routes
 from kforge_cli.engine.model.vlm.vision import VisionTransformer, build_vision_encoder
+from kforge_cli.engine.model.vlm.vlm_model import VisionLanguageModel, build_vlm, visual_modality
 
 __all__ = [
     "ALIASES",

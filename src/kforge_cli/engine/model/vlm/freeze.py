@@ -27,9 +27,9 @@ from __future__ import annotations
 import fnmatch
 from collections.abc import Iterable, Mapping, Sequence
 
-from kforge_cli.engine.model.names import clean_param_name
+from kforge_cli.common.json_values import dict_of, int_of, list_of
+from kforge_cli.engine.model.module_names import clean_param_name
 from kforge_cli.errors import InvalidInputError
-from kforge_cli.json_values import dict_of, int_of, list_of
 from kforge_cli.settings.vlm import VLMSettings
 
 ALIASES: dict[str, tuple[str, ...]] = {

@@ -22,9 +22,9 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor, distribute_tensor
 
+from kforge_cli.common.files import read_text_capped
+from kforge_cli.common.hf_numbers import check_hf_numbers
 from kforge_cli.errors import InvalidInputError
-from kforge_cli.files import read_text_capped
-from kforge_cli.hf_numbers import check_hf_numbers
 from kforge_cli.settings.vlm import VisionEncoderSettings
 
 _SUPPORTED = {"siglip": "siglip", "siglip_vision_model": "siglip", "clip": "clip", "clip_vision_model": "clip"}

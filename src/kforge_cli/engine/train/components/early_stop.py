@@ -14,8 +14,8 @@ from __future__ import annotations
 import logging
 from typing import TYPE_CHECKING
 
+from kforge_cli.common.json_values import dict_of, float_of, int_of
 from kforge_cli.engine.train.components import LoopComponent, Stop, Verdict
-from kforge_cli.json_values import dict_of, float_of, int_of
 
 if TYPE_CHECKING:
     from kforge_cli.engine.train.session import StepInfo, TrainingSession

@@ -10,9 +10,9 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import TYPE_CHECKING
 
+from kforge_cli.common.json_values import dict_of
 from kforge_cli.engine.resilience import NanGuard
 from kforge_cli.engine.train.components import LoopComponent, Stop
-from kforge_cli.json_values import dict_of
 
 if TYPE_CHECKING:
     from kforge_cli.engine.train.session import TrainingSession

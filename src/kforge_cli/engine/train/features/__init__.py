@@ -11,9 +11,9 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from kforge_cli.engine.train.features.moe import MoEFeature
+from kforge_cli.engine.train.features.moe_aux import MoEFeature
 from kforge_cli.engine.train.features.mtp import MTPFeature
-from kforge_cli.engine.train.features.vlm import FreezeFeature, init_optimizer_state
+from kforge_cli.engine.train.features.vlm_freeze import FreezeFeature, init_optimizer_state
 from kforge_cli.engine.train.step import AccumulateStep, ScheduleStep, StepFeature, StepFn
 from kforge_cli.settings import JobSettings
 

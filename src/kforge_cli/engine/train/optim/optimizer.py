@@ -16,7 +16,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from kforge_cli.engine.model.names import clean_param_name
+from kforge_cli.engine.model.module_names import clean_param_name
 from kforge_cli.engine.runtime.dtypes import DTYPES
 from kforge_cli.engine.train.optim.lion import Lion
 from kforge_cli.engine.train.optim.muon import Muon, ParamGroup

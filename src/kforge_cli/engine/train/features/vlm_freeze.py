@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from kforge_cli.engine.model.names import clean_param_name
+from kforge_cli.engine.model.module_names import clean_param_name
 from kforge_cli.engine.model.vlm import check_specs, frozen_names, frozen_specs_at
 from kforge_cli.engine.train.step.core import Batch, StepFeature
 

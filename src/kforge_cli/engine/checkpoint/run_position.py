@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from kforge_cli.json_values import dict_of, int_of, list_of
+from kforge_cli.common.json_values import dict_of, int_of, list_of
 
 
 @dataclass

@@ -32,6 +32,14 @@ from pathlib import Path
 
 import numpy as np
 
+from kforge_cli.common.files import fsync_dir
+from kforge_cli.common.json_values import dict_of, int_of
+from kforge_cli.common.prepare_defaults import (
+    PREPARE_SHARD_TOKENS,
+    PREPARE_TEXT_FIELD,
+    PREPARE_TOKENIZER,
+    PREPARE_VAL_FRACTION,
+)
 from kforge_cli.engine.data.prepare import hf_source
 from kforge_cli.engine.data.prepare.encode_worker import SegmentResult, UnitResult, encode_unit, init_worker
 from kforge_cli.engine.data.prepare.inputs import InputFile, WorkUnit, collect_inputs, plan_units
@@ -39,14 +47,6 @@ from kforge_cli.engine.data.prepare.output_dir import check_out, fsync_tree, rep
 from kforge_cli.engine.data.shards import FORMAT, FORMAT_VERSION, METADATA, SplitSummary, SplitWriter, load_prepared
 from kforge_cli.engine.data.tokenizer import ByteTokenizer, HFTokenizer, load_tokenizer, token_dtype
 from kforge_cli.errors import InvalidInputError
-from kforge_cli.files import fsync_dir
-from kforge_cli.json_values import dict_of, int_of
-from kforge_cli.prepare_defaults import (
-    PREPARE_SHARD_TOKENS,
-    PREPARE_TEXT_FIELD,
-    PREPARE_TOKENIZER,
-    PREPARE_VAL_FRACTION,
-)
 from kforge_cli.settings.data_check import TOKENIZER_FILE
 
 

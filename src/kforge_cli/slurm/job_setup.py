@@ -19,8 +19,8 @@ from pathlib import Path
 
 import typer
 
+from kforge_cli.common.files import atomic_write, check_run_dir, open_append, real_dir
 from kforge_cli.errors import EXIT_OK, ConfigError
-from kforge_cli.files import atomic_write, check_run_dir, open_append, real_dir
 from kforge_cli.rundir.layout import RunDir, claim_default_run_dir, default_run_dir
 from kforge_cli.rundir.saved_config import continuation_issues, has_checkpoint, saved_settings, write_or_record
 from kforge_cli.settings import JobSettings

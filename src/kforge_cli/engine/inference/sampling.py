@@ -8,7 +8,7 @@ from dataclasses import asdict, dataclass
 
 import torch
 
-from kforge_cli.engine.inference.source import LoadedCheckpoint, check_tokenizer_fits
+from kforge_cli.engine.interop.open_checkpoint import LoadedCheckpoint, check_tokenizer_fits
 from kforge_cli.engine.model.generation import Sampling, generate_tokens, max_positions, visual_positions
 from kforge_cli.errors import InvalidInputError
 

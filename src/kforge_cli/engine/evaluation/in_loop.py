@@ -10,12 +10,11 @@ import torch
 from kforge_cli.engine.data.tokens import IGNORE_INDEX
 from kforge_cli.engine.parallel import shard_batch
 from kforge_cli.engine.runtime import all_reduce_sum
-from kforge_cli.engine.train.step.core import Batch, forward_loss_sum
-from kforge_cli.engine.train.step.schedule import pipeline_eval_loss_sum
 from kforge_cli.settings import JobSettings
 
 if TYPE_CHECKING:
     from kforge_cli.engine.train.session import TrainingSession
+    from kforge_cli.engine.train.step.core import Batch
 
 
 def eval_batches(settings: JobSettings, *, pipeline: bool) -> int:
@@ -49,6 +48,10 @@ def evaluate(session: TrainingSession) -> float | None:
     then span dp x cp."""
     if session.data.val is None:
         return None
+    # here, not at import: the training package imports this module while it initialises
+    from kforge_cli.engine.train.step.core import forward_loss_sum
+    from kforge_cli.engine.train.step.schedule import pipeline_eval_loss_sum
+
     forward = pipeline_eval_loss_sum if session.pipeline is not None else forward_loss_sum
     totals = torch.zeros(2, device=session.runtime.device, dtype=torch.float64)
     runtime = session.runtime

@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from kforge_cli.engine.data.tokenizer import ByteTokenizer, HFTokenizer
-from kforge_cli.engine.inference.source import LoadedCheckpoint
+from kforge_cli.engine.interop.open_checkpoint import LoadedCheckpoint
 from kforge_cli.engine.model.generation import Sampling
 from kforge_cli.engine.model.scoring import continuation_logliks
 from kforge_cli.errors import InvalidInputError
@@ -66,7 +66,7 @@ def make_adapter(loaded: LoadedCheckpoint) -> object:
             return [continuation_logliks(loaded.model, [tok.eos_id], [tok.encode(r.args[0])])[0] for r in requests]
 
         def generate_until(self, requests: list[Any], disable_tqdm: bool = False) -> list[str]:
-            from kforge_cli.engine.inference.generate import generate_text
+            from kforge_cli.engine.inference.sampling import generate_text
 
             out = []
             for req in requests:
@@ -190,7 +190,7 @@ def task_code(path: str | Path) -> list[tuple[str, Path]]:
     module, when it loads the YAML). Nothing is imported. Exit 2 for a missing, oversized,
     unreadable or bombed file.
     """
-    from kforge_cli.files import read_text_capped
+    from kforge_cli.common.files import read_text_capped
 
     builtin = _builtin_tasks_dir()
     todo, seen, found = [Path(path).expanduser()], set[Path](), list[tuple[str, Path]]()

@@ -10,14 +10,14 @@ from __future__ import annotations
 
 from kforge_cli.engine.train.components import LoopComponent
 from kforge_cli.engine.train.components.early_stop import EarlyStop
-from kforge_cli.engine.train.components.evaluation import InLoopEval
 from kforge_cli.engine.train.components.hang_watch import HangWatch
+from kforge_cli.engine.train.components.in_loop_eval import InLoopEval
 from kforge_cli.engine.train.components.loss_spike import LossSpike
 from kforge_cli.engine.train.components.nan_policy import NanPolicy
 from kforge_cli.engine.train.components.profiling import Profiling
 from kforge_cli.engine.train.components.reporting import ProgressLine, Throughput
 from kforge_cli.engine.train.components.stop_vote import StopOnSignal
-from kforge_cli.engine.train.components.straggler import StragglerReport
+from kforge_cli.engine.train.components.straggler_watch import StragglerReport
 from kforge_cli.settings import JobSettings
 
 

@@ -20,13 +20,13 @@ from pathlib import Path
 
 import torch
 
+from kforge_cli.common.files import atomic_write, real_dir
 from kforge_cli.engine.data.bundle import build_data
-from kforge_cli.engine.data.mc_tasks import read_mc_task
-from kforge_cli.engine.inference.source import LoadedCheckpoint, check_tokenizer_fits
+from kforge_cli.engine.evaluation.mc_tasks import read_mc_task
+from kforge_cli.engine.interop.open_checkpoint import LoadedCheckpoint, check_tokenizer_fits
 from kforge_cli.engine.model.scoring import continuation_logliks
 from kforge_cli.engine.train.loss import IGNORE_INDEX, build_loss_fn
 from kforge_cli.errors import InvalidInputError
-from kforge_cli.files import atomic_write, real_dir
 from kforge_cli.rundir.layout import RunDir
 from kforge_cli.rundir.saved_config import saved_settings
 from kforge_cli.settings import JobSettings
@@ -154,7 +154,7 @@ def check_task(spec: str, allow_hooks: list[str] | None = None) -> None:
             "rename the file"
         )
     if spec.startswith("lm-eval:") and spec.endswith((".yaml", ".yml")):
-        from kforge_cli.engine.inference.lm_eval_adapter import refuse_unallowed_task_code
+        from kforge_cli.engine.evaluation.lm_eval_adapter import refuse_unallowed_task_code
 
         refuse_unallowed_task_code(spec[len("lm-eval:") :], allow_hooks)
 
@@ -173,7 +173,7 @@ def run_task(
     if spec.startswith("heldout:"):
         return heldout_loss(loaded, spec[len("heldout:") :], max_batches)
     if spec.startswith("lm-eval:"):
-        from kforge_cli.engine.inference.lm_eval_adapter import run_lm_eval
+        from kforge_cli.engine.evaluation.lm_eval_adapter import run_lm_eval
 
         return run_lm_eval(loaded, spec[len("lm-eval:") :], limit=limit, allowed=allow_hooks)
     if spec.endswith(".jsonl"):

@@ -12,8 +12,8 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
+from kforge_cli.common.files import open_regular
 from kforge_cli.errors import InvalidInputError
-from kforge_cli.files import open_regular
 
 
 @dataclass(frozen=True)

@@ -13,8 +13,8 @@ import json
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
+from kforge_cli.common.files import MAX_METADATA_BYTES, read_text_capped
 from kforge_cli.errors import InvalidInputError, KforgeError
-from kforge_cli.files import MAX_METADATA_BYTES, read_text_capped
 from kforge_cli.rundir.saved_config import read_saved_config
 
 

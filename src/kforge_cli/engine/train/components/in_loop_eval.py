@@ -10,9 +10,9 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from kforge_cli.engine.evaluation.downstream import downstream_eval
+from kforge_cli.engine.evaluation.in_loop import evaluate
 from kforge_cli.engine.train.components import LoopComponent, Stop, Verdict
-from kforge_cli.engine.train.downstream import downstream_eval
-from kforge_cli.engine.train.evaluation import evaluate
 
 if TYPE_CHECKING:
     from kforge_cli.engine.train.session import StepInfo, TrainingSession

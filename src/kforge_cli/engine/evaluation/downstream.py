@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from kforge_cli.engine.data.mc_tasks import MCExample, read_mc_task
+from kforge_cli.engine.evaluation.mc_tasks import MCExample, read_mc_task
 from kforge_cli.engine.runtime import all_reduce_sum
 from kforge_cli.errors import InvalidInputError
 
