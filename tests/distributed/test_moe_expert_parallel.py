@@ -18,7 +18,7 @@ import pytest
 
 from kforge_cli.engine.checkpoint import read_latest
 from tests.distributed.test_checkpoint_resume import launch, ok
-from tests.e2e.test_resume import HOOK, losses
+from tests.e2e.test_resume import HOOK, NO_HOOK, losses
 from tests.helpers import tiny
 
 pytestmark = pytest.mark.distributed
@@ -43,7 +43,7 @@ PP2 = [*MOE_ARGS, "--distributed.pp=2", "--train.grad_accum_steps=2"]  # one MoE
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory: pytest.TempPathFactory) -> Path:
     run = tmp_path_factory.mktemp("ep_ref") / "run"
-    ok(launch(2, run, EP2))
+    ok(launch(2, run, [*EP2, NO_HOOK]))
     assert len(losses(run)) == 6
     return run
 
@@ -57,7 +57,7 @@ def test_ep2_sigterm_then_resume_is_bit_exact(reference: Path, tmp_path: Path) -
     stopped = launch(2, run, [*EP2, HOOK], _sigterm(4, 1))
     ok(stopped, 75)
     assert read_latest(run / "checkpoints") == run / "checkpoints" / "step_4"
-    ok(launch(2, run, EP2))
+    ok(launch(2, run, [*EP2, NO_HOOK]))
     assert losses(run) == losses(reference)  # all 6 steps, bit for bit
 
 
@@ -76,7 +76,7 @@ def test_ep2_checkpoint_resumes_at_another_ep_degree(
     if world == 1:  # the one-process MoE continuation: SIGTERM at step 5 and resume, bit for bit
         again = tmp_path / "again"
         ok(launch(1, again, [*args, HOOK], _sigterm(5, 0)), 75)
-        ok(launch(1, again, args))  # the same command again: it resumes its own step_5, not load_path
+        ok(launch(1, again, [*args, NO_HOOK]))  # the same command again: it resumes its own step_5, not load_path
         resumed = losses(again)
         assert {step: resumed[step] for step in got} == got
 
@@ -86,5 +86,5 @@ def test_pp2_sigterm_then_resume_is_bit_exact(tmp_path: Path) -> None:
     ok(launch(2, ref, PP2))
     ok(launch(2, run, [*PP2, HOOK], _sigterm(4, 1)), 75)  # rank 1: the last stage
     assert read_latest(run / "checkpoints") == run / "checkpoints" / "step_4"
-    ok(launch(2, run, PP2))
+    ok(launch(2, run, [*PP2, NO_HOOK]))
     assert len(losses(ref)) == 6 and losses(run) == losses(ref)  # all 6 steps, bit for bit

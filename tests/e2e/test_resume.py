@@ -34,6 +34,8 @@ ARGS = [
     "--checkpoint.interval=0",
 ]
 HOOK = '--train.hooks=["tests.e2e.test_resume:SigtermAt"]'
+# `kforge train` on the stopped run keeps its settings unless typed: the relaunch types the hook away
+NO_HOOK = "--train.hooks=[]"
 ENV = with_repo_path(os.environ)
 
 

@@ -59,7 +59,7 @@ def test_the_tracker_build_refuses_a_missing_package_too(monkeypatch: pytest.Mon
     settings = load_settings(overrides=['--metrics.backends=["wandb"]'], use_env=False).settings
     _without(monkeypatch, "wandb")
     with pytest.raises(ConfigError, match=r"pip install 'kforge\[wandb\]'"):
-        tracker_backends(settings, run_info(settings, tmp_path, 1), {})
+        tracker_backends(settings.metrics, run_info(settings, tmp_path, 1), {})
 
 
 def test_plot_without_matplotlib_exits_2_with_the_install_command(

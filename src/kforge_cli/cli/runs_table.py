@@ -162,7 +162,7 @@ def _take(line: bytes, keys: tuple[str, ...], found: dict[str, tuple[int, float]
     wanted = [k for k in keys if k not in found and f'"{k}"'.encode() in line]
     if not wanted:
         return
-    from kforge_cli.engine.observe.metrics_file import record_of
+    from kforge_cli.common.json_values import record_of  # torch-free: kforge runs imports no engine
 
     record = record_of(line)  # damaged, or holding an integer no float takes: skipped
     step = record.get("step") if record is not None else None

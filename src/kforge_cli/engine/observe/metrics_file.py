@@ -18,6 +18,7 @@ from types import TracebackType
 from typing import IO
 
 from kforge_cli.common.files import open_append, open_regular, real_dir
+from kforge_cli.common.json_values import MAX_LINE_BYTES, record_of
 
 
 def _to_json_value(value: object) -> object:
@@ -84,9 +85,6 @@ def _ends_with_newline(path: Path) -> bool:
         return f.read(1) == b"\n"
 
 
-MAX_LINE_BYTES = 1 << 16  # a kforge record is well under 4 KB; a longer line is not one (skipped unread)
-
-
 def iter_metrics(path: Path) -> Iterator[dict[str, object]]:
     """The records of a metrics file, in order, one line in memory at a time.
 
@@ -106,34 +104,9 @@ def iter_metrics(path: Path) -> Iterator[dict[str, object]]:
                 while line and not line.endswith(b"\n"):  # skip the rest of an over-long line
                     line = f.readline(MAX_LINE_BYTES + 1)
                 continue
-            record = _record(line)
+            record = record_of(line)
             if record is not None:
                 yield record
-
-
-MAX_INT_DIGITS = 19  # a step, a token count or a loss kforge logs fits in 64 bits
-
-
-def _bounded_int(text: str) -> int:
-    if len(text.lstrip("-")) > MAX_INT_DIGITS:
-        raise ValueError(f"an integer of {len(text)} digits")  # the line is damaged: skipped like any other
-    return int(text)
-
-
-def record_of(line: bytes | str) -> dict[str, object] | None:
-    """One line as a record; None for a blank, over-long or damaged line (not JSON, not UTF-8, nested too
-    deep, an integer of more than 19 digits, which no float or tensor takes: JSONDecodeError and
-    UnicodeDecodeError are ValueErrors)."""
-    if len(line) > MAX_LINE_BYTES or not line.strip():
-        return None
-    try:
-        value: object = json.loads(line, parse_int=_bounded_int)
-    except (ValueError, RecursionError):
-        return None
-    return value if isinstance(value, dict) else None
-
-
-_record = record_of
 
 
 def tail_records(path: Path, max_bytes: int = 8 << 20) -> Iterator[dict[str, object]]:
@@ -147,7 +120,7 @@ def tail_records(path: Path, max_bytes: int = 8 << 20) -> Iterator[dict[str, obj
     if start > 0:
         lines = lines[1:]  # the first one is cut
     for line in reversed(lines):
-        record = _record(line)
+        record = record_of(line)
         if record is not None:
             yield record
 
@@ -164,7 +137,7 @@ def sample_records(path: Path, points: int) -> Iterator[dict[str, object]]:
             f.seek(i * size // points)
             if i:
                 f.readline(MAX_LINE_BYTES + 1)  # the rest of the line the offset fell into
-            record = _record(f.readline(MAX_LINE_BYTES + 1))
+            record = record_of(f.readline(MAX_LINE_BYTES + 1))
             if record is not None:
                 yield record
     last = next(tail_records(path, 2 * MAX_LINE_BYTES), None)

@@ -116,8 +116,19 @@ def precompute_scales_after_each_step(optimizer: torch.optim.Optimizer, model: n
     return optimizer.register_step_post_hook(hook)
 
 
-def apply_float8(model: nn.Module, *, recipe: str, fsdp_float8_all_gather: bool, tp: int = 1) -> int:
-    """Swap eligible linears of ``model`` for float8 ones in place; returns how many were swapped."""
+def apply_float8(
+    model: nn.Module,
+    *,
+    recipe: str,
+    fsdp_float8_all_gather: bool,
+    tp: int = 1,
+    skip: tuple[str, ...] | None = None,
+) -> int:
+    """Swap eligible linears of ``model`` for float8 ones in place; returns how many were swapped.
+
+    ``skip``: the linear names kept in high precision; by default those of the model's family
+    (``plan.float8_skip``), which a module no family built must pass itself.
+    """
     require_torchao()
     from torchao.float8 import Float8LinearConfig, convert_to_float8_training
 
@@ -127,7 +138,7 @@ def apply_float8(model: nn.Module, *, recipe: str, fsdp_float8_all_gather: bool,
         config = Float8LinearConfig.from_recipe_name(recipe)
     before = sum(1 for _, m in model.named_modules() if isinstance(m, nn.Linear))
     splits = linear_splits(model) if tp > 1 else None
-    keep = float8_filter(tp, splits, family_of(model).plan.float8_skip)
+    keep = float8_filter(tp, splits, skip if skip is not None else family_of(model).plan.float8_skip)
     convert_to_float8_training(model, module_filter_fn=keep, config=config)
     after = sum(1 for _, m in model.named_modules() if type(m) is nn.Linear)
     swapped = before - after
