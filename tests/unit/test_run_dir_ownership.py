@@ -11,8 +11,9 @@ import pytest
 
 from kforge_cli.engine.checkpoint import CheckpointError
 from kforge_cli.engine.runtime import init_runtime
-from kforge_cli.engine.train.run_dir import release_run_dir, resolve_run_dir
+from kforge_cli.engine.train.run_dir import resolve_run_dir
 from kforge_cli.errors import InvalidInputError
+from kforge_cli.rundir.claim import release_run_dir
 from kforge_cli.rundir.lock import acquire_run_lock
 from kforge_cli.rundir.names import LOCK_FILE
 from kforge_cli.settings import load_settings

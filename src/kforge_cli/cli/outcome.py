@@ -119,8 +119,8 @@ def train_and_exit(settings: JobSettings) -> int:
         print("kforge: starting (loading PyTorch) ...", file=sys.stderr, flush=True)
     from kforge_cli.engine.runtime import detect_launch
     from kforge_cli.engine.train import run_training
-    from kforge_cli.engine.train.run_dir import claimed_run_dir
     from kforge_cli.errors import KforgeError, SavedInterrupt
+    from kforge_cli.rundir.claim import claimed_run_dir
     from kforge_cli.rundir.launch import write_exit
 
     def record(code: int, step: int | None = None) -> None:

@@ -83,13 +83,14 @@ from kforge_cli.engine.train.loop import TrainOutcome, run_training_loop
 from kforge_cli.engine.train.loss import LossFn, build_loss_fn
 from kforge_cli.engine.train.optim import build_optimizer, build_scheduler
 from kforge_cli.engine.train.rewind import apply_recorded_skips
-from kforge_cli.engine.train.run_dir import release_run_dir, resolve_run_dir, write_config
+from kforge_cli.engine.train.run_dir import resolve_run_dir, write_config
 from kforge_cli.engine.train.session import TrainHook, TrainingSession
 from kforge_cli.engine.train.step import StepFeature, StepFn
 from kforge_cli.engine.train.step.schedule import bind_pipeline_loss
 from kforge_cli.engine.train.update import Update, build_loss_scaler
 from kforge_cli.errors import KforgeError
 from kforge_cli.rundir import names
+from kforge_cli.rundir.claim import release_run_dir
 from kforge_cli.rundir.layout import RunDir
 from kforge_cli.settings import JobSettings
 

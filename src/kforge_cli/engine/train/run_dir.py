@@ -1,4 +1,4 @@
-"""The run directory of a training run: chosen by rank 0, broadcast, locked; its config written once."""
+"""The run directory of a training run: claimed by rank 0 (:mod:`kforge_cli.rundir.claim`), broadcast; its config written once."""
 
 from __future__ import annotations
 
@@ -8,53 +8,29 @@ from pathlib import Path
 
 import torch.distributed as dist
 
-from kforge_cli.common.files import check_run_dir, real_dir
 from kforge_cli.engine.data.run_tokenizer import record_run_tokenizer
 from kforge_cli.engine.runtime import RuntimeContext
 from kforge_cli.errors import InvalidInputError
-from kforge_cli.rundir.launch import clear_exit, launch_of_env, read_launch, write_launch
-from kforge_cli.rundir.layout import RunDir, claim_default_run_dir
-from kforge_cli.rundir.lock import RunLock, acquire_run_lock
+from kforge_cli.rundir.claim import claim_run_dir, forget_claim
+from kforge_cli.rundir.launch import launch_of_env, read_launch, write_launch
+from kforge_cli.rundir.layout import RunDir
 from kforge_cli.rundir.saved_config import describe_changes, record_layout_change, write_or_record
 from kforge_cli.settings import JobSettings, resolve_dims
 
 log = logging.getLogger("kforge")
 
 
-_LOCKS: dict[Path, RunLock] = {}
-_CLAIMED: list[Path] = []  # the run directory this process took (rank 0), for the exit record
-
-
-def claimed_run_dir() -> Path | None:
-    """The run directory this process locked for its job (rank 0 only; None elsewhere)."""
-    return _CLAIMED[-1] if _CLAIMED else None
-
-
-def _claim(settings: JobSettings) -> Path:
-    """Rank 0: the run directory, created and locked (see `kforge_cli.rundir.lock`)."""
-    if settings.train.run_dir:
-        run_dir = check_run_dir(Path(settings.train.run_dir)).resolve()
-        RunDir(run_dir).refuse_foreign()
-    else:
-        run_dir = claim_default_run_dir(settings).resolve()
-    real_dir(RunDir(run_dir).logs)
-    _LOCKS[run_dir] = acquire_run_lock(run_dir)
-    _CLAIMED.append(run_dir)
-    clear_exit(run_dir)  # the previous job's ending; this job's is written when it ends (cli.outcome)
-    return run_dir
-
-
 def resolve_run_dir(settings: JobSettings, runtime: RuntimeContext) -> Path:
     """RUN_DIR (absolute): train.run_dir, or a fresh default one; rank 0 decides, creates and locks it.
 
     A refusal on rank 0 (a file, a foreign directory, a run in progress) is broadcast so
-    every rank raises it instead of waiting. Release the lock with :func:`release_run_dir`.
+    every rank raises it instead of waiting. Release the lock with :func:`kforge_cli.rundir.claim.release_run_dir`.
     """
-    _CLAIMED.clear()
+    forget_claim()
     chosen: list[str | None] = [None, None]  # (run dir, error)
     if runtime.is_main:
         try:
-            chosen[0] = str(_claim(settings))
+            chosen[0] = str(claim_run_dir(settings))
         except InvalidInputError as exc:
             chosen[1] = str(exc)
     if runtime.distributed:
@@ -63,13 +39,6 @@ def resolve_run_dir(settings: JobSettings, runtime: RuntimeContext) -> Path:
         raise InvalidInputError(chosen[1])
     assert chosen[0] is not None
     return Path(chosen[0])
-
-
-def release_run_dir(run_dir: Path) -> None:
-    """Free the run directory's lock (this process's; a no-op on other ranks)."""
-    lock = _LOCKS.pop(Path(run_dir), None)
-    if lock is not None:
-        lock.release()
 
 
 def write_config(settings: JobSettings, run_dir: Path) -> Path:
