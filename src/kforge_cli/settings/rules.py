@@ -53,6 +53,10 @@ def config_issues(s: JobSettings) -> list[ConfigIssue]:
                 f"world size {MAX_WORLD_SIZE:,}",
             )
         )
+    if s.slurm.min_nodes is not None and s.slurm.min_nodes > s.slurm.nodes:
+        out.append(
+            ConfigIssue("slurm.min_nodes", f"{s.slurm.min_nodes} is above slurm.nodes ({s.slurm.nodes}): at most that")
+        )
     if m.family == "deepseek_v3":
         pass  # MLA's head dimensions are set in [model.mla], not derived from model.dim
     elif m.dim % m.n_heads:
