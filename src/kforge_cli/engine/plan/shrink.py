@@ -61,7 +61,7 @@ def replan_for_world(settings: JobSettings, world_size: int) -> LayoutChoice | N
             rejected.append(
                 ConfigIssue(
                     "slurm.gpu_memory_gb",
-                    f"{describe_dims(dims)}: the memory plan's peak {peak / GIB:.2f} GiB is above "
+                    f"{describe_dims(dims)}: the memory plan's peak {_size(peak)} is above "
                     f"{settings.slurm.gpu_memory_gb:g} GB",
                 )
             )
@@ -75,7 +75,7 @@ def replan_for_world(settings: JobSettings, world_size: int) -> LayoutChoice | N
             f"{gb} sequences kept: train.grad_accum_steps {t.grad_accum_steps} -> {candidate.train.grad_accum_steps}"
         )
         if peak is not None:
-            reason += f"; memory plan peak {peak / GIB:.2f} of {settings.slurm.gpu_memory_gb:g} GB"
+            reason += f"; memory plan peak {_size(peak)} of {settings.slurm.gpu_memory_gb:g} GB"
         return LayoutChoice(settings, candidate, world_size, full, gb, reason, peak)
     raise ConfigError(
         rejected,
@@ -84,3 +84,7 @@ def replan_for_world(settings: JobSettings, world_size: int) -> LayoutChoice | N
         "(train.activation_checkpointing, a smaller train.batch_size with a larger grad_accum_steps); "
         f"check with: kforge plan --world-size {world_size}",
     )
+
+
+def _size(n: int) -> str:
+    return f"{n / GIB:.2f} GiB" if n >= GIB else f"{n / 2**20:.1f} MiB"

@@ -307,7 +307,9 @@ def run_training(
     (``model=``, ``data=``, ``loss=``, ``optimizer=``, ``scheduler=``, ``checkpointer=``,
     ``tracker=``, ``features=``, ``step=``, ``components=``), ``hooks`` (any loop component)
     added to the recipe's.
-    The process group is torn down only after a successful run."""
+    With the shrink policy (``slurm.min_nodes``) the layout is re-planned for the world size the
+    job got before the process group starts (``engine.plan.shrink``); the run's settings stay the
+    configured ones. The process group is torn down only after a successful run."""
     recipe = (recipe or Recipe()).with_phases(**phases) if phases else (recipe or Recipe())
     if hooks:
         recipe = recipe.with_phases(hooks=(*recipe.hooks, *hooks))

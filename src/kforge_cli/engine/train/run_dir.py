@@ -128,11 +128,13 @@ def record_launch(settings: JobSettings, run_dir: Path, *, continued: bool, choi
             old, new = f"{old}, grad_accum_steps {old_accum}", f"{new}, grad_accum_steps {accum}"
             why = f"chosen by the shrink policy: {choice.reason}"
         log.warning(
-            "continuing %s on another device mesh: %s -> %s (%s; the checkpoint is resharded on load; recorded in %s)",
+            "%s %s on another device mesh: %s -> %s (%s%s; recorded in %s)",
+            "continuing" if previous else "starting",
             run_dir,
             old,
             new,
             why,
+            "; the checkpoint is resharded on load" if previous else "",
             RunDir(run_dir).config_changes.name,
         )
         policy = {"policy": POLICY, "reason": choice.reason} if choice is not None else {}
