@@ -6,6 +6,7 @@ from pathlib import Path
 
 import pytest
 
+from kforge_cli.cli.app import main
 from kforge_cli.engine.plan.shrink import replan_for_world
 from kforge_cli.errors import ConfigError
 from kforge_cli.settings import JobSettings, load_settings, resolve_dims
@@ -67,6 +68,7 @@ def test_full_size_is_the_configured_layout_and_off_means_no_policy() -> None:
     choice = replan_for_world(s, 8)  # the nodes came back: grow to the configured layout
     assert choice is not None and not choice.shrunk and choice.settings is s
     assert replan_for_world(settings("--slurm.nodes=4", "--slurm.gpus_per_node=2"), 4) is None  # off
+    assert replan_for_world(s, 16) is None  # above the full size: not the policy's (the usual rules apply)
     assert not shrink_applies(settings("--slurm.nodes=4", "--slurm.min_nodes=4"), 1)  # min = max: nothing to shrink
 
 
@@ -82,6 +84,22 @@ def test_refusals_name_the_reason() -> None:
     check_world(settings(*FOUR_NODES, "--distributed.dp_shard=8"), 4)
     with pytest.raises(ConfigError, match="does not fit world size 4"):
         check_world(settings("--slurm.nodes=4", "--slurm.gpus_per_node=2", "--distributed.dp_shard=8"), 4)
+
+
+def test_a_local_job_that_cannot_keep_the_global_batch_is_refused_before_it_starts(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    run = tmp_path / "run"
+    argv = ["train", "--run-dir", str(run), *tiny.TINY_MODEL, "--slurm.nodes=3", "--slurm.min_nodes=1"]
+    with pytest.raises(SystemExit) as exited:
+        main([*argv, "--train.batch_size=4", "--nproc-per-node", "2"])
+    err = capsys.readouterr().err
+    assert exited.value.code == 2 and "Traceback" not in err and not run.exists()
+    assert "slurm.min_nodes: cannot re-plan the job for its 2 processes" in err
+    assert (
+        "the global batch of 12 sequences (train.batch_size 4 x grad_accum_steps 1 x 3 data-parallel groups at " in err
+    )
+    assert "the configured 3 processes (slurm.nodes=3 x gpus_per_node=1)) cannot be kept exactly" in err
 
 
 def test_sbatch_asks_for_min_to_max_nodes(tmp_path: Path) -> None:

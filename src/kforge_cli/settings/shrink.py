@@ -100,9 +100,8 @@ def shrink_candidates(settings: JobSettings, world_size: int) -> list[JobSetting
     t, d = settings.train, settings.distributed
     fixed = full.tp * full.pp * full.cp
     header = f"{POLICY}: cannot re-plan the job for its {world_size} process{'es' if world_size != 1 else ''}"
-    size = f"the configured {settings.slurm.world_size} (slurm.nodes={settings.slurm.nodes} x gpus_per_node=" + (
-        f"{settings.slurm.gpus_per_node})"
-    )
+    sl = settings.slurm
+    size = f"the configured {sl.world_size} processes (slurm.nodes={sl.nodes} x gpus_per_node={sl.gpus_per_node})"
     if world_size % fixed:
         raise ConfigError(
             [

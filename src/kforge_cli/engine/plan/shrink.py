@@ -29,16 +29,17 @@ from kforge_cli.settings.shrink import (
 
 
 def replan_for_world(settings: JobSettings, world_size: int) -> LayoutChoice | None:
-    """The shrink policy's layout for a job of ``world_size`` processes (None when the policy is off).
+    """The shrink policy's layout for a job of ``world_size`` processes (None when the policy is off, or
+    the job has more processes than the full size).
 
     At the configured full size the choice is the configured layout (a job that got its nodes
     back grows again); below it, the first candidate of ``settings.shrink`` whose memory plan
     fits. Raises ConfigError (exit 2) with the reason when the global batch cannot be kept or
     no candidate fits.
     """
-    if not shrink_enabled(settings):
-        return None
     full = settings.slurm.world_size
+    if not shrink_enabled(settings) or world_size > full:  # more than the full size: no shrink, the usual rules
+        return None
     gb = global_batch(settings)
     if not shrink_applies(settings, world_size):
         return LayoutChoice(
