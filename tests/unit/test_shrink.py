@@ -10,7 +10,7 @@ from kforge_cli.cli.app import main
 from kforge_cli.engine.plan.shrink import replan_for_world
 from kforge_cli.errors import ConfigError
 from kforge_cli.settings import JobSettings, load_settings, resolve_dims
-from kforge_cli.settings.shrink import check_world, shrink_applies
+from kforge_cli.settings.shrink import check_world, shrink_applies, unkept_node_counts
 from kforge_cli.slurm.sbatch import render_sbatch
 from tests.helpers import tiny
 
@@ -100,6 +100,22 @@ def test_a_local_job_that_cannot_keep_the_global_batch_is_refused_before_it_star
         "the global batch of 12 sequences (train.batch_size 4 x grad_accum_steps 1 x 3 data-parallel groups at " in err
     )
     assert "the configured 3 processes (slurm.nodes=3 x gpus_per_node=1)) cannot be kept exactly" in err
+
+
+def test_node_counts_slurm_may_give_that_cannot_keep_the_global_batch_are_warned_about() -> None:
+    # 8 nodes x 8 GPUs, tp 2, micro-batch 1 x 2: a global batch of 64 over 32 data-parallel groups
+    base = ("--slurm.nodes=8", "--slurm.gpus_per_node=8", "--distributed.tp=2", "--train.batch_size=1")
+    resolved = load_settings(
+        overrides=[*tiny.TINY_MODEL, *base, "--train.grad_accum_steps=2", "--slurm.min_nodes=4"], use_env=False
+    )
+    assert unkept_node_counts(resolved.settings) == [5, 6, 7]
+    (warning,) = [w for w in resolved.warnings if w.path == "slurm.min_nodes"]
+    assert "SLURM may start the job on 5, 6, 7 of its 8 nodes (--nodes=4-8)" in warning.message
+    assert "global batch of 64 sequences cannot be kept exactly" in warning.message
+    assert "set slurm.min_nodes=8" in warning.message
+    assert unkept_node_counts(settings(*base, "--train.grad_accum_steps=60", "--slurm.min_nodes=4")) == [7]
+    assert unkept_node_counts(settings(*base, "--train.grad_accum_steps=60", "--slurm.min_nodes=5")) == [7]
+    assert unkept_node_counts(settings(*FOUR_NODES)) == [3]  # 32 sequences over 6 groups
 
 
 def test_sbatch_asks_for_min_to_max_nodes(tmp_path: Path) -> None:

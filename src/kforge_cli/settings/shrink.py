@@ -149,6 +149,46 @@ def shrink_candidates(settings: JobSettings, world_size: int) -> list[JobSetting
     return out
 
 
+def unkept_node_counts(settings: JobSettings) -> list[int]:
+    """Node counts below slurm.nodes that SLURM may start the job on (``--nodes=MIN-MAX``) where the
+    policy cannot keep the global batch exactly (or the kept tp x pp x cp does not divide): the job
+    would be refused at start. Arithmetic only (the rules and the memory plan are the job's)."""
+    if not shrink_enabled(settings):
+        return []
+    try:
+        full = resolve_dims(settings, settings.slurm.world_size)
+    except ConfigError:  # reported by the rules themselves
+        return []
+    t, sl = settings.train, settings.slurm
+    fixed, gb = full.tp * full.pp * full.cp, t.batch_size * t.grad_accum_steps * full.dp
+    assert sl.min_nodes is not None  # shrink_enabled
+    out = []
+    for nodes in range(sl.min_nodes, sl.nodes):
+        world = nodes * sl.gpus_per_node
+        if world % fixed or gb % (t.batch_size * (world // fixed)):
+            out.append(nodes)
+    return out
+
+
+def shrink_warnings(settings: JobSettings) -> list[ConfigIssue]:
+    """A warning when SLURM may start the job on a node count the policy would refuse."""
+    bad = unkept_node_counts(settings)
+    if not bad:
+        return []
+    sl, t = settings.slurm, settings.train
+    gb = t.batch_size * t.grad_accum_steps * full_size_dims(settings).dp
+    listed = ", ".join(map(str, bad[:6])) + (", ..." if len(bad) > 6 else "")
+    return [
+        ConfigIssue(
+            POLICY,
+            f"SLURM may start the job on {listed} of its {sl.nodes} nodes (--nodes={sl.min_nodes}-{sl.nodes}), "
+            f"where the global batch of {gb} sequences cannot be kept exactly: such a start is refused (exit 2) "
+            f"instead of training; set slurm.min_nodes={bad[-1] + 1} (every count from it keeps the global batch), "
+            "or a global batch divisible by train.batch_size x the data-parallel groups of every count",
+        )
+    ]
+
+
 def check_world(settings: JobSettings, world_size: int) -> None:
     """Before a local job starts its processes: the settings fit ``world_size``, re-planned by the
     shrink policy where it applies (the memory plan is checked by the job itself)."""
