@@ -175,8 +175,7 @@ def shrink_warnings(settings: JobSettings) -> list[ConfigIssue]:
     bad = unkept_node_counts(settings)
     if not bad:
         return []
-    sl, t = settings.slurm, settings.train
-    gb = t.batch_size * t.grad_accum_steps * full_size_dims(settings).dp
+    sl, gb = settings.slurm, global_batch(settings)
     listed = ", ".join(map(str, bad[:6])) + (", ..." if len(bad) > 6 else "")
     return [
         ConfigIssue(
