@@ -22,11 +22,11 @@ def run_processes(run_dir: Path) -> int | None:
 
 def launch_local_job(resolved: ResolvedSettings, nproc: int, child: list[str]) -> int:
     """Check the settings fit `nproc` processes, then start them, each running ``kforge <child>``."""
-    from kforge_cli.settings import resolve_dims
+    from kforge_cli.settings.shrink import check_world
 
     if nproc < 1:
         raise typer.BadParameter("--nproc-per-node must be at least 1")
-    resolve_dims(resolved.settings, nproc)  # a ConfigError here beats N processes each printing it
+    check_world(resolved.settings, nproc)  # a ConfigError here beats N processes each printing it
     from kforge_cli.engine.runtime.local_launch import launch_local
 
     code = launch_local(nproc, child)

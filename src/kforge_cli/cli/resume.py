@@ -137,7 +137,10 @@ def resolve_continuation(
     ``--nproc-per-node``. The processes are the run's own unless typed (``kforge resume``
     starts the ``--nproc-per-node`` recorded in RUN_DIR/launch.json); a typed change of the
     device mesh is allowed (the checkpoint is resharded on load), reported as a WARNING and
-    recorded in config_changes.jsonl by the job. Either way, with a complete checkpoint the
+    recorded in config_changes.jsonl by the job. A layout the shrink policy chooses at start
+    (``slurm.min_nodes``: fewer processes than the full size) is the policy's, not a setting: the
+    run's settings keep the configured layout, so it never differs here; the job reports it as a
+    WARNING and records it, with its reason, in config_changes.jsonl. Either way, with a complete checkpoint the
     model's shape and the data order must stay. Each refusal names the run's value and the fix
     (exit 2).
     """

@@ -285,14 +285,19 @@ def record_changes(run_dir: Path, changes: list[Change], *, command: str | None 
         os.fsync(f.fileno())
 
 
-def record_layout_change(run_dir: Path, old: str, new: str, *, command: str | None = None) -> None:
-    """Append a record of a typed change of the device mesh (no setting changed: ``changes`` is empty)."""
-    record = {
+def record_layout_change(
+    run_dir: Path, old: str, new: str, *, command: str | None = None, policy: str | None = None, reason: str = ""
+) -> None:
+    """Append a record of a change of the device mesh (no setting changed: ``changes`` is empty), typed
+    or chosen by a ``policy`` (``slurm.min_nodes``: the shrink policy) for the ``reason`` given."""
+    record: dict[str, object] = {
         "time": _dt.datetime.now(_dt.UTC).isoformat(timespec="seconds"),
         "command": command if command is not None else shlex.join(["kforge", *sys.argv[1:]]),
         "changes": {},
         "layout": {"from": old, "to": new},
     }
+    if policy is not None:
+        record |= {"policy": policy, "reason": reason}
     with open_append(RunDir(run_dir).config_changes) as f:
         f.write(json.dumps(record, sort_keys=True) + "\n")
         f.flush()

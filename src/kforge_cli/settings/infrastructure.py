@@ -224,6 +224,15 @@ class SlurmSettings(Section):
 
     nodes: int = field(1, "Number of nodes (nodes x gpus_per_node at most 1,048,576).", gt=0, le=MAX_WORLD_SIZE)
     gpus_per_node: int = field(1, "GPUs (= training processes) per node.", gt=0, le=MAX_WORLD_SIZE)
+    min_nodes: int | None = field(
+        None,
+        "Shrink instead of waiting: start on as few as this many nodes (the job asks SLURM for "
+        "--nodes=min_nodes-nodes); train re-plans the data-parallel degree for the processes it gets, keeps the "
+        "global batch by gradient accumulation (or refuses, exit 2, when it cannot) and grows back to slurm.nodes "
+        "at a later requeue. None = wait for slurm.nodes.",
+        gt=0,
+        le=MAX_WORLD_SIZE,
+    )
     gpu_type: str = field("cpu", "Accelerator type: h100, h200, a100, cpu, ...")
     gpu_memory_gb: float = field(80.0, "Memory of one accelerator in GB.", gt=0)
     partition: str | None = field(None, "SLURM partition.")

@@ -53,6 +53,10 @@ def config_issues(s: JobSettings) -> list[ConfigIssue]:
                 f"world size {MAX_WORLD_SIZE:,}",
             )
         )
+    if s.slurm.min_nodes is not None and s.slurm.min_nodes > s.slurm.nodes:
+        out.append(
+            ConfigIssue("slurm.min_nodes", f"{s.slurm.min_nodes} is above slurm.nodes ({s.slurm.nodes}): at most that")
+        )
     if m.family == "deepseek_v3":
         pass  # MLA's head dimensions are set in [model.mla], not derived from model.dim
     elif m.dim % m.n_heads:
@@ -164,6 +168,9 @@ def config_warnings(s: JobSettings) -> list[ConfigIssue]:
                 "and is usually slower than bf16; add --train.compile_model=true",
             )
         )
+    from kforge_cli.settings.shrink import shrink_warnings  # it builds on this module's rules
+
+    out += shrink_warnings(s)
     if s.slurm.nodes > 1:
         for name in ("partition", "account"):
             if getattr(s.slurm, name) is None:

@@ -1,7 +1,8 @@
 """Rendering `RUN_DIR/job.sbatch` from the `slurm` settings and the template.
 
 The script asks for one task per GPU on every node (`--ntasks-per-node = gpus_per_node`),
-`--requeue`, and a signal `slurm.signal_before_s` seconds before the time limit sent to every
+(``--nodes=MIN-MAX`` with ``slurm.min_nodes``: the job starts on what it gets and `kforge train`
+re-plans for it), `--requeue`, and a signal `slurm.signal_before_s` seconds before the time limit sent to every
 job step (plain `--signal=USR1@N`, not `B:`: verified on a real SLURM to reach every training
 rank through srun, while the batch shell is left alone). Each task runs `kforge train` on the
 run's saved config; the template turns exit code 75 (signal) and 76 (hang) into a requeue.
@@ -120,7 +121,7 @@ def sbatch_directives(slurm: SlurmSettings, run_dir: Path, workdir: Path) -> lis
     """The `#SBATCH` lines: the job's shape, limits, requeue, early signal, logs, then extra lines."""
     lines = [
         _directive("job-name", slurm.job_name),
-        _directive("nodes", slurm.nodes),
+        _directive("nodes", nodes_request(slurm)),
         _directive("ntasks-per-node", slurm.gpus_per_node),
     ]
     if slurm.gpu_type.lower() != "cpu":
@@ -144,6 +145,13 @@ def sbatch_directives(slurm: SlurmSettings, run_dir: Path, workdir: Path) -> lis
     for line in slurm.extra_sbatch:
         lines.append("#SBATCH " + line.strip().removeprefix("#SBATCH").strip())
     return lines
+
+
+def nodes_request(slurm: SlurmSettings) -> str:
+    """``--nodes``: ``MIN-MAX`` with the shrink policy (slurm.min_nodes: start on what is free), else N."""
+    if slurm.min_nodes is not None and slurm.min_nodes < slurm.nodes:
+        return f"{slurm.min_nodes}-{slurm.nodes}"
+    return str(slurm.nodes)
 
 
 def env_exports(slurm: SlurmSettings) -> list[str]:

@@ -315,11 +315,19 @@ def predict_layout(
 ) -> tuple[StepEstimate, int]:
     """:func:`predict_step` and the memory plan's worst peak over the pipeline ranks."""
     template = template or build_template(settings)
-    dims = resolve_dims(settings, world_size)
-    cdtype = compute_dtype(settings, target_device(settings))
-    memo = _Memo(settings, template, cdtype.itemsize, target_device(settings).type == "cuda")
-    peak, _ = memo.worst_peak(settings, dims, 2**62)
+    peak, _ = memory_peak(settings, world_size, template=template)
     return predict_step(settings, world_size, mfu=mfu, template=template), peak
+
+
+def memory_peak(settings: JobSettings, world_size: int, *, template: ShardTemplate | None = None) -> tuple[int, int]:
+    """The memory plan's worst peak over the pipeline ranks of ``settings``' own layout at ``world_size``
+    (and that pipeline rank), as the search checks each layout; no cost model, so any device."""
+    dims = resolve_dims(settings, world_size)
+    device = target_device(settings)
+    memo = _Memo(
+        settings, template or build_template(settings), compute_dtype(settings, device).itemsize, device.type == "cuda"
+    )
+    return memo.worst_peak(settings, dims, 2**62)
 
 
 def search_layouts(

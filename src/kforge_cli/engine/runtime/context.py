@@ -19,6 +19,7 @@ from kforge_cli.engine.runtime.threads import ThreadChoice, choose_threads
 from kforge_cli.errors import InvalidInputError
 from kforge_cli.settings import JobSettings, resolve_dims
 from kforge_cli.settings.parallel_dims import ParallelDims
+from kforge_cli.settings.shrink import LayoutChoice
 
 
 @dataclass
@@ -32,6 +33,8 @@ class RuntimeContext:
     owns_process_group: bool = False  # init_runtime created the process group, so teardown destroys it
     threads: ThreadChoice | None = None  # the CPU thread count chosen for this process, and why (logged once)
     extra: dict[str, object] = field(default_factory=dict)
+    # The shrink policy's choice (slurm.min_nodes) when it is on: this job's layout and the run's own settings
+    layout_choice: LayoutChoice | None = None
 
     @property
     def rank(self) -> int:

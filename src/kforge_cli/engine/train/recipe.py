@@ -70,9 +70,10 @@ from kforge_cli.engine.parallel import (
     fsdp_float8_all_gather,
     precompute_scales_after_each_step,
 )
+from kforge_cli.engine.plan.shrink import replan_for_world
 from kforge_cli.engine.resilience import ShutdownHandler, archive_previous, hang_dir
 from kforge_cli.engine.resilience.hang_report import read_own_file
-from kforge_cli.engine.runtime import RuntimeContext, init_runtime, teardown_runtime
+from kforge_cli.engine.runtime import RuntimeContext, detect_launch, init_runtime, teardown_runtime
 from kforge_cli.engine.train.banner import announce_start, building_line
 from kforge_cli.engine.train.components import Components, LoopComponent
 from kforge_cli.engine.train.components.nan_policy import NanPolicy
@@ -232,7 +233,7 @@ def assemble(
     if restore:
         restored = checkpointer.restore()  # resume (the data order too) or warm start, if any
         if runtime.is_main:  # accepted: config.toml on a new run, the changes beside it on a continued one
-            write_config(settings, run_dir)
+            write_config(settings, run_dir, choice=runtime.layout_choice)
         apply_recorded_skips(checkpointer, data.train, state)  # data a loss-spike rewind skipped from here
         maybe_mot_warm_start(settings, model, restored, checkpointer.groups.save)  # fresh runs only
     metrics = recipe.tracker(settings, runtime, run_dir, checkpointer.restored_metrics_run_ids)
@@ -307,11 +308,17 @@ def run_training(
     (``model=``, ``data=``, ``loss=``, ``optimizer=``, ``scheduler=``, ``checkpointer=``,
     ``tracker=``, ``features=``, ``step=``, ``components=``), ``hooks`` (any loop component)
     added to the recipe's.
-    The process group is torn down only after a successful run."""
+    With the shrink policy (``slurm.min_nodes``) the layout is re-planned for the world size the
+    job got before the process group starts (``engine.plan.shrink``); the run's settings stay the
+    configured ones. The process group is torn down only after a successful run."""
     recipe = (recipe or Recipe()).with_phases(**phases) if phases else (recipe or Recipe())
     if hooks:
         recipe = recipe.with_phases(hooks=(*recipe.hooks, *hooks))
+    choice = replan_for_world(settings, detect_launch().world_size)  # slurm.min_nodes: the layout for what we got
+    if choice is not None:
+        settings = choice.settings
     runtime = init_runtime(settings)
+    runtime.layout_choice = choice
     run_dir = resolve_run_dir(settings, runtime)  # rank 0 holds its lock until the run ends, however it ends
     with ExitStack() as stack:
         stack.callback(release_run_dir, run_dir)
