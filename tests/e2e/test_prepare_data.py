@@ -51,7 +51,7 @@ def test_bad_input_exits_2_naming_the_file_and_line(kforge, tmp_path: Path) -> N
 
 SLOW_PREPARE = """
 import sys, time
-from kforge_cli.engine.data.prepare import pipeline
+from kforge_cli.engine.data.prepare import prepare_run as pipeline
 real = pipeline.encode_unit
 def slow(*args):
     time.sleep(1.5)  # a large input, in effect: SIGTERM arrives while units are being tokenized

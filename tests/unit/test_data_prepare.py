@@ -198,7 +198,7 @@ def test_every_output_file_and_directory_is_fsynced_before_the_rename_publishes_
 ) -> None:
     import os
 
-    from kforge_cli.engine.data.prepare import pipeline
+    from kforge_cli.engine.data.prepare import prepare_run as pipeline
 
     events: list[tuple[str, str]] = []
     real_fsync, real_replace = os.fsync, pipeline.replace_dir

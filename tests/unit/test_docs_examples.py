@@ -132,14 +132,14 @@ def test_the_tracker_backend_receives_every_metric_point(tmp_path: Path) -> None
 
 
 def test_the_loop_component_example_is_kforges_own_file_and_stops_a_run_as_a_hook(tmp_path: Path) -> None:
-    from kforge_cli.engine.train.components import early_stop, registry
+    from kforge_cli.engine.train.components import early_stop, selection
 
     page = (Path(__file__).parents[2] / "docs" / "extending.md").read_text()
     assert '--8<-- "early_stop.py"' in page  # the page shows the shipped file (mkdocs snippets base_path)
     registration = (
         "        components.append(EarlyStop(settings.train.early_stop_patience, settings.train.early_stop_min_delta))"
     )
-    assert registration in page and registration in Path(registry.__file__).read_text()
+    assert registration in page and registration in Path(selection.__file__).read_text()
     run = tmp_path / "run"
     hook = early_stop.EarlyStop(patience=1, min_delta=100.0)  # nothing counts as better: stop at the 2nd eval
     outcome = run_training(settings(run, "--train.max_steps=6", "--eval.interval=2", "--eval.steps=1"), hooks=[hook])

@@ -1,7 +1,7 @@
 """`kforge plan search`: the analytic shards, the search's validity and memory, the cost model.
 
 The search never builds a model per layout: its parameter shards come from a one-block
-template (plan.shards), checked here against the meta build parameter by parameter on
+template (plan.param_shards), checked here against the meta build parameter by parameter on
 every rank; every layout it returns must pass the same rules as validate-config at that
 world size and have exactly the memory plan's peak (build_plan on its worst pipeline
 rank), within the limit; a faster layout the memory plan rejects must not be returned.

@@ -151,7 +151,7 @@ def parallelize(module: nn.Module, settings: JobSettings, runtime: RuntimeContex
             fullgraph = False
             log.info("torch.compile of MoE blocks under expert parallelism: one graph break at the experts' FSDP hooks")
         elif settings.model.moe is not None and (runtime.dims.pp > 1 or runtime.dims.tp > 1):
-            # pp: the aux-loss gradient hook (engine.train.features.moe) runs outside the graph by design;
+            # pp: the aux-loss gradient hook (engine.train.features.moe_aux) runs outside the graph by design;
             # tp: the MoE TP plan's layout changes around the routed experts are not traced in one graph yet.
             fullgraph = False
             log.info("torch.compile of MoE blocks under pp/tp without fullgraph: graph breaks fall back to eager")

@@ -12,7 +12,7 @@ rules as ``validate-config`` (settings.rules), so an invalid one never appears, 
 memory plan as ``kforge plan`` (planner's ``param_items`` + ``activation_items``) on *every* pipeline rank (the
 worst counts; the first and last rank first, and a layout whose parameters, gradients and
 optimizer state alone exceed the GPU is out without building anything), with the
-parameter shards of ``plan.shards`` (equal to the meta build's, without a model per
+parameter shards of ``plan.param_shards`` (equal to the meta build's, without a model per
 layout). The first layout that passes of each mesh and schedule (tp, cp, pp schedule,
 dp_replicate, dp_shard, ep) is its best stage split, micro-batch and AC mode; the search
 stops when ``top`` meshes are found. The memory items are cached by what they depend on,

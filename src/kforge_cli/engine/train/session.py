@@ -5,7 +5,7 @@ older method names, and `StepInfo`).
 
 The protocol lives here, next to the session its methods receive, so that neither module
 imports the other; `engine.train.components` re-exports it with the components kforge ships
-(`engine.train.components.registry`), and `engine.train.hooks` loads hooks named in the settings.
+(`engine.train.components.selection`), and `engine.train.hooks` loads hooks named in the settings.
 
 A step feature (`engine.train.step.StepFeature`) changes what one step computes; a loop
 component acts between steps: it votes to stop, decides on a loss spike, watches for hangs,

@@ -1,7 +1,7 @@
 """In-loop evaluation as a loop component: the eval loss and the ``eval.tasks`` every ``eval.interval`` steps.
 
-The evaluations themselves are `engine.train.evaluation.evaluate` (held-out loss) and
-`engine.train.downstream.downstream_eval` (multiple choice); this component runs them on
+The evaluations themselves are `engine.evaluation.in_loop.evaluate` (held-out loss) and
+`engine.evaluation.downstream.downstream_eval` (multiple choice); this component runs them on
 schedule, writes their records, and tells every component the eval loss (``on_eval_end``).
 A run whose last step is not a multiple of the interval is evaluated once more at the end.
 """
