@@ -13,6 +13,8 @@ from __future__ import annotations
 import json
 import os
 import random
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -127,6 +129,14 @@ def test_data_trace_is_what_each_step_read_across_a_resume_on_fewer_ranks(kforge
     assert {s["dataset"] for s in samples} == {"web", "books"}
     assert any(len(s["pieces"]) == 2 for s in samples)  # a window across two shards is read from both
     assert any(s["document_ends"] for s in samples)
+    # The command builds no model and imports no torch (a fresh interpreter, as a user runs it).
+    code = (
+        "import sys\nfrom kforge_cli.cli.app import main\n"
+        f"try:\n    main(['data-trace', {str(run)!r}, '--step', '5', '--json'])\nexcept SystemExit:\n    pass\n"
+        "print('TORCH', 'torch' in sys.modules, file=sys.stderr)"
+    )
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert "TORCH False" in r.stderr and json.loads(r.stdout) == traces[5], r.stderr[-3000:]
     one = _trace(kforge, run, 3, "--rank", "1")
     assert_trace_is_what_the_step_got(one, kept)
     assert {s["rank"] for s in one["samples"]} == {1}

@@ -32,13 +32,16 @@ def data_trace(
 ) -> None:
     """Each sample step N read: its dataset, shard, token offset and length, and where documents end.
 
-    Listed per micro-batch (gradient accumulation) and per data-parallel rank. The step is replayed
-    from the run's records, not from a log of batches: the position its job (or a loss-spike rewind)
-    began at (RUN/data_positions.jsonl), the settings in force then (config.toml plus the changes in
-    config_changes.jsonl) and that job's batch size, accumulation and data-parallel size, so the
-    answer is the same before and after a resume, a rewind or a change of the number of processes.
-    With tensor, context or pipeline parallelism every rank of one data-parallel group reads the same
-    samples: --rank is the data-parallel rank. Builds no model, loads no torch.
+    Listed per micro-batch (gradient accumulation) and per data-parallel rank. With tensor, context or
+    pipeline parallelism every rank of one data-parallel group reads the same samples: --rank is the
+    data-parallel rank.
+
+    The step is replayed, not looked up: from where its job (or a loss-spike rewind) began in the
+    data order (RUN/data_positions.jsonl), with the settings in force then (config.toml plus the
+    changes in config_changes.jsonl) and that job's batch size, accumulation and data-parallel size.
+
+    So the answer is the same before and after a resume, a rewind or a change of the number of
+    processes. Builds no model and loads no torch.
     """
     from kforge_cli.engine.data.trace import trace_step
 
