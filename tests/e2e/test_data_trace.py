@@ -113,8 +113,10 @@ def test_data_trace_is_what_each_step_read_across_a_resume_on_fewer_ranks(kforge
     before = {s: _trace(kforge, run, s) for s in (2, 4)}
     assert (before[2]["dp_size"], before[2]["grad_accum_steps"], before[2]["world_size"]) == (2, 2, 2)
 
-    # One rank, three micro-batches a step from the checkpoint of step 4 on (a typed change of the mesh).
-    r = kforge("resume", str(run), ALLOW, "--train.max_steps=7", "--train.grad_accum_steps=3", env=env)
+    # One rank, three micro-batches a step from the checkpoint of step 4 on (a typed change of the mesh),
+    # and a phase that draws only books from step 2: in force from step 5, where the resume begins.
+    books = "--data.phases=[{start_step=2,dataset_weights={books=1.0}}]"
+    r = kforge("resume", str(run), ALLOW, "--train.max_steps=7", "--train.grad_accum_steps=3", books, env=env)
     assert r.returncode == 0, r.stderr[-3000:]
     kept = recorded(batches)
     assert sorted({k[0] for k in kept}) == list(range(1, 8))
@@ -126,7 +128,8 @@ def test_data_trace_is_what_each_step_read_across_a_resume_on_fewer_ranks(kforge
         if step in before:
             assert trace == before[step]  # the same answer before and after the resume
     samples = [s for t in traces.values() for s in t["samples"]]
-    assert {s["dataset"] for s in samples} == {"web", "books"}
+    assert {s["dataset"] for t in list(traces.values())[1:4] for s in t["samples"]} == {"web", "books"}
+    assert {s["dataset"] for t in list(traces.values())[4:] for s in t["samples"]} == {"books"}
     assert any(len(s["pieces"]) == 2 for s in samples)  # a window across two shards is read from both
     assert any(s["document_ends"] for s in samples)
     # The command builds no model and imports no torch (a fresh interpreter, as a user runs it).
