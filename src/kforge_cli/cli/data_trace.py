@@ -58,14 +58,19 @@ def _sample_line(s: SampleTrace) -> str:
     return f"  rank {s.rank} row {s.row}: {s.dataset} tokens {s.offset}+{s.length} (window {s.window}) in {where}{ends}"
 
 
+def _since(t: StepTrace) -> str:
+    if not t.since["line"]:
+        return "step 0 (the run predates data_positions.jsonl and its settings never changed)"
+    return f"data_positions.jsonl line {t.since['line']} ({t.since['reason']} at step {t.since['step']})"
+
+
 def _text(t: StepTrace) -> str:
     who = "the global batch" if t.rank is None else f"data-parallel rank {t.rank}"
     lines = [
         f"step {t.step} of {t.run_dir}{'' if t.trained else ' (planned: not trained yet)'}: {who}, "
         f"{t.grad_accum_steps} micro-batch(es) x {t.dp_size} data-parallel rank(s) x {t.batch_size} sample(s) "
         f"of {t.seq_len} + 1 tokens",
-        f"replayed from {Path(t.run_dir).name}/data_positions.jsonl line {t.since['line']} "
-        f"({t.since['reason']} at step {t.since['step']}); global sample {t.global_sample}, data step {t.data_step}",
+        f"replayed from {_since(t)}; global sample {t.global_sample}, data step {t.data_step}",
     ]
     for skip in t.rewinds:
         lines.append(

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 
@@ -29,6 +30,9 @@ from kforge_cli.rundir.launch import read_launch
 from kforge_cli.rundir.layout import RunDir
 from kforge_cli.rundir.saved_config import apply_changes, read_changes
 from kforge_cli.settings.job import JobSettings
+
+if TYPE_CHECKING:
+    pass
 
 
 @dataclass(frozen=True)
@@ -72,17 +76,13 @@ class StepTrace:
     rank: int | None  # None: the whole global batch
     data_step: int  # the step the mixture's weights are taken at (differs from `step` after a rewind)
     global_sample: int  # position in the global sample stream of the step's first sample
-    since: dict[str, object]  # the data_positions.jsonl record replayed from: step, reason, line
+    since: dict[str, object]  # the data_positions.jsonl record replayed from: step, reason, line (0: none)
     datasets: dict[str, str]  # name -> prepared directory (or "built-in corpus")
     samples: list[SampleTrace] = field(default_factory=list)
     rewinds: list[dict[str, object]] = field(default_factory=list)  # rewinds whose skipped window held this step
 
     def to_dict(self) -> dict[str, object]:
         return asdict(self)
-
-
-def _arg(message: str) -> InvalidInputError:
-    return InvalidInputError(message)
 
 
 def _settings(raw: dict[str, object], changes: list[dict[str, object]], run: RunDir, count: int) -> JobSettings:
@@ -146,14 +146,16 @@ def trace_step(run_dir: Path, step: int, *, rank: int | None = None, decode: boo
     """
     run = RunDir(Path(run_dir).expanduser().resolve())
     if not run.has_config():
-        raise _arg(f"RUN {run_dir}: not a kforge run directory (it has no {run.config.name})")
+        raise InvalidInputError(f"RUN {run_dir}: not a kforge run directory (it has no {run.config.name})")
     raw = read_toml_file(run.config, "the run's settings")
     changes = read_changes(run.path)
     final = _settings(raw, changes, run, len(changes))
     trained = _trained_steps(run, final)
     planned = max(final.train.max_steps, trained)
     if not 1 <= step <= planned:
-        raise _arg(f"--step {step}: {run.path} has steps 1 to {planned} (train.max_steps = {final.train.max_steps})")
+        raise InvalidInputError(
+            f"--step {step}: {run.path} has steps 1 to {planned} (train.max_steps = {final.train.max_steps})"
+        )
     positions = read_data_positions(run.path) or [_legacy_start(run, changes)]
     earlier = [p for p in positions if p.step < step]
     if not earlier:
@@ -172,7 +174,7 @@ def trace_step(run_dir: Path, step: int, *, rank: int | None = None, decode: boo
     batch = int_of(data.get("batch_size", settings.train.batch_size))
     accum = int_of(data.get("grad_accum_steps", settings.train.grad_accum_steps))
     if rank is not None and not 0 <= rank < dp:
-        raise _arg(f"--rank {rank}: step {step} ran on {dp} data-parallel rank(s), 0 to {dp - 1}")
+        raise InvalidInputError(f"--rank {rank}: step {step} ran on {dp} data-parallel rank(s), 0 to {dp - 1}")
     weights = [d.weight for d in settings.data.datasets] if settings.data.datasets else [1.0]
     schedule = MixtureSchedule.build(names, weights, settings.data.temperature, settings.data.phases)
     seed = int_of(data.get("data_seed", settings.data_seed))
