@@ -102,3 +102,25 @@ def test_mixture_batches_carry_dataset_ids_and_resume_exactly() -> None:
     assert second.state_dict()["counts"] == [
         int((np.concatenate([b["dataset_ids"] for b in ref]) == d).sum()) for d in range(2)
     ]
+
+
+def test_advance_and_group_batch_replay_what_each_rank_reads() -> None:
+    """`kforge data-trace` replays a run with `advance` (counts in bulk) and `group_batch` (every rank's
+    samples): both equal what the ranks' own `next_batch` calls give, across a phase start."""
+    sched = MixtureSchedule.build(
+        NAMES, [3.0, 1.0], 1.0, [DataPhase(start_step=3, dataset_weights={"web": 1.0, "books": 2.0})]
+    )
+    ranks = [_order(sched, batch=3, rank=r, dp=2, accum=2) for r in range(2)]
+    cursor = Cursor(1, 6, (4, 2))  # mid-run, mid-step
+    for n in range(12):
+        assert ranks[0].advance(cursor, 0) == cursor
+        group = ranks[0].group_batch(cursor)
+        for r, order in enumerate(ranks):
+            plan = order.next_batch(cursor)
+            assert plan.after == group.after
+            assert plan.dataset_ids.tolist() == group.dataset_ids[r * 3 : (r + 1) * 3].tolist()
+            assert plan.windows.tolist() == group.windows[r * 3 : (r + 1) * 3].tolist()
+        after = ranks[1].advance(Cursor(1, 6, (4, 2)), n + 1)
+        cursor = group.after
+        assert after == cursor, n
+    assert ranks[0].advance(Cursor.start(2), 0) == Cursor.start(2)

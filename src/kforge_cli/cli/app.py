@@ -14,6 +14,7 @@ import typer
 from kforge_cli import __version__
 from kforge_cli.cli import (
     convert_mot,
+    data_trace,
     evaluate,
     export_hf,
     generate,
@@ -55,7 +56,7 @@ def _root(
 
 for module in (train, resume, convert_mot, inspect_ckpt, export_hf, validate, plan, prepare_data):
     module.register(app)
-for module in (generate, evaluate, plot, runs, list_profiles):  # after training
+for module in (generate, evaluate, plot, runs, data_trace, list_profiles):  # after training
     module.register(app)
 apply_readable_help(app)  # docstrings -> whole paragraphs, brackets kept, no literal backticks
 

@@ -66,6 +66,10 @@ class RunDir:
         return self.path / names.CONFIG_CHANGES_FILE
 
     @property
+    def data_positions(self) -> Path:
+        return self.path / names.DATA_POSITIONS_FILE
+
+    @property
     def metrics(self) -> Path:
         return self.path / names.METRICS_FILE
 

@@ -3,6 +3,7 @@
     RUN_DIR/
       config.toml              the resolved settings, written once when the run starts
       config_changes.jsonl     accepted changes of later commands (resume), one JSON line each
+      data_positions.jsonl     where the data order stood when each job (or rewind) began (data-trace)
       metrics.jsonl            one JSON object per logged step (and per checkpoint, per eval)
       logs/                    rank_R.log, slurm-JOBID.out; hang/ (the hang watchdog's reports)
       checkpoints/             step_N/ (see below), `latest` (unless checkpoint.dir) and
@@ -32,6 +33,7 @@ from __future__ import annotations
 
 CONFIG_FILE = "config.toml"
 CONFIG_CHANGES_FILE = "config_changes.jsonl"
+DATA_POSITIONS_FILE = "data_positions.jsonl"
 METRICS_FILE = "metrics.jsonl"
 LOGS_DIR = "logs"
 HANG_DIR = "hang"  # inside logs/

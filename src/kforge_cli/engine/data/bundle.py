@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import hashlib
 import logging
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
@@ -20,22 +20,16 @@ from typing import Protocol
 import numpy as np
 import torch
 
-from kforge_cli.engine.data.builtin_corpus import VERSION as BUILTIN_VERSION
-from kforge_cli.engine.data.builtin_corpus import builtin_tokens
 from kforge_cli.engine.data.loader import BatchFetcher, StatefulLoader, training_loader
 from kforge_cli.engine.data.mixture import MixtureSchedule
-from kforge_cli.engine.data.shards import load_prepared
+from kforge_cli.engine.data.sources import Source, prepared_source, training_sources
 from kforge_cli.engine.data.tokenizer import ByteTokenizer, HFTokenizer, Tokenizer
-from kforge_cli.engine.data.tokens import ArrayTokens, ShardedTokens, TokenStream, Windows, make_batch
+from kforge_cli.engine.data.tokens import TokenStream, Windows, make_batch
 from kforge_cli.errors import InvalidInputError
-from kforge_cli.rundir.data_fingerprint import builtin_fingerprint, prepared_fingerprint
 from kforge_cli.settings import JobSettings
-from kforge_cli.settings.data import DataSettings
 from kforge_cli.settings.data_check import TOKENIZER_FILE
 
 log = logging.getLogger(__name__)
-
-BUILTIN_NAME = "builtin"
 
 
 class EvalBatches(Protocol):
@@ -58,20 +52,6 @@ class TrainData(Protocol):
 
     @property
     def dataset_names(self) -> list[str]: ...
-
-
-@dataclass
-class Source:
-    """One dataset: its token streams and the tokenizer identity they were made with."""
-
-    name: str
-    origin: str
-    train: TokenStream
-    val: TokenStream | None
-    tokenizer: Mapping[str, object]  # metadata.json's tokenizer identity (or the byte tokenizer's)
-    root: Path | None = None
-    top_shard: tuple[int, str] = (-1, "")  # (largest token id, the shard holding it): checked against the model
-    fingerprint: str = ""  # what a checkpoint records of this data (rundir.data_fingerprint)
 
 
 class ValData:
@@ -135,45 +115,6 @@ class DataBundle:
     tokenizer: Tokenizer
 
 
-def _prepared_source(name: str, path: str) -> Source:
-    meta = load_prepared(path)
-    val = meta.splits.get("val")
-    top = max(((s.max_id, s.path.name) for shards in meta.splits.values() for s in shards), default=(-1, ""))
-    return Source(
-        name=name,
-        origin=str(meta.root),
-        train=ShardedTokens(meta.splits["train"]),
-        val=ShardedTokens(val) if val and meta.split_tokens("val") else None,
-        tokenizer=meta.tokenizer,
-        root=meta.root,
-        top_shard=top,
-        fingerprint=prepared_fingerprint(meta.root),
-    )
-
-
-def _training_sources(data: DataSettings) -> list[Source]:
-    if data.datasets:
-        return [_prepared_source(d.name, d.path) for d in data.datasets]
-    if data.path:
-        return [_prepared_source(Path(data.path).name or "data", data.path)]
-    if data.tokenizer != "byte":
-        raise InvalidInputError(
-            f"data.tokenizer={data.tokenizer!r} but no data.path: the built-in corpus is byte-tokenized. "
-            "Prepare your data with `kforge prepare-data --tokenizer PATH` and set data.path."
-        )
-    tokens = builtin_tokens()
-    return [
-        Source(
-            BUILTIN_NAME,
-            "built-in corpus",
-            ArrayTokens(tokens["train"]),
-            ArrayTokens(tokens["val"]),
-            ByteTokenizer().describe(),
-            fingerprint=builtin_fingerprint(BUILTIN_VERSION),
-        )
-    ]
-
-
 def _tokenizer_for(sources: list[Source], requested: str) -> Tokenizer:
     """The tokenizer all sources share (refusing a mix), checked against data.tokenizer."""
     first = sources[0]
@@ -226,7 +167,7 @@ def _val_data(
 ) -> ValData | None:
     """Validation windows: of ``eval_path`` (``eval.path``) if set, else of each source's val split."""
     if eval_path:
-        src = _prepared_source("eval", eval_path)
+        src = prepared_source("eval", eval_path)
         if src.tokenizer != sources[0].tokenizer:
             raise InvalidInputError(f"eval.path {src.origin} was prepared with another tokenizer than the train data")
         stream = src.val or src.train
@@ -255,7 +196,7 @@ def _val_data(
 def build_data(settings: JobSettings, *, dp_rank: int, dp_size: int) -> DataBundle:
     """The train loader, val data and tokenizer of data-parallel rank ``dp_rank`` of ``dp_size``."""
     data, train = settings.data, settings.train
-    sources = _training_sources(data)
+    sources = training_sources(data)
     tok = _tokenizer_for(sources, data.tokenizer)
     if tok.vocab_size > settings.model.vocab_size:
         raise InvalidInputError(

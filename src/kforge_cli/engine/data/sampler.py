@@ -98,7 +98,8 @@ class SampleOrder:
             out[sel] = permute(ordinals[sel] % n, n, key)
         return out
 
-    def next_batch(self, cursor: Cursor) -> BatchPlan:
+    def _group(self, cursor: Cursor) -> tuple[np.ndarray, np.ndarray, Cursor]:
+        """Dataset and ordinal of every sample of the cursor's micro-batch on all ranks, and the cursor after it."""
         group = self.batch_size * self.dp_size
         positions = cursor.sample + np.arange(group, dtype=np.int64)
         ds = self._choose_datasets(positions, self.step_of(cursor))
@@ -106,12 +107,49 @@ class SampleOrder:
         onehot = ds[:, None] == np.arange(n_ds)[None, :]
         rank_in_ds = np.cumsum(onehot, axis=0)[np.arange(group), ds] - 1
         ordinals = np.asarray(cursor.counts, dtype=np.int64)[ds] + rank_in_ds
-        mine = slice(self.dp_rank * self.batch_size, (self.dp_rank + 1) * self.batch_size)
-        my_ds, my_ord = ds[mine], ordinals[mine]
-        windows = np.empty_like(my_ord)
-        for d in np.unique(my_ds).tolist():
-            sel = my_ds == d
-            windows[sel] = self.window_of(d, my_ord[sel])
         counts = tuple(int(c) for c in np.asarray(cursor.counts) + onehot.sum(axis=0))
         after = replace(cursor, batch=cursor.batch + 1, sample=cursor.sample + group, counts=counts)
-        return BatchPlan(my_ds, windows, after)
+        return ds, ordinals, after
+
+    def _windows(self, ds: np.ndarray, ordinals: np.ndarray) -> np.ndarray:
+        windows = np.empty_like(ordinals)
+        for d in np.unique(ds).tolist():
+            sel = ds == d
+            windows[sel] = self.window_of(d, ordinals[sel])
+        return windows
+
+    def next_batch(self, cursor: Cursor) -> BatchPlan:
+        """This rank's samples of the cursor's micro-batch."""
+        ds, ordinals, after = self._group(cursor)
+        mine = slice(self.dp_rank * self.batch_size, (self.dp_rank + 1) * self.batch_size)
+        return BatchPlan(ds[mine], self._windows(ds[mine], ordinals[mine]), after)
+
+    def group_batch(self, cursor: Cursor) -> BatchPlan:
+        """Every data-parallel rank's samples of the cursor's micro-batch: rank ``r``'s are
+        ``[r * batch_size, (r + 1) * batch_size)`` (what ``next_batch`` gives rank ``r``)."""
+        ds, ordinals, after = self._group(cursor)
+        return BatchPlan(ds, self._windows(ds, ordinals), after)
+
+    def advance(self, cursor: Cursor, micro_batches: int) -> Cursor:
+        """The cursor ``micro_batches`` micro-batches on: what as many ``next_batch`` calls reach, in
+        large vectorised chunks and without choosing windows (``kforge data-trace`` replays a run)."""
+        if micro_batches < 0:
+            raise ValueError(f"cannot advance by {micro_batches} micro-batches")
+        group = self.batch_size * self.dp_size
+        counts = np.asarray(cursor.counts, dtype=np.int64).copy()
+        end = cursor.batch + micro_batches
+        if len(self.names) == 1:
+            counts[0] += micro_batches * group
+        batch = cursor.batch
+        starts = sorted({start for start, _ in self.schedule.phases})
+        chunk = max(1, (1 << 20) // group)  # micro-batches per numpy pass
+        while len(self.names) > 1 and batch < end:
+            step = batch // self.grad_accum_steps
+            # the dataset probabilities change only where a phase starts: one pass per run of equal ones
+            change = next((s * self.grad_accum_steps for s in starts if s > step), end)
+            stop = min(end, change, batch + chunk)
+            first = cursor.sample + (batch - cursor.batch) * group
+            positions = first + np.arange((stop - batch) * group, dtype=np.int64)
+            counts += np.bincount(self._choose_datasets(positions, step), minlength=len(self.names))
+            batch = stop
+        return Cursor(end, cursor.sample + micro_batches * group, tuple(int(c) for c in counts))

@@ -8,13 +8,15 @@ covers tokens ``[i*seq_len, i*seq_len + seq_len + 1)``: inputs are the first
 from __future__ import annotations
 
 import os
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import numpy as np
-import torch
 
 from kforge_cli.engine.data.shards import ShardInfo
 from kforge_cli.errors import InvalidInputError
+
+if TYPE_CHECKING:  # torch loads with the first batch: `kforge data-trace` reads windows without it
+    import torch
 
 IGNORE_INDEX = -100  # label value cross-entropy skips
 
@@ -65,19 +67,25 @@ class ShardedTokens:
             self._pid = os.getpid()
         return self._maps
 
-    def read(self, start: int, stop: int) -> np.ndarray:
-        maps = self._arrays()
-        first = int(np.searchsorted(self.offsets, start, side="right")) - 1
-        parts = []
-        i = first
+    def pieces(self, start: int, stop: int) -> list[tuple[int, int, int]]:
+        """Where tokens ``[start, stop)`` of the split lie: (shard index, offset in that shard, length) each."""
+        out = []
+        i = int(np.searchsorted(self.offsets, start, side="right")) - 1
         while start < stop:
             lo = start - int(self.offsets[i])
             take = min(stop - start, self.shards[i].tokens - lo)
+            out.append((i, lo, take))
+            start += take
+            i += 1
+        return out
+
+    def read(self, start: int, stop: int) -> np.ndarray:
+        maps = self._arrays()
+        parts = []
+        for i, lo, take in self.pieces(start, stop):
             part = maps[i][lo : lo + take]
             self._check_ids(i, part)
             parts.append(part)
-            start += take
-            i += 1
         return parts[0] if len(parts) == 1 else np.concatenate(parts)
 
     def _check_ids(self, i: int, part: np.ndarray) -> None:
@@ -101,12 +109,15 @@ class Windows:
         self.seq_len = seq_len
         self.num_windows = max(0, (len(stream) - 1) // seq_len)
 
+    def span(self, index: int) -> tuple[int, int]:
+        """Window ``index``'s tokens in the stream: ``[start, stop)``, ``seq_len + 1`` of them."""
+        return index * self.seq_len, (index + 1) * self.seq_len + 1
+
     def rows(self, indices: np.ndarray) -> np.ndarray:
         """Windows ``indices`` as an int64 array of shape [len(indices), seq_len + 1]."""
-        t = self.seq_len
-        out = np.empty((len(indices), t + 1), dtype=np.int64)
+        out = np.empty((len(indices), self.seq_len + 1), dtype=np.int64)
         for row, i in enumerate(indices.tolist()):
-            out[row] = self.stream.read(i * t, i * t + t + 1)
+            out[row] = self.stream.read(*self.span(i))
         return out
 
 
@@ -130,6 +141,8 @@ def make_batch(
     rows: np.ndarray, dataset_ids: np.ndarray, eos_id: int, document_masking: bool
 ) -> dict[str, torch.Tensor]:
     """Rows [B, T+1] -> the batch dict the training loop consumes (CPU tensors)."""
+    import torch
+
     inputs, labels = rows[:, :-1], rows[:, 1:].copy()
     batch: dict[str, torch.Tensor] = {"input_ids": torch.from_numpy(np.ascontiguousarray(inputs))}
     if document_masking:

@@ -92,6 +92,7 @@ from kforge_cli.engine.train.update import Update, build_loss_scaler
 from kforge_cli.errors import KforgeError
 from kforge_cli.rundir import names
 from kforge_cli.rundir.claim import release_run_dir
+from kforge_cli.rundir.data_positions import record_data_position
 from kforge_cli.rundir.layout import RunDir
 from kforge_cli.settings import JobSettings
 
@@ -235,6 +236,10 @@ def assemble(
         if runtime.is_main:  # accepted: config.toml on a new run, the changes beside it on a continued one
             write_config(settings, run_dir, choice=runtime.layout_choice)
         apply_recorded_skips(checkpointer, data.train, state)  # data a loss-spike rewind skipped from here
+        if runtime.is_main:  # where this job's data begins (what `kforge data-trace` replays)
+            record_data_position(
+                run_dir, step=state.step, reason="start", data=data.train.state_dict(), world_size=runtime.world_size
+            )
         maybe_mot_warm_start(settings, model, restored, checkpointer.groups.save)  # fresh runs only
     metrics = recipe.tracker(settings, runtime, run_dir, checkpointer.restored_metrics_run_ids)
     stack.enter_context(metrics)  # on an exception: the tracked run is marked failed (Ctrl-C: stopped)

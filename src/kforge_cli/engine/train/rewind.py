@@ -11,6 +11,8 @@ the same process and on every rank at the same step:
 3. records the skipped window in the train state (``data_skips``, carried by every later
    checkpoint) and in ``CHECKPOINT_ROOT/data_skips.json``, so a process that restarts from
    that same checkpoint before the next save skips the same window (`apply_recorded_skips`).
+   The position the steps from there on read from goes to ``RUN_DIR/data_positions.jsonl``
+   (`kforge data-trace`).
 
 Without a checkpoint to go back to there is no rewind (the caller is told: None).
 """
@@ -25,6 +27,7 @@ from typing import TYPE_CHECKING
 from kforge_cli.common.json_values import dict_of, int_of
 from kforge_cli.rundir import names
 from kforge_cli.rundir.checkpoints import atomic_write_json, read_json
+from kforge_cli.rundir.data_positions import record_data_position
 
 if TYPE_CHECKING:
     from kforge_cli.engine.checkpoint import CheckpointManager
@@ -57,6 +60,14 @@ def rewind(session: TrainingSession, skip: dict[str, int], note: str = "") -> in
     state.data_skips.append(skip)
     if session.runtime.is_main:
         _journal_append(ckpt.root, {**skip, "data_before": data_before, "data_after": data_after})
+        record_data_position(  # the steps from here on read the data after the skipped window
+            session.run_dir,
+            step=restored.step,
+            reason="rewind",
+            data=data_after,
+            world_size=session.runtime.world_size,
+            skip=skip,
+        )
     log.warning(
         "rewound to step %d (%s); the data of steps %d-%d is skipped%s",
         restored.step,
