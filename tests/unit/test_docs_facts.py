@@ -12,7 +12,7 @@ import re
 from pathlib import Path
 
 from kforge_cli.engine.data.vlm.media import IMAGE_SUFFIXES
-from kforge_cli.engine.data.vlm.sources import resolve_records
+from kforge_cli.engine.data.vlm.pair_sources import resolve_records
 
 ROOT = Path(__file__).parents[2]
 DATA_PAGE = (ROOT / "docs" / "data.md").read_text()

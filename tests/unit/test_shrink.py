@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from kforge_cli.cli.app import main
-from kforge_cli.engine.plan.shrink import replan_for_world
+from kforge_cli.engine.plan.shrink_replan import replan_for_world
 from kforge_cli.errors import ConfigError
 from kforge_cli.settings import JobSettings, load_settings, resolve_dims
 from kforge_cli.settings.shrink import check_world, shrink_applies, unkept_node_counts

@@ -11,7 +11,7 @@ keeps the global batch of the configured full size exactly::
 This module is the torch-free part: which world sizes the policy covers, the global batch it
 keeps, and the candidate layouts (each checked by the rules of ``settings.rules``), or the
 reason none can keep the global batch (exit 2). The planner's memory plan picks among them
-(``engine.plan.shrink``); the run's settings stay the configured ones (config.toml is never
+(``engine.plan.shrink_replan``); the run's settings stay the configured ones (config.toml is never
 rewritten), so each start re-plans toward the full size and a job that gets its nodes back grows
 again. No torch, no engine.
 """

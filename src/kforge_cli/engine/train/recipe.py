@@ -70,7 +70,7 @@ from kforge_cli.engine.parallel import (
     fsdp_float8_all_gather,
     precompute_scales_after_each_step,
 )
-from kforge_cli.engine.plan.shrink import replan_for_world
+from kforge_cli.engine.plan.shrink_replan import replan_for_world
 from kforge_cli.engine.resilience import ShutdownHandler, archive_previous, hang_dir
 from kforge_cli.engine.resilience.hang_report import read_own_file
 from kforge_cli.engine.runtime import RuntimeContext, detect_launch, init_runtime, teardown_runtime
@@ -314,7 +314,7 @@ def run_training(
     ``tracker=``, ``features=``, ``step=``, ``components=``), ``hooks`` (any loop component)
     added to the recipe's.
     With the shrink policy (``slurm.min_nodes``) the layout is re-planned for the world size the
-    job got before the process group starts (``engine.plan.shrink``); the run's settings stay the
+    job got before the process group starts (``engine.plan.shrink_replan``); the run's settings stay the
     configured ones. The process group is torn down only after a successful run."""
     recipe = (recipe or Recipe()).with_phases(**phases) if phases else (recipe or Recipe())
     if hooks:

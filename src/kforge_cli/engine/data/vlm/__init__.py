@@ -6,7 +6,13 @@ yields dicts of ``input_ids``, ``labels``, ``pixel_values`` ``[B, F, C, H, W]``,
 """
 
 from kforge_cli.engine.data.vlm.media import BadSampleError, load_clip, load_image
-from kforge_cli.engine.data.vlm.sources import ManifestCaptions, Record, read_manifest, resolve_records, scan_directory
+from kforge_cli.engine.data.vlm.pair_sources import (
+    ManifestCaptions,
+    Record,
+    read_manifest,
+    resolve_records,
+    scan_directory,
+)
 from kforge_cli.engine.data.vlm.synthetic import SyntheticCaptions
 from kforge_cli.engine.data.vlm.vlm_bundle import CaptionBatcher, VLMDataBundle, VLMValData, build_vlm_data
 

@@ -33,7 +33,7 @@ from kforge_cli.engine.data.mixture import MixtureSchedule
 from kforge_cli.engine.data.tokenizer import Tokenizer, load_tokenizer
 from kforge_cli.engine.data.tokens import IGNORE_INDEX
 from kforge_cli.engine.data.vlm.media import BadSampleError
-from kforge_cli.engine.data.vlm.sources import ManifestCaptions, Record, drop_missing, resolve_records
+from kforge_cli.engine.data.vlm.pair_sources import ManifestCaptions, Record, drop_missing, resolve_records
 from kforge_cli.engine.data.vlm.synthetic import SyntheticCaptions
 from kforge_cli.errors import InvalidInputError
 from kforge_cli.settings import JobSettings
