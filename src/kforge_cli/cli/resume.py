@@ -203,6 +203,10 @@ def resolve_continuation(
     from kforge_cli.settings.hook_policy import refuse_unallowed_hooks
 
     refuse_unallowed_hooks(resolved, allow_hooks, f"kforge {command}")  # code named by a file: only when allowed
+    if settings.eval.after_checkpoint:  # the evaluations it starts run task code only when allowed
+        from kforge_cli.engine.evaluation.after_checkpoint import refuse_unallowed_eval_code
+
+        refuse_unallowed_eval_code(settings, allow_hooks, f"kforge {command}")
     return resolved
 
 

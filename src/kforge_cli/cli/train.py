@@ -73,6 +73,10 @@ def train(
     else:
         resolved = resolve(profile, config, overrides, for_run=True)
         refuse_unallowed_hooks(resolved, allow_hooks, "kforge train")  # before anything of them is imported
+        if resolved.settings.eval.after_checkpoint:  # the evaluations it starts run task code only when allowed
+            from kforge_cli.engine.evaluation.after_checkpoint import refuse_unallowed_eval_code
+
+            refuse_unallowed_eval_code(resolved.settings, allow_hooks, "kforge train")
         if resolved.settings.train.run_dir and not (sbatch or submit):
             from kforge_cli.rundir.launch import launched
             from kforge_cli.rundir.lock import refuse_in_use
