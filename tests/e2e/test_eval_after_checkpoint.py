@@ -164,7 +164,7 @@ def test_the_loop_barely_waits_and_does_not_wait_at_the_end(trained: dict[str, A
     assert per_checkpoint < 0.1, blocked
     final = trained["at_end"][STEPS[-1]]
     assert final is not None and final["state"] == "running"  # training ended before its last evaluation did
-    ended = [read_status(run, s) or {} for s in STEPS[1:]]
+    ended: list[dict[str, Any]] = [read_status(run, s) or {} for s in STEPS[1:]]
     print(
         "evaluation processes: "
         + ", ".join(f"{e['ended'] - e['started']:.1f} s ({e['seconds']:.1f} s after the import)" for e in ended)
