@@ -24,6 +24,7 @@ from kforge_cli.rundir.eval_records import (
 )
 from kforge_cli.rundir.names import EVAL_PIN_FILE
 from kforge_cli.settings import load_settings
+from tests.conftest import run_kforge
 from tests.unit.test_checkpoint_layout import fake_checkpoint
 
 
@@ -85,7 +86,11 @@ def test_a_running_evaluation_whose_process_is_gone_counts_as_failed(
 
 
 def test_task_code_in_after_checkpoint_tasks_needs_allow_hooks(tmp_path: Path) -> None:
-    from kforge_cli.engine.evaluation.after_checkpoint import eval_command, refuse_unallowed_eval_code
+    from kforge_cli.engine.evaluation.after_checkpoint import (
+        consented_code,
+        eval_command,
+        refuse_unallowed_eval_code,
+    )
 
     task = tmp_path / "mine.yaml"
     task.write_text("task: mine\ndataset_path: json\nprocess_docs: !function my_utils.process\n")
@@ -99,6 +104,11 @@ def test_task_code_in_after_checkpoint_tasks_needs_allow_hooks(tmp_path: Path) -
     cmd = eval_command(settings, tmp_path / "checkpoints" / "step_2")
     assert cmd[-1] == "--allow-hooks=my_utils" and "--after-checkpoint" in cmd
     assert cmd[cmd.index("--max-batches") + 1] == str(settings.eval.steps)
+    assert consented_code(settings) == ["my_utils"]  # what the job script and resume lines pass on
+    typed = ["--eval.after_checkpoint=true", f'--eval.after_checkpoint_tasks=["lm-eval:{task}"]']
+    r = run_kforge("train", *typed, f"--train.run_dir={tmp_path / 'run'}", "--train.max_steps=1")
+    assert r.returncode == 2 and "--allow-hooks=my_utils" in r.stderr and "Traceback" not in r.stderr, r.stderr
+    assert not (tmp_path / "run").exists()  # refused before the run directory was made
 
 
 def test_the_tracker_writes_a_record_to_the_backends_named_only(tmp_path: Path) -> None:

@@ -54,9 +54,10 @@ def resume(
 
         nproc = nproc_per_node if nproc_per_node is not None else run_processes(run_dir)
         if nproc is not None:
+            from kforge_cli.engine.evaluation.after_checkpoint import consented_code
             from kforge_cli.settings.hook_policy import allow_flag
 
-            child = ["resume", str(run_dir), *allow_flag(resolved.settings.train.hooks), *overrides]
+            child = ["resume", str(run_dir), *allow_flag(consented_code(resolved.settings)), *overrides]
             raise typer.Exit(launch_local_job(resolved, nproc, child))
     continue_resolved(resolved, sbatch=sbatch, submit=submit)
 

@@ -90,7 +90,9 @@ def train(
     if nproc_per_node is not None:
         child = ["train", *(["--profile", profile] if profile is not None else [])]
         child += ["--config", str(config)] if config is not None else []
-        child += [*allow_flag(resolved.settings.train.hooks), *overrides]  # allowed above
+        from kforge_cli.engine.evaluation.after_checkpoint import consented_code
+
+        child += [*allow_flag(consented_code(resolved.settings)), *overrides]  # allowed above
         raise typer.Exit(launch_local_job(resolved, nproc_per_node, child))
     from kforge_cli.cli.outcome import train_and_exit
 

@@ -76,6 +76,16 @@ def task_code_modules(tasks: Sequence[str]) -> list[str]:
     return modules
 
 
+def consented_code(settings: JobSettings) -> list[str]:
+    """What a later command on this run passes in ``--allow-hooks`` (the job script, a resume line, a
+    local launch's children): the hooks and the eval.after_checkpoint task code, allowed when it started.
+    Torch-free unless task files are named."""
+    code = list(settings.train.hooks)
+    if settings.eval.after_checkpoint:
+        code += task_code_modules(settings.eval.after_checkpoint_tasks)
+    return code
+
+
 def refuse_unallowed_eval_code(settings: JobSettings, allow_hooks: list[str] | None, command: str) -> None:
     """Exit 2 unless ``--allow-hooks`` lists the Python every eval.after_checkpoint task file names
     (the evaluations it starts are given the same consent)."""
