@@ -170,6 +170,7 @@ def test_the_loop_barely_waits_and_does_not_wait_at_the_end(trained: dict[str, A
         + ", ".join(f"{e['ended'] - e['started']:.1f} s ({e['seconds']:.1f} s after the import)" for e in ended)
     )
     relayed = [r for r in records if "eval/heldout/loss" in r]  # those that finished before training did
+    assert len({r["step"] for r in relayed}) == len(relayed)  # each once: the evaluations never append here
     for r in relayed:
         assert (
             r["eval/heldout/loss"]

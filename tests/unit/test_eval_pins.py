@@ -128,3 +128,13 @@ def test_the_tracker_writes_a_record_to_the_backends_named_only(tmp_path: Path) 
     sent.write({"step": 1, "x": 1.0})
     sent.close("completed")
     assert backend2.delivered() == [(1, {"x": 1.0})]
+
+
+def test_settings_refuse_an_evaluation_per_checkpoint_that_cannot_work() -> None:
+    from kforge_cli.errors import ConfigError
+
+    typed = ["--eval.after_checkpoint=true", "--checkpoint.dir=/elsewhere", "--eval.after_checkpoint_tasks=[]"]
+    with pytest.raises(ConfigError) as refused:
+        load_settings(overrides=typed, use_env=False)
+    assert [i.path for i in refused.value.issues] == ["eval.after_checkpoint", "eval.after_checkpoint_tasks"]
+    load_settings(overrides=["--eval.after_checkpoint=true"], use_env=False)  # the default tasks: fine
