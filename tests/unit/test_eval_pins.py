@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 
+from kforge_cli.cli.app import main
 from kforge_cli.errors import InvalidInputError
 from kforge_cli.rundir.checkpoints import prune
 from kforge_cli.rundir.eval_records import (
@@ -24,7 +25,6 @@ from kforge_cli.rundir.eval_records import (
 )
 from kforge_cli.rundir.names import EVAL_PIN_FILE
 from kforge_cli.settings import load_settings
-from tests.conftest import run_kforge
 from tests.unit.test_checkpoint_layout import fake_checkpoint
 
 
@@ -85,7 +85,9 @@ def test_a_running_evaluation_whose_process_is_gone_counts_as_failed(
     assert counts.cell() == "1/2/3"
 
 
-def test_task_code_in_after_checkpoint_tasks_needs_allow_hooks(tmp_path: Path) -> None:
+def test_task_code_in_after_checkpoint_tasks_needs_allow_hooks(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     from kforge_cli.engine.evaluation.after_checkpoint import (
         consented_code,
         eval_command,
@@ -106,8 +108,10 @@ def test_task_code_in_after_checkpoint_tasks_needs_allow_hooks(tmp_path: Path) -
     assert cmd[cmd.index("--max-batches") + 1] == str(settings.eval.steps)
     assert consented_code(settings) == ["my_utils"]  # what the job script and resume lines pass on
     typed = ["--eval.after_checkpoint=true", f'--eval.after_checkpoint_tasks=["lm-eval:{task}"]']
-    r = run_kforge("train", *typed, f"--train.run_dir={tmp_path / 'run'}", "--train.max_steps=1")
-    assert r.returncode == 2 and "--allow-hooks=my_utils" in r.stderr and "Traceback" not in r.stderr, r.stderr
+    with pytest.raises(SystemExit) as exited:  # `kforge train` in this process
+        main(["train", *typed, f"--train.run_dir={tmp_path / 'run'}", "--train.max_steps=1"])
+    err = capsys.readouterr().err
+    assert exited.value.code == 2 and "--allow-hooks=my_utils" in err and "Traceback" not in err, err
     assert not (tmp_path / "run").exists()  # refused before the run directory was made
 
 
