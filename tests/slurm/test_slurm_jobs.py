@@ -270,3 +270,34 @@ def test_a_hung_rank_exits_76_the_script_requeues_and_the_job_ends_on_the_same_l
     assert "\nStopped: rank 1 " in summary, summary
     assert "(step 20)" in (run_dir / "logs" / "rank_0.log").read_text()  # resumed from the last checkpoint
     assert losses(run_dir) == reference
+
+
+def test_every_checkpoint_is_evaluated_by_a_slurm_job_of_its_own(slurm_cluster: LocalSlurm, tmp_path: Path) -> None:
+    """eval.after_checkpoint inside a SLURM job: each committed checkpoint gets an sbatch job of its own
+    (one CPU beside the training's), which writes eval/step_N.json and its status; training does not
+    wait for them."""
+    config = tmp_path / "tiny.toml"
+    text = TINY.format(steps=4, time_limit="00:10:00", signal_before_s=300).replace(
+        "gpus_per_node = 2", "gpus_per_node = 1"
+    )
+    text = text.replace("[checkpoint]\ninterval = 0", "[checkpoint]\ninterval = 2")
+    config.write_text(text.replace("[eval]\ninterval = 0", "[eval]\ninterval = 0\nsteps = 2\nafter_checkpoint = true"))
+    run_dir = tmp_path / "run"
+    job_id = submit(slurm_cluster, config, run_dir)
+    info = slurm_cluster.wait_job(job_id, ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL"), 300)
+    assert info["JobState"] == "COMPLETED", (info, job_logs(run_dir))
+    from kforge_cli.rundir.eval_records import read_status
+
+    def ended() -> bool:
+        return all((read_status(run_dir, s) or {}).get("state") in ("done", "failed") for s in (2, 4))
+
+    wait_for("both evaluations ended", ended, 180, slurm_cluster, run_dir)
+    for step in (2, 4):
+        status = read_status(run_dir, step) or {}
+        assert status["state"] == "done" and status["launcher"] == "sbatch", (status, job_logs(run_dir))
+        eval_job = str(status["slurm_job"])
+        assert eval_job.isdigit() and eval_job != job_id
+        assert slurm_cluster.job(eval_job)["JobName"] == f"kforge-eval-step_{step}"
+        result = json.loads((run_dir / "eval" / f"step_{step}.json").read_text())
+        assert result["step"] == step and result["tasks"]["heldout"]["batches"] == 2
+        assert (run_dir / "logs" / f"eval_step_{step}-{eval_job}.log").is_file()

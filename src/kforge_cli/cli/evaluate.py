@@ -56,6 +56,7 @@ def evaluate(
             "(Python beside the YAML or installed). Without it such a task is refused; built-in tasks need none.",
         ),
     ] = None,
+    after_checkpoint: Annotated[bool, typer.Option("--after-checkpoint", hidden=True)] = False,  # eval.after_checkpoint
 ) -> None:
     """Score the checkpoint on each --task; results go to RUN_DIR/eval/step_N.json (and with --track to the
     run's metrics.jsonl and trackers)."""
@@ -63,10 +64,17 @@ def evaluate(
     from kforge_cli.engine.interop.open_checkpoint import open_for_inference
 
     tasks = task or ["heldout"]  # the run's own validation split
+    cap = max_batches if max_batches is not None else steps
+    if after_checkpoint:  # started by a training for one of its checkpoints: pin, status, no metrics.jsonl
+        from kforge_cli.engine.evaluation.after_checkpoint import evaluate_after_checkpoint
+
+        code = evaluate_after_checkpoint(
+            ckpt, tasks, max_batches=cap, limit=limit, tokenizer=tokenizer, device=device, allow_hooks=allow_hooks
+        )
+        raise typer.Exit(code)
     for spec in tasks:  # printable names; a task file's bounds and code consent, before the checkpoint is loaded
         check_task(spec, allow_hooks)
     loaded = open_for_inference(ckpt, device=device, tokenizer=tokenizer)
-    cap = max_batches if max_batches is not None else steps
     results = {
         task_name(spec): run_task(loaded, spec, max_batches=cap, limit=limit, allow_hooks=allow_hooks) for spec in tasks
     }

@@ -151,7 +151,9 @@ def train_and_exit(settings: JobSettings) -> int:
     except BaseException:
         record(EXIT_FAILURE)
         raise
-    code = exit_code(outcome, settings.train.hooks, main=launch.rank == 0)
+    from kforge_cli.engine.evaluation.after_checkpoint import consented_code
+
+    code = exit_code(outcome, consented_code(settings), main=launch.rank == 0)
     record(code, outcome.step)
     if launch.world_size > 1:
         _exit_now(code)

@@ -24,7 +24,7 @@ def _loss(value: float | None) -> str:
     return "-" if value is None else f"{value:.4f}"
 
 
-def _cells(r: RunRow, with_job: bool) -> tuple[str, ...]:
+def _cells(r: RunRow, with_job: bool, with_evals: bool = False) -> tuple[str, ...]:
     cells = (
         r.name,
         r.profile or "-",
@@ -35,6 +35,7 @@ def _cells(r: RunRow, with_job: bool) -> tuple[str, ...]:
         r.status,
         r.last_update or "-",
     )
+    cells = (*cells, r.evals or "-") if with_evals else cells
     return (*cells, r.slurm_job or "-") if with_job else cells
 
 
@@ -49,6 +50,7 @@ def runs(
     left no exit record). Runs written by --sbatch show their SLURM job's state
     (squeue/sacct when available): queued, running, not submitted, unknown, or the state SLURM
     ended it with. Steps: the newest complete checkpoint's or the last logged, whichever is later.
+    Evals (when a run has eval.after_checkpoint evaluations): done/running/failed.
     """
     from kforge_cli.cli.runs_table import list_runs
 
@@ -58,10 +60,12 @@ def runs(
             typer.echo(json.dumps(row.as_dict()))
         return
     with_job = any(r.slurm_job for r in rows)
+    with_evals = any(r.evals for r in rows)  # eval.after_checkpoint: done/running/failed
     header = ("name", "profile", "steps", "loss", "eval_loss", "checkpoint", "status", "updated")
+    header = (*header, "evals") if with_evals else header
     header = (*header, "job") if with_job else header
     right = {2, 3, 4}  # numbers line up on their last digit
-    table = [_cells(r, with_job) for r in rows]
+    table = [_cells(r, with_job, with_evals) for r in rows]
     widths = [max(len(h), *(len(row[i]) for row in table)) if table else len(h) for i, h in enumerate(header)]
     for line in (header, *table):
         cells = (c.rjust(w) if i in right else c.ljust(w) for i, (c, w) in enumerate(zip(line, widths, strict=True)))

@@ -21,6 +21,10 @@ Status, first match wins:
   the state ``sacct`` reports for its last job (lower case: ``cancelled``, ``timeout``,
   ``failed`` ...), else ``not submitted`` or ``unknown``; else ``failed``.
 
+The evals column (shown when a run has any) counts ``eval.after_checkpoint``'s evaluations as
+done/running/failed, from RUN_DIR/eval/step_N.status.json (a running one whose process is gone
+from this host counts as failed).
+
 The steps column is the step of the newest complete checkpoint or of the last logged step,
 whichever is later. Metrics are read from the end of metrics.jsonl, so a long run costs no more
 than a short one.
@@ -40,6 +44,7 @@ from pathlib import Path
 from kforge_cli.common.files import open_regular, read_text_capped
 from kforge_cli.errors import InvalidInputError, KforgeError
 from kforge_cli.rundir.checkpoints import newest_complete, step_of
+from kforge_cli.rundir.eval_records import eval_counts
 from kforge_cli.rundir.launch import read_exit
 from kforge_cli.rundir.layout import RunDir
 from kforge_cli.rundir.lock import probe_run_lock
@@ -68,6 +73,7 @@ class RunRow:
     last_update: str | None
     path: str
     slurm_job: str | None = None  # the run's last SLURM job id, when it has one
+    evals: str | None = None  # eval.after_checkpoint's evaluations: done/running/failed (None: none)
 
     def as_dict(self) -> dict[str, object]:
         return asdict(self)
@@ -271,6 +277,7 @@ def describe_run(
         last_update=time.strftime("%Y-%m-%d %H:%M", time.localtime(updated)) if updated else None,
         path=str(run.path),
         slurm_job=job,
+        evals=counts.cell() if (counts := eval_counts(run.path)).total else None,
     )
 
 

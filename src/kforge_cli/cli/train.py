@@ -73,6 +73,10 @@ def train(
     else:
         resolved = resolve(profile, config, overrides, for_run=True)
         refuse_unallowed_hooks(resolved, allow_hooks, "kforge train")  # before anything of them is imported
+        if resolved.settings.eval.after_checkpoint:  # the evaluations it starts run task code only when allowed
+            from kforge_cli.engine.evaluation.after_checkpoint import refuse_unallowed_eval_code
+
+            refuse_unallowed_eval_code(resolved.settings, allow_hooks, "kforge train")
         if resolved.settings.train.run_dir and not (sbatch or submit):
             from kforge_cli.rundir.launch import launched
             from kforge_cli.rundir.lock import refuse_in_use
@@ -86,7 +90,9 @@ def train(
     if nproc_per_node is not None:
         child = ["train", *(["--profile", profile] if profile is not None else [])]
         child += ["--config", str(config)] if config is not None else []
-        child += [*allow_flag(resolved.settings.train.hooks), *overrides]  # allowed above
+        from kforge_cli.engine.evaluation.after_checkpoint import consented_code
+
+        child += [*allow_flag(consented_code(resolved.settings)), *overrides]  # allowed above
         raise typer.Exit(launch_local_job(resolved, nproc_per_node, child))
     from kforge_cli.cli.outcome import train_and_exit
 

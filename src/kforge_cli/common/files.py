@@ -93,12 +93,13 @@ def _unique_temp(path: Path) -> tuple[Path, int]:
     raise InvalidInputError(f"cannot create a temporary file next to {path}: every name tried exists")
 
 
-def atomic_write(path: Path, data: bytes, mode: int | None = None) -> None:
+def atomic_write(path: Path, data: bytes, mode: int | None = None, *, durable: bool = True) -> None:
     """Write `data` to `path` via a fresh temporary file, fsync and rename: readers see all or nothing.
 
     The temporary file has an unpredictable name and is created exclusively (nothing
     planted can be at its name); the rename replaces `path` itself, so a link at `path`
-    is replaced, not followed.
+    is replaced, not followed. ``durable=False`` skips the fsyncs (milliseconds each on a busy
+    disk): readers still see all or nothing, a crash of the machine may lose the write.
     """
     path = Path(path)
     tmp, fd = _unique_temp(path)
@@ -106,14 +107,16 @@ def atomic_write(path: Path, data: bytes, mode: int | None = None) -> None:
         with os.fdopen(fd, "wb") as f:
             f.write(data)
             f.flush()
-            os.fsync(f.fileno())
+            if durable:
+                os.fsync(f.fileno())
         if mode is not None:
             os.chmod(tmp, mode)
         os.replace(tmp, path)
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise
-    fsync_dir(path.parent)
+    if durable:
+        fsync_dir(path.parent)
 
 
 def atomic_write_via(path: Path, write: Callable[[Path], object], mode: int | None = 0o644) -> None:

@@ -22,7 +22,8 @@ from typing import Any
 
 from kforge_cli.common.files import atomic_write, open_regular
 from kforge_cli.errors import CheckpointError, KforgeError
-from kforge_cli.rundir.names import CHECKPOINTS_DIR, COMMIT_FILE, DCP_METADATA, LATEST_FILE
+from kforge_cli.rundir.eval_records import pin_holds
+from kforge_cli.rundir.names import CHECKPOINTS_DIR, COMMIT_FILE, DCP_METADATA, EVAL_PIN_FILE, LATEST_FILE
 
 log = logging.getLogger("kforge")
 
@@ -205,9 +206,11 @@ def remove_checkpoint(step_dir: Path) -> None:
 def prune(root: Path, keep_last_n: int, protect: set[Path]) -> list[Path]:
     """Apply retention; returns the deleted dirs.
 
-    Keeps the newest `keep_last_n` complete checkpoints (0 = all), the `latest` target
-    and everything in `protect` (an in-flight save). Incomplete dirs older than the
-    newest complete one are leftovers of killed saves and are deleted too.
+    Keeps the newest `keep_last_n` complete checkpoints (0 = all), the `latest` target,
+    everything in `protect` (an in-flight save) and every checkpoint a live evaluation pins
+    (`rundir.eval_records.pin_holds`; a later prune deletes it once the evaluation ended).
+    Incomplete dirs older than the newest complete one are leftovers of killed saves and are
+    deleted too.
     """
     keep = {p.resolve() for p in protect}
     latest = read_latest(root)
@@ -225,6 +228,9 @@ def prune(root: Path, keep_last_n: int, protect: set[Path]) -> list[Path]:
     deleted = []
     for p in sorted(doomed):
         if p.resolve() in keep:
+            continue
+        if pin_holds(p):
+            log.info("retention: keeping %s while an evaluation reads it (%s)", p, EVAL_PIN_FILE)
             continue
         remove_checkpoint(p)
         deleted.append(p)

@@ -12,6 +12,7 @@
       job.sbatch               the SLURM job script (--sbatch)
       slurm_jobs.jsonl         the job ids --submit submitted, one JSON line each
       eval/step_N.json         `kforge eval` results
+      eval/step_N.status.json  the state of eval.after_checkpoint's evaluation of step N (running, done, failed)
       profile/, tensorboard/   torch.profiler traces, TensorBoard event files
       memory/                  CUDA memory snapshots: rankR_stepsA-B.pickle (profiling.memory_snapshot_steps),
                                rankR_oom.pickle (the allocator at an out-of-memory error)
@@ -25,6 +26,7 @@
       train_state/rank_R.*     per-rank RNG state
       metadata.json            a human-readable summary (inspect-ckpt)
       kforge_commit.json       written last: the checkpoint counts
+      kforge_eval_pin.json     an evaluation holds this checkpoint: retention keeps it (pid, host)
 
 Imports nothing, so any module may use these names.
 """
@@ -43,6 +45,7 @@ TOKENIZER_FILE = "tokenizer.json"  # the same name as in a prepared data directo
 JOB_SCRIPT = "job.sbatch"
 SLURM_JOBS_FILE = "slurm_jobs.jsonl"
 EVAL_DIR = "eval"
+EVAL_STATUS_SUFFIX = ".status.json"  # inside eval/: step_N.status.json
 PROFILE_DIR = "profile"
 TENSORBOARD_DIR = "tensorboard"
 MEMORY_DIR = "memory"
@@ -53,6 +56,7 @@ LAUNCH_FILE = "launch.json"
 EXIT_FILE = "exit.json"
 
 COMMIT_FILE = "kforge_commit.json"
+EVAL_PIN_FILE = "kforge_eval_pin.json"  # inside step_N/: an evaluation of it is running
 LATEST_FILE = "latest"
 DATA_SKIPS_FILE = "data_skips.json"  # beside step_N/: data a loss-spike rewind skipped
 TRAIN_STATE_FILE = "train_state.json"

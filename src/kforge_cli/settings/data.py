@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Annotated
+from typing import Annotated, Literal
 
 from pydantic import Field
 
@@ -56,4 +56,24 @@ class EvalSettings(Section):
     batch_size: int | None = field(None, "Eval micro-batch size (None = train.batch_size).", gt=0)
     tasks: list[str] = field(
         list, "Multiple-choice JSONL files (context, choices, answer) scored every eval.interval (not under PP)."
+    )
+    after_checkpoint: bool = field(
+        False,
+        "Evaluate every committed checkpoint with `kforge eval` in a process of its own (a small job of "
+        "its own under SLURM), never blocking training: results in RUN_DIR/eval/step_N.json.",
+    )
+    after_checkpoint_tasks: list[str] = field(
+        lambda: ["heldout"],
+        "The `kforge eval --task` specs eval.after_checkpoint runs (held-out: the first eval.steps batches).",
+    )
+    after_checkpoint_device: Literal["cpu", "cuda"] = field(
+        "cpu", "Where eval.after_checkpoint evaluates ('cuda': a GPU of its own, e.g. a SLURM job's)."
+    )
+    after_checkpoint_launcher: Literal["auto", "process", "sbatch"] = field(
+        "auto",
+        "How eval.after_checkpoint starts an evaluation: a detached local process, or `sbatch` (a job "
+        "of its own); auto = sbatch inside a SLURM job, else a process.",
+    )
+    after_checkpoint_sbatch_args: list[str] = field(
+        list, "Extra sbatch options of an evaluation's job (e.g. --partition=eval, --gres=gpu:1, --time=30)."
     )

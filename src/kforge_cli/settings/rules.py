@@ -132,6 +132,25 @@ def config_issues(s: JobSettings) -> list[ConfigIssue]:
         )
     out += _vlm_issues(s)
     out += _resilience_issues(s)
+    out += _eval_after_checkpoint_issues(s)
+    return out
+
+
+def _eval_after_checkpoint_issues(s: JobSettings) -> list[ConfigIssue]:
+    e = s.eval
+    if not e.after_checkpoint:
+        return []
+    out: list[ConfigIssue] = []
+    if s.checkpoint.dir:
+        out.append(
+            ConfigIssue(
+                "eval.after_checkpoint",
+                "needs the checkpoints inside the run directory (an evaluation reads the run's settings and data "
+                "from there): leave checkpoint.dir unset, or turn eval.after_checkpoint off",
+            )
+        )
+    if not e.after_checkpoint_tasks:
+        out.append(ConfigIssue("eval.after_checkpoint_tasks", 'is empty: name at least one task (e.g. ["heldout"])'))
     return out
 
 

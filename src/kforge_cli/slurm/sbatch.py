@@ -241,6 +241,8 @@ def _unsafe_paths(run_dir: Path, python: str, workdir: Path) -> list[ConfigIssue
 
 def render_sbatch(settings: JobSettings, run_dir: Path, *, python: str, workdir: Path) -> str:
     """The job script for `settings` in `run_dir` (absolute); raises ConfigError when the settings cannot work."""
+    from kforge_cli.engine.evaluation.after_checkpoint import consented_code  # torch-free
+
     issues = _unsafe_paths(run_dir, python, workdir) + slurm_issues(settings)
     if issues:
         raise ConfigError(issues, header="cannot write an sbatch script")
@@ -255,7 +257,7 @@ def render_sbatch(settings: JobSettings, run_dir: Path, *, python: str, workdir:
         "env_exports": "\n".join(env_exports(settings.slurm)),
         "setup": _setup_block(settings.slurm),
         "cpus_per_task": str(settings.slurm.cpus_per_task),
-        "command": shlex.join(train_command(run_dir, python, settings.train.hooks)),
+        "command": shlex.join(train_command(run_dir, python, consented_code(settings))),
         "ckpt_root_q": shlex.quote(str(RunDir(run_dir).checkpoint_root(settings))),
         "max_hang_requeues": str(settings.resilience.hang_max_requeues),
     }

@@ -207,8 +207,9 @@ def write_results(loaded: LoadedCheckpoint, results: Results) -> Path | None:
     return path
 
 
-def log_to_trackers(loaded: LoadedCheckpoint, results: Results) -> list[str]:
-    """Append ``eval/<task>/<metric>`` at the checkpoint's step to metrics.jsonl and the run's backends.
+def log_to_trackers(loaded: LoadedCheckpoint, results: Results, *, to_file: bool = True) -> list[str]:
+    """Append ``eval/<task>/<metric>`` at the checkpoint's step to metrics.jsonl and the run's backends
+    (``to_file=False``: the backends only; a training that runs appends metrics.jsonl itself).
 
     Only on request (``kforge eval --track``): the trackers are the ones the run's config.toml
     names, which may be someone else's. Points are added to the training's own runs, which
@@ -236,7 +237,9 @@ def log_to_trackers(loaded: LoadedCheckpoint, results: Results) -> list[str]:
             backend.purge = False  # an old step: add points, never drop the training curve after it
         if isinstance(backend, MlflowBackend):
             backend.attach_only = True
-    tracker = Tracker(MetricsFile(RunDir(loaded.run_dir).metrics), backends)
+    if not to_file and not backends:
+        return []
+    tracker = Tracker(MetricsFile(RunDir(loaded.run_dir).metrics) if to_file else None, backends)
     tracker.start()
     record: dict[str, object] = {"step": loaded.step}
     for task, metrics in results.items():
@@ -245,4 +248,4 @@ def log_to_trackers(loaded: LoadedCheckpoint, results: Results) -> list[str]:
         tracker.write(record)
     finally:
         tracker.close("completed", end_runs=False)  # the run's status belongs to its training process
-    return tracker.backend_names
+    return tracker.backend_names if to_file else tracker.backend_names[1:]

@@ -23,7 +23,7 @@ import math
 import subprocess
 import time
 from collections import deque
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import TracebackType
@@ -244,7 +244,7 @@ class Tracker:
     ) -> None:
         """``max_points`` bounds each backend's buffer; a failed backend is retried after ``retry_base_s``,
         doubling up to ``retry_max_s`` (``clock`` measures it)."""
-        self._file = metrics_file  # None: the null tracker of ranks other than 0 (records go nowhere)
+        self._file = metrics_file  # None: the backends only (the null tracker of ranks other than 0: nowhere)
         self._deliveries = [
             _Delivery(b, max_points=max_points, retry_base_s=retry_base_s, retry_max_s=retry_max_s, clock=clock)
             for b in backends
@@ -270,17 +270,19 @@ class Tracker:
         for d in self._deliveries:
             d.attempt(force=True)
 
-    def write(self, record: Mapping[str, object]) -> None:
-        """Append ``record`` to metrics.jsonl, then hand its numbers to every backend."""
+    def write(self, record: Mapping[str, object], *, only: Collection[str] | None = None) -> None:
+        """Append ``record`` to metrics.jsonl, then hand its numbers to every backend (``only``: to
+        the ones named, ``"jsonl"`` for the file). A tracker without a file sends to its backends only
+        (the null tracker has none: nothing goes anywhere)."""
         row = dict(record)
         row.setdefault("time", time.time())
-        if self._file is None:
-            return
-        self._file.write(row)
+        if self._file is not None and (only is None or "jsonl" in only):
+            self._file.write(row)
         points = metric_points(row, time.time())
         if points is not None:
             for d in self._deliveries:
-                d.submit(points)
+                if only is None or d.name in only:
+                    d.submit(points)
 
     def log_checkpoint(self, step: int, path: str) -> None:
         """Record that a checkpoint of ``step`` was saved at ``path`` (metric ``checkpoint_step``)."""

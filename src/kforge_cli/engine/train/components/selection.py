@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from kforge_cli.engine.train.components import LoopComponent
 from kforge_cli.engine.train.components.early_stop import EarlyStop
+from kforge_cli.engine.train.components.eval_after_checkpoint import EvalAfterCheckpoint
 from kforge_cli.engine.train.components.hang_watch import HangWatch
 from kforge_cli.engine.train.components.in_loop_eval import InLoopEval
 from kforge_cli.engine.train.components.loss_spike import LossSpike
@@ -37,6 +38,8 @@ def components_for(settings: JobSettings, world_size: int = 1) -> list[LoopCompo
         components.append(LossSpike(r))
     if settings.eval.interval:
         components.append(InLoopEval(settings.eval.interval))
+    if settings.eval.after_checkpoint:
+        components.append(EvalAfterCheckpoint())
     if settings.train.early_stop_patience:
         components.append(EarlyStop(settings.train.early_stop_patience, settings.train.early_stop_min_delta))
     return [*components, ProgressLine()]  # last: it shows what the others added to a record
