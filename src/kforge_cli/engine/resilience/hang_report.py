@@ -39,6 +39,7 @@ class RankReport(TypedDict):
     rank: int
     world_size: int
     host: str
+    node: str | None  # SLURM's node name (SLURMD_NODENAME), None outside SLURM
     pid: int
     step: int
     phase: str
@@ -213,7 +214,9 @@ def summarise(directory: Path, world_size: int, note: str = "") -> str:
     if stopped:
         for r in stopped:
             host = reports.get(r, {}).get("host", "?")
-            lines.append(f"Stopped: rank {r} (host {host}): {why[r]}")
+            node = reports.get(r, {}).get("node")
+            at = f"host {host}, SLURM node {node}" if isinstance(node, str) and node else f"host {host}"
+            lines.append(f"Stopped: rank {r} ({at}): {why[r]}")
     else:
         lines.append(
             "Stopped: no single rank stands out (every reporting rank is at the same collective position): "
@@ -245,6 +248,33 @@ def summarise(directory: Path, world_size: int, note: str = "") -> str:
         f"complete checkpoint{note}.",
     ]
     return "\n".join(lines) + "\n"
+
+
+def stopped_record(directory: Path, world_size: int) -> dict[str, object]:
+    """``stopped.json``: the stopped ranks with their host and SLURM node (None where unknown, e.g. a rank
+    that wrote no report), the step and time; the job script's exclusion decision reads it
+    (``kforge_cli.slurm.exclude``)."""
+    reports = _read_reports(directory, world_size)
+    stopped, why = stopped_ranks(reports, world_size)
+    steps = [s for rep in reports.values() if isinstance(s := rep.get("step"), int)]
+    ranks: list[dict[str, object]] = []
+    for r in stopped:
+        rep = reports.get(r, {})
+        host, node = rep.get("host"), rep.get("node")
+        ranks.append(
+            {
+                "rank": r,
+                "host": host if isinstance(host, str) else None,
+                "node": node if isinstance(node, str) and node else None,
+                "why": why[r],
+            }
+        )
+    return {
+        "step": max(steps, default=None),
+        "time": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        "world_size": world_size,
+        "ranks": ranks,
+    }
 
 
 def archive_previous(directory: Path) -> Path | None:
