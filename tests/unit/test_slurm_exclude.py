@@ -212,3 +212,42 @@ def test_a_new_job_of_the_run_excludes_what_earlier_jobs_left_behind(tmp_path: P
     (run / EXCLUDED_FILE).write_text(json.dumps({"nodes": ["n1", "n3"], "history": []}))
     text = write_job(settings, python="/opt/env/bin/python", workdir=tmp_path).script.read_text()
     assert "#SBATCH --exclude=n3\n" in text  # the newest, within the cap
+
+
+def test_the_script_after_a_straggler_stop_requeues_then_sets_the_exclusion(tmp_path: Path) -> None:
+    """srun exits 75 after a straggler stop: `scontrol requeue`, then `scontrol update ... ExcNodeList=n7`
+    (the order SLURM needs; on the real cluster: tests/slurm); a stop without a record sets nothing."""
+    run = tmp_path / "run"
+    settings = load_settings(overrides=[f"--train.run_dir={run}", "--slurm.nodes=2"]).settings
+    script = write_job(settings, python=sys.executable, workdir=tmp_path).script
+    bin_dir, calls = tmp_path / "bin", tmp_path / "calls"
+    bin_dir.mkdir()
+    for name, body in {
+        "srun": "exit 75",
+        "scontrol": (
+            f'echo "$*" >> {calls}\n'
+            'case "$1 $2" in "show job") echo "JobState=RUNNING";; "show partition") echo "TotalNodes=4";; esac'
+        ),
+    }.items():
+        (bin_dir / name).write_text(f"#!/bin/bash\n{body}\n")
+        (bin_dir / name).chmod(0o755)
+    env = {
+        "PATH": f"{bin_dir}:/usr/bin:/bin",
+        "PYTHONPATH": str(Path(__file__).resolve().parents[2] / "src"),
+        "SLURM_JOB_ID": "42",
+        "SLURM_JOB_NODELIST": "n[1-2]",
+        "SLURM_NTASKS": "2",
+        "SLURM_JOB_PARTITION": "gpu",
+    }
+    r = subprocess.run(["bash", str(script)], env=env, capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0 and "kforge: job 42 excludes" not in r.stdout, r.stdout + r.stderr
+    assert "update" not in calls.read_text()  # a time-limit stop: no straggler, nothing to exclude
+    (run / "logs" / "stragglers.jsonl").write_text(
+        json.dumps({"time": "t", "step": 40, "rank": 1, "host": "vm", "node": "n7", "ratio": 3.0, "windows": 10}) + "\n"
+    )
+    calls.unlink()
+    r = subprocess.run(["bash", str(script)], env=env, capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0 and "kforge: job 42 excludes node(s): n7" in r.stdout, r.stdout + r.stderr
+    assert "kforge: excluding n7 (straggler: rank 1 (host vm) 3.0x the median" in r.stderr
+    lines = calls.read_text().splitlines()
+    assert lines[-3:] == ["show partition gpu -o", "requeue 42", "update JobId=42 ExcNodeList=n7"], lines

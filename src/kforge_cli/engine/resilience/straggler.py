@@ -178,6 +178,9 @@ class StragglerMonitor:
             self.streak, self.streak_rank = 0, None
         if self.streak >= self.windows and (self.streak - self.windows) % self.windows == 0 and self.rank == 0:
             host = self.hosts[slowest] if self.hosts else "?"
+            node = self.nodes[slowest] if self.nodes else None
+            if node:
+                host += f", SLURM node {node}"
             log.warning(
                 "straggler: rank %d (host %s) has done its local step work (data loading + optimizer update) "
                 "%.2fx slower than the median rank (%.1f ms vs %.1f ms per step) for %d logging intervals in a row, "
