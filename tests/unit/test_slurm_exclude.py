@@ -251,3 +251,24 @@ def test_the_script_after_a_straggler_stop_requeues_then_sets_the_exclusion(tmp_
     assert "kforge: excluding n7 (straggler: rank 1 (host vm) 3.0x the median" in r.stderr
     lines = calls.read_text().splitlines()
     assert lines[-3:] == ["show partition gpu -o", "requeue 42", "update JobId=42 ExcNodeList=n7"], lines
+
+
+def test_a_rank_without_a_report_gets_its_node_from_the_slurm_layout() -> None:
+    from kforge_cli.engine.resilience.hang_report import expand_hostlist, slurm_rank_nodes
+
+    assert expand_hostlist("gpu[08-10,12],login1,n[1-2]") == ["gpu08", "gpu09", "gpu10", "gpu12", "login1", "n1", "n2"]
+    assert expand_hostlist("n[a-b]") == []
+    env = {"SLURM_STEP_NODELIST": "n[1-3]", "SLURM_STEP_TASKS_PER_NODE": "2(x2),1"}
+    assert slurm_rank_nodes(env) == ["n1", "n1", "n2", "n2", "n3"]
+    assert slurm_rank_nodes({"SLURM_STEP_NODELIST": "n[1-3]", "SLURM_STEP_TASKS_PER_NODE": "2(x2)"}) == []
+    assert slurm_rank_nodes({}) == []
+
+
+def test_stopped_json_names_the_node_of_a_silent_rank_from_the_layout(tmp_path: Path) -> None:
+    d = tmp_path / "hang"
+    _reports(d)
+    (d / "rank_1.json").unlink()  # rank 1 wrote nothing (stuck holding the GIL, or gone)
+    env = {"SLURM_STEP_NODELIST": "n[1-2]", "SLURM_STEP_TASKS_PER_NODE": "1(x2)"}
+    (entry,) = stopped_record(d, 2, env)["ranks"]  # type: ignore[misc]
+    assert entry["rank"] == 1 and entry["node"] == "n2" and entry["node_from"] == "layout"
+    assert stopped_record(d, 2, {})["ranks"][0]["node"] is None  # type: ignore[index]
