@@ -169,7 +169,9 @@ def decide(
         if any(h.get("key") == suspect.key for h in history):
             notes.append(f"{suspect.node}: this {suspect.reason} was already handled")
         elif allowed == 0:
-            notes.append(f"not excluding {suspect.node} ({suspect.detail}): the cap allows no excluded node")
+            notes.append(
+                f"not excluding {suspect.node} ({suspect.reason}: {suspect.detail}): the cap allows no excluded node"
+            )
         else:
             if suspect.node in nodes:
                 nodes.remove(suspect.node)  # newest evidence: it moves to the end (let go last)

@@ -21,7 +21,6 @@ from kforge_cli.settings import JobSettings
 from kforge_cli.settings.hook_policy import allow_flag
 from kforge_cli.settings.infrastructure import SlurmSettings
 from kforge_cli.settings.section import control_character, describe_character
-from kforge_cli.slurm.exclude import excluded_nodes
 from kforge_cli.slurm.template import fill, find_template, placeholders
 
 MAX_SIGNAL_S = 0xFFFF  # sbatch's limit on --signal=SIG@seconds
@@ -134,6 +133,8 @@ def sbatch_directives(slurm: SlurmSettings, run_dir: Path, workdir: Path) -> lis
         value = getattr(slurm, option)
         if value is not None:
             lines.append(_directive(option, value))
+    from kforge_cli.slurm.exclude import excluded_nodes  # here: `python -m kforge_cli.slurm.exclude` runs it fresh
+
     excluded = excluded_nodes(run_dir, slurm.max_excluded_nodes)
     if excluded:  # a new job (kforge resume --sbatch) leaves behind what the run's earlier jobs excluded
         lines.append(_directive("exclude", ",".join(excluded)))
