@@ -61,3 +61,42 @@ def test_equal_ranks_raise_no_warning_over_200_steps(tmp_path: Path) -> None:
     assert len(records) == 21  # step 1 and every 10th step: every logged step carries the report
     assert {rec["straggler/slowest_rank"] for rec in records} <= {0, 1}
     assert "straggler:" not in err, err[-3000:]
+
+
+def test_with_exclude_stragglers_a_lasting_straggler_on_a_slurm_node_is_recorded_and_the_run_stops_to_requeue(
+    tmp_path: Path,
+) -> None:
+    """Rank 1 slowed, SLURMD_NODENAME=n7: above exclude_straggler_ratio in the windows ending at steps 2 and 4,
+    so the run records n7 and stops at the next agreed step (5) with a checkpoint, exit 75; the job
+    script's decision then names n7."""
+    import json
+    import subprocess
+    import sys
+
+    run = tmp_path / "run"
+    env = {
+        "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]),
+        "OMP_NUM_THREADS": "1",
+        "KFORGE_TEST_SLOW_RANK": "1",
+        "KFORGE_TEST_SLOW_S": "0.03",
+        "SLURMD_NODENAME": "n7",
+    }
+    r = run_kforge(
+        "train", "--nproc-per-node", "2", "--run-dir", str(run), *TINY, "--train.max_steps=40",
+        "--metrics.log_interval=2", '--train.hooks=["tests.helpers.hang_hooks:SlowRank"]',
+        "--resilience.exclude_stragglers=true", "--resilience.exclude_straggler_ratio=2",
+        "--resilience.exclude_straggler_windows=2", "--resilience.stop_check_interval=5", env=env,
+    )  # fmt: skip
+    assert r.returncode == 75, r.stderr[-3000:]
+    assert "straggler: rank 1 on SLURM node n7 stayed above resilience.exclude_straggler_ratio" in r.stderr
+    assert "stopped by the straggler exclusion (node n7) at step 5 after saving a checkpoint" in r.stderr, r.stderr
+    (record,) = [json.loads(line) for line in (run / "logs" / "stragglers.jsonl").read_text().splitlines()]
+    assert {k: record[k] for k in ("step", "rank", "node", "windows", "threshold")} == {
+        "step": 4, "rank": 1, "node": "n7", "windows": 2, "threshold": 2.0,
+    }  # fmt: skip
+    assert record["ratio"] > 2
+    logged = [rec for rec in read_metrics(run / "metrics.jsonl") if "straggler/slowest_node" in rec]
+    assert [rec["step"] for rec in logged] == [1, 2, 4] and logged[-1]["straggler/slowest_node"] == "n7"
+    decide = [sys.executable, "-m", "kforge_cli.slurm.exclude", str(run), "--from", "straggler", "--max", "2"]
+    out = subprocess.run(decide, capture_output=True, text=True, timeout=60, env={**os.environ, **env})
+    assert out.returncode == 0 and out.stdout == "n7\n", out.stderr

@@ -5,12 +5,17 @@ The daemons run in the foreground (``-D``/``-F``) as children of the test proces
 PIDs are known without pid files and nothing outlives the session. Clients find the cluster
 through ``SLURM_CONF`` (see :attr:`LocalSlurm.env`); a job inherits it from the submitting
 environment, so ``srun`` and ``scontrol`` inside the job script talk to this cluster too.
+
+With ``node_names`` the cluster has several SLURM nodes on this one host, one ``slurmd -N NAME``
+each on its own port (SLURM's "multiple slurmd", which Debian's 22.05 packages allow): jobs then
+span nodes, and a node can be excluded.
 """
 
 from __future__ import annotations
 
 import os
 import re
+import secrets
 import shutil
 import signal
 import socket
@@ -50,6 +55,20 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
+def job_id_with_free_port(base: int = 15000, span: int = 10000) -> int:
+    """A first job id whose job script's MASTER_PORT (``base + id % span``) is free now: a second cluster
+    (or another one on this machine) starts at job 1 too, and its job would take the same port."""
+    for _ in range(200):
+        port = base + 100 + secrets.randbelow(span - 100)
+        with socket.socket() as s:
+            try:
+                s.bind(("0.0.0.0", port))
+            except OSError:
+                continue
+        return port - base
+    raise RuntimeError(f"no free port in {base + 100}..{base + span}")
+
+
 def _node_line() -> tuple[str, int]:
     """This host's node name (as slurmd sees it) and CPU count, from `slurmd -C`."""
     out = subprocess.run(["slurmd", "-C"], capture_output=True, text=True, check=True, timeout=60).stdout
@@ -65,6 +84,8 @@ class LocalSlurm:
     """The running cluster: its directory, config and daemons."""
 
     root: Path
+    node_names: tuple[str, ...] = ()  # several SLURM nodes on this host (one slurmd each); () = one, the host
+    first_job_id: int = 1
     node: str = ""
     cpus: int = 0
     procs: dict[str, subprocess.Popen[bytes]] = field(default_factory=dict)
@@ -78,10 +99,26 @@ class LocalSlurm:
         """The environment for clients (sbatch, kforge --submit) and, through them, for jobs."""
         return {**os.environ, "SLURM_CONF": str(self.conf)}
 
+    def _node_lines(self) -> list[str]:
+        if not self.node_names:
+            return [
+                f"NodeName={self.node} NodeAddr=127.0.0.1 CPUs={self.cpus} State=UNKNOWN",
+                f"PartitionName=debug Nodes={self.node} Default=YES MaxTime=INFINITE State=UP",
+            ]
+        return [
+            *(
+                f"NodeName={n} NodeHostname={self.node} NodeAddr=127.0.0.1 Port={_free_port()} CPUs={self.cpus} "
+                "State=UNKNOWN"
+                for n in self.node_names
+            ),
+            f"PartitionName=debug Nodes={','.join(self.node_names)} Default=YES MaxTime=INFINITE State=UP",
+        ]
+
     def write_conf(self) -> None:
         self.node, actual_cpus = _node_line()
         self.cpus = max(actual_cpus, 2)  # two tasks of one CPU; config_overrides allows more than the host has
         r = self.root
+        each = "-%n" if self.node_names else ""  # one spool, pid and log file per slurmd
         self.conf.write_text(
             "\n".join(
                 [
@@ -95,11 +132,11 @@ class LocalSlurm:
                     "CredType=cred/munge",
                     f"AuthInfo=socket={r / 'munge' / 'munge.socket'},cred_expire={CRED_EXPIRE_S}",
                     f"StateSaveLocation={r / 'state'}",
-                    f"SlurmdSpoolDir={r / 'spool'}",
+                    f"SlurmdSpoolDir={r / 'spool'}{each}",
                     f"SlurmctldPidFile={r / 'slurmctld.pid'}",
-                    f"SlurmdPidFile={r / 'slurmd.pid'}",
+                    f"SlurmdPidFile={r / 'slurmd'}{each}.pid",
                     f"SlurmctldLogFile={r / 'log' / 'slurmctld.log'}",
-                    f"SlurmdLogFile={r / 'log' / 'slurmd.log'}",
+                    f"SlurmdLogFile={r / 'log' / 'slurmd'}{each}.log",
                     "ProctrackType=proctrack/linuxproc",
                     "TaskPlugin=task/none",
                     "SelectType=select/cons_tres",
@@ -111,8 +148,8 @@ class LocalSlurm:
                     "KillWait=30",
                     "MinJobAge=600",
                     "JobRequeue=1",
-                    f"NodeName={self.node} NodeAddr=127.0.0.1 CPUs={self.cpus} State=UNKNOWN",
-                    f"PartitionName=debug Nodes={self.node} Default=YES MaxTime=INFINITE State=UP",
+                    f"FirstJobId={self.first_job_id}",
+                    *self._node_lines(),
                     "",
                 ]
             )
@@ -148,12 +185,16 @@ class LocalSlurm:
         self._wait(lambda: (m / "munge.socket").exists(), 20, "munged did not create its socket")
         self._spawn("slurmctld", ["slurmctld", "-D", "-c", "-f", str(self.conf)])
         self._wait(lambda: self.run("scontrol", "ping", check=False).returncode == 0, 30, "slurmctld did not answer")
-        self._spawn("slurmd", ["slurmd", "-D", "-f", str(self.conf)])
+        if not self.node_names:
+            self._spawn("slurmd", ["slurmd", "-D", "-f", str(self.conf)])
+        for n in self.node_names:
+            (r / f"spool-{n}").mkdir(mode=0o700, exist_ok=True)
+            self._spawn(f"slurmd-{n}", ["slurmd", "-D", "-N", n, "-f", str(self.conf)])
         self._wait(self._node_idle, 30, "the node did not become idle")
 
     def _node_idle(self) -> bool:
-        out = self.run("sinfo", "-h", "-N", "-o", "%T", check=False).stdout.strip()
-        return out == "idle"
+        out = self.run("sinfo", "-h", "-N", "-o", "%T", check=False).stdout.split()
+        return out == ["idle"] * max(len(self.node_names), 1)
 
     def _wait(self, ready: object, timeout: float, what: str) -> None:
         deadline = time.monotonic() + timeout
@@ -209,7 +250,7 @@ class LocalSlurm:
             deadline = time.monotonic() + 45
             while time.monotonic() < deadline and self.run("squeue", "-h", check=False).stdout.strip():
                 time.sleep(0.5)
-        for name in ("slurmd", "slurmctld", "munged"):
+        for name in (*(n for n in self.procs if n.startswith("slurmd")), "slurmctld", "munged"):
             proc = self.procs.pop(name, None)
             if proc is None or proc.poll() is not None:
                 continue

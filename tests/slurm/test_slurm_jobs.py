@@ -255,7 +255,7 @@ def test_a_hung_rank_exits_76_the_script_requeues_and_the_job_ends_on_the_same_l
     text += (
         '\n[resilience]\nhang_timeout_s = 5\n\n[slurm.env]\nKFORGE_TEST_HANG_STEP = "30"\n'
         f'KFORGE_TEST_HANG_RANK = "1"\nKFORGE_TEST_HANG_MARKER = "{marker}"\n'
-        f'PYTHONPATH = "{REPO}"\n'  # the hook's package: kforge never imports from the working directory
+        f'PYTHONPATH = "{REPO / "src"}:{REPO}"\n'  # this checkout's kforge_cli and the hook's package (tests)
     )
     config = tmp_path / "hang.toml"
     config.write_text(text)
@@ -268,6 +268,45 @@ def test_a_hung_rank_exits_76_the_script_requeues_and_the_job_ends_on_the_same_l
     assert re.search(r"srun: error: .*: Exited with exit code 76", out), out
     summary = (run_dir / "logs" / "hang.1" / "summary.txt").read_text()  # moved aside by the second start
     assert "\nStopped: rank 1 " in summary, summary
+    # one node in the partition, and the job needs it: named, never excluded
+    assert f"kforge: not excluding {slurm_cluster.node} (hang: rank 1" in out, out
+    assert "the cap allows no excluded node" in out and info["ExcNodeList"] == "(null)", out
+    assert "(step 20)" in (run_dir / "logs" / "rank_0.log").read_text()  # resumed from the last checkpoint
+    assert losses(run_dir) == reference
+
+
+def test_a_hang_on_node_n2_requeues_the_job_without_n2_and_it_ends_on_the_same_losses(
+    slurm_three_nodes: LocalSlurm, reference: dict[int, float], tmp_path: Path
+) -> None:
+    """Three SLURM nodes, a 2-node job (one task each): rank 1 on n2 stalls in step 30, the watchdog names
+    n2, the script requeues the job with ExcNodeList=n2 (the cap: the partition spares one node), the job
+    runs again on n1 and n3 and ends on the losses of the uninterrupted 2-task job."""
+    cluster = slurm_three_nodes
+    run_dir = tmp_path / "run"
+    text = write_config(tmp_path / "tiny.toml").read_text()
+    text = text.replace("gpus_per_node = 2\n", "nodes = 2\ngpus_per_node = 1\n")
+    text = text.replace("num_threads = 1\n", 'num_threads = 1\nhooks = ["tests.helpers.hang_hooks:HangOnce"]\n')
+    text = text.replace("[checkpoint]\ninterval = 0\n", "[checkpoint]\ninterval = 10\n")
+    marker = tmp_path / "stalled"
+    pythonpath = f"{REPO / 'src'}:{REPO}"  # this checkout's kforge_cli (the exclusion decision) and the hook
+    text += (
+        '\n[resilience]\nhang_timeout_s = 5\n\n[slurm.env]\nKFORGE_TEST_HANG_STEP = "30"\n'
+        f'KFORGE_TEST_HANG_RANK = "1"\nKFORGE_TEST_HANG_MARKER = "{marker}"\nPYTHONPATH = "{pythonpath}"\n'
+    )
+    config = tmp_path / "hang.toml"
+    config.write_text(text)
+    job_id = submit(cluster, config, run_dir, "--allow-hooks=tests.helpers.hang_hooks")
+    info = cluster.wait_job(job_id, ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT"), 300)
+    assert info["JobState"] == "COMPLETED" and info["ExitCode"] == "0:0", (info, job_logs(run_dir), cluster.logs())
+    assert info["Restarts"] == "1" and marker.exists()
+    assert info["ExcNodeList"] == "n2" and info["NodeList"] == "n[1,3]", info  # from `scontrol show job`
+    out = batch_log(run_dir, job_id)
+    assert f"kforge: job {job_id} restart 0 on n[1-2]:" in out and f"kforge: job {job_id} restart 1 on n[1,3]:" in out
+    assert re.search(r"kforge: excluding n2 \(hang: rank 1 \(host \S+\) stopped at step 29\)", out), out
+    assert f"kforge: job {job_id} excludes node(s): n2\n" in out and "ExcNodeList=n2 failed" not in out, out
+    summary = (run_dir / "logs" / "hang.1" / "summary.txt").read_text()
+    assert re.search(r"\nStopped: rank 1 \(host \S+, SLURM node n2\)", summary), summary
+    assert json.loads((run_dir / "excluded_nodes.json").read_text())["nodes"] == ["n2"]
     assert "(step 20)" in (run_dir / "logs" / "rank_0.log").read_text()  # resumed from the last checkpoint
     assert losses(run_dir) == reference
 

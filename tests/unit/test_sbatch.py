@@ -222,6 +222,8 @@ def test_the_shipped_template_uses_every_value_and_a_site_template_with_a_typo_i
         "command",
         "ckpt_root_q",
         "max_hang_requeues",
+        "max_excluded_nodes",
+        "exclude_command",
     }
     assert fill("a {{ x }} b {{y}}", {"x": "1", "y": "$2", "z": "unused"}) == "a 1 b $2"
     site = tmp_path / "site"

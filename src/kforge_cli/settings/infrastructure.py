@@ -205,6 +205,19 @@ class ResilienceSettings(Section):
         ge=0,
     )
     straggler_windows: int = field(3, "Logging intervals in a row above straggler_ratio before the warning.", gt=0)
+    exclude_stragglers: bool = field(
+        False,
+        "Under the generated sbatch script: when one rank stays above exclude_straggler_ratio for "
+        "exclude_straggler_windows logging intervals in a row, record its SLURM node in RUN_DIR/logs/stragglers.jsonl, "
+        "stop with a checkpoint (exit 75) and requeue the job without that node (see slurm.max_excluded_nodes). "
+        "Needs the straggler report (straggler_ratio > 0).",
+    )
+    exclude_straggler_ratio: float = field(
+        2.0, "exclude_stragglers: the slowest rank's local step work over the median rank's that counts.", gt=1
+    )
+    exclude_straggler_windows: int = field(
+        10, "exclude_stragglers: logging intervals in a row above exclude_straggler_ratio before the job stops.", gt=0
+    )
     spike_policy: Literal["off", "warn", "rewind"] = field(
         "off",
         "On a loss spike (loss > mean + spike_sigma x std and > spike_ratio x mean of the last spike_window steps): "
@@ -246,6 +259,13 @@ class SlurmSettings(Section):
     signal_before_s: int = field(300, "Send USR1 this many seconds before the time limit.", ge=0)
     network_interface: str | None = field(None, "NCCL/gloo socket interface (e.g. ib0).")
     extra_sbatch: list[str] = field(list, "Extra '#SBATCH' lines, e.g. '--exclusive'.")
+    max_excluded_nodes: int = field(
+        2,
+        "Generated sbatch: at most this many nodes a hang (or, with resilience.exclude_stragglers, a straggler) "
+        "named are left behind when the job requeues (RUN_DIR/excluded_nodes.json; the oldest goes back in past "
+        "the cap), and never so many that the partition can no longer hold the job; 0 = never exclude.",
+        ge=0,
+    )
     env: dict[str, str] = field(dict, "Extra environment variables exported in the job script.")
     expand_env: bool = field(
         False, "Let the job's shell expand $NAME / ${NAME} in slurm.env values (e.g. '$SCRATCH/data'); else literal."

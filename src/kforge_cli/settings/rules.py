@@ -165,6 +165,14 @@ def _resilience_issues(s: JobSettings) -> list[ConfigIssue]:
                 "or 0 for no report",
             )
         )
+    if r.exclude_stragglers and r.straggler_ratio == 0:
+        out.append(
+            ConfigIssue(
+                "resilience.exclude_stragglers",
+                "needs the straggler report, which resilience.straggler_ratio = 0 turns off: set straggler_ratio "
+                "(e.g. 1.5) or exclude_stragglers = false",
+            )
+        )
     return out
 
 

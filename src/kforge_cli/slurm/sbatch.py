@@ -134,6 +134,11 @@ def sbatch_directives(slurm: SlurmSettings, run_dir: Path, workdir: Path) -> lis
         value = getattr(slurm, option)
         if value is not None:
             lines.append(_directive(option, value))
+    from kforge_cli.slurm.exclude import excluded_nodes  # here: `python -m kforge_cli.slurm.exclude` runs it fresh
+
+    excluded = excluded_nodes(run_dir, slurm.max_excluded_nodes)
+    if excluded:  # a new job (kforge resume --sbatch) leaves behind what the run's earlier jobs excluded
+        lines.append(_directive("exclude", ",".join(excluded)))
     lines.append(_directive("requeue"))
     if slurm.signal_before_s > 0:
         lines.append(_directive("signal", f"USR1@{slurm.signal_before_s}"))
@@ -221,6 +226,14 @@ def train_command(run_dir: Path, python: str, hooks: Sequence[str] = ()) -> list
     return [python, "-m", "kforge_cli", "train", "--run-dir", str(run_dir), *allow_flag(hooks)]
 
 
+def exclude_command(run_dir: Path, python: str, slurm: SlurmSettings) -> list[str]:
+    """The job script's exclusion decision (`kforge_cli.slurm.exclude`); the script adds --from and --partition-nodes."""
+    return [
+        python, "-m", "kforge_cli.slurm.exclude", str(run_dir),
+        "--max", str(slurm.max_excluded_nodes), "--need-nodes", str(slurm.nodes),
+    ]  # fmt: skip
+
+
 def _unsafe_paths(run_dir: Path, python: str, workdir: Path) -> list[ConfigIssue]:
     """Paths that enter the script unquoted (a comment, #SBATCH values) must be one line of printable text.
 
@@ -260,5 +273,7 @@ def render_sbatch(settings: JobSettings, run_dir: Path, *, python: str, workdir:
         "command": shlex.join(train_command(run_dir, python, consented_code(settings))),
         "ckpt_root_q": shlex.quote(str(RunDir(run_dir).checkpoint_root(settings))),
         "max_hang_requeues": str(settings.resilience.hang_max_requeues),
+        "max_excluded_nodes": str(settings.slurm.max_excluded_nodes),
+        "exclude_command": shlex.join(exclude_command(run_dir, python, settings.slurm)),
     }
     return fill(template.read_text(), values, template)

@@ -54,6 +54,7 @@ from kforge_cli.engine.resilience.hang_report import (
     flight_recorder_entries,
     last_collectives,
     report_dir,
+    stopped_record,
     summarise,
     wait_for_file,
     write_atomically,
@@ -70,6 +71,7 @@ CAP_FRACTION = 0.8  # of the process-group timeout
 SLOW_PHASES = frozenset({"startup", "eval", "checkpoint", "rewind", "final"})
 GATHER_S = 20.0  # how long a firing rank waits for the other ranks' reports
 SUMMARY = names.HANG_SUMMARY_FILE
+STOPPED = "stopped.json"  # the stopped ranks and their SLURM nodes, for the job script's exclusion decision
 
 
 def hang_dir(run_dir: Path) -> Path:
@@ -245,6 +247,7 @@ class HangWatchdog:
             "rank": self.rank,
             "world_size": self.world_size,
             "host": socket.gethostname(),
+            "node": os.environ.get("SLURMD_NODENAME"),
             "pid": os.getpid(),
             "step": self.step,
             "phase": phase,
@@ -258,7 +261,9 @@ class HangWatchdog:
             "flight_recorder": fr is not None,
         }
         lines = [
-            f"kforge hang report: rank {self.rank} of {self.world_size} on {facts['host']} (pid {facts['pid']})",
+            f"kforge hang report: rank {self.rank} of {self.world_size} on {facts['host']}"
+            + (f" (SLURM node {facts['node']})" if facts["node"] else "")
+            + f" (pid {facts['pid']})",
             f"time: {facts['time']}",
             f"step: {self.step} optimizer steps finished",
             f"phase: {phase} (no progress for {idle:.1f} s, limit {limit:.1f} s)",
@@ -290,6 +295,8 @@ class HangWatchdog:
             wait_for_file(summary, 3.0)
         if not summary.exists() and claim_file(self.directory / "summary.lock"):
             text = summarise(self.directory, self.world_size, note=self.resume_note())
+            stopped = json.dumps(stopped_record(self.directory, self.world_size), indent=1) + "\n"
+            write_atomically(self.directory / STOPPED, stopped.encode())  # first: the summary's presence ends the wait
             write_atomically(summary, text.encode())
             log.error("hang summary (%s):\n%s", summary, text)
         wait_for_file(summary, 5.0)

@@ -12,6 +12,7 @@ import contextlib
 import json
 import os
 import pickle
+import re
 import time
 from collections.abc import Mapping
 from pathlib import Path
@@ -39,6 +40,7 @@ class RankReport(TypedDict):
     rank: int
     world_size: int
     host: str
+    node: str | None  # SLURM's node name (SLURMD_NODENAME), None outside SLURM
     pid: int
     step: int
     phase: str
@@ -213,7 +215,9 @@ def summarise(directory: Path, world_size: int, note: str = "") -> str:
     if stopped:
         for r in stopped:
             host = reports.get(r, {}).get("host", "?")
-            lines.append(f"Stopped: rank {r} (host {host}): {why[r]}")
+            node = reports.get(r, {}).get("node")
+            at = f"host {host}, SLURM node {node}" if isinstance(node, str) and node else f"host {host}"
+            lines.append(f"Stopped: rank {r} ({at}): {why[r]}")
     else:
         lines.append(
             "Stopped: no single rank stands out (every reporting rank is at the same collective position): "
@@ -245,6 +249,66 @@ def summarise(directory: Path, world_size: int, note: str = "") -> str:
         f"complete checkpoint{note}.",
     ]
     return "\n".join(lines) + "\n"
+
+
+def expand_hostlist(text: str) -> list[str]:
+    """SLURM's compact node list (``gpu[01-03,07],login1``) as names; [] for what it cannot read."""
+    names: list[str] = []
+    for m in re.finditer(r"([^,\[]+)(?:\[([^\]]*)\])?(?:,|$)", text.strip()):
+        prefix, ranges = m.group(1), m.group(2)
+        if ranges is None:
+            names.append(prefix)
+            continue
+        for part in ranges.split(","):
+            lo, _, hi = part.partition("-")
+            if not lo.isdigit() or (hi and not hi.isdigit()):
+                return []
+            names += [f"{prefix}{i:0{len(lo)}d}" for i in range(int(lo), int(hi or lo) + 1)]
+    return names
+
+
+def slurm_rank_nodes(env: Mapping[str, str]) -> list[str]:
+    """Each rank's SLURM node under srun's default block layout (``SLURM_STEP_NODELIST`` and
+    ``SLURM_STEP_TASKS_PER_NODE``, e.g. ``2(x3)``); [] outside SLURM or when unreadable."""
+    nodes = expand_hostlist(env.get("SLURM_STEP_NODELIST") or env.get("SLURM_JOB_NODELIST") or "")
+    counts: list[int] = []
+    for part in (env.get("SLURM_STEP_TASKS_PER_NODE") or env.get("SLURM_TASKS_PER_NODE") or "").split(","):
+        m = re.fullmatch(r"(\d+)(?:\(x(\d+)\))?", part.strip())
+        if m is None:
+            return []
+        counts += [int(m.group(1))] * int(m.group(2) or 1)
+    if not nodes or len(counts) != len(nodes):
+        return []
+    return [node for node, n in zip(nodes, counts, strict=True) for _ in range(n)]
+
+
+def stopped_record(directory: Path, world_size: int, env: Mapping[str, str] | None = None) -> dict[str, object]:
+    """``stopped.json``: the stopped ranks with their host and SLURM node, the step and time; the job
+    script's exclusion decision reads it (``kforge_cli.slurm.exclude``). A rank that wrote no report
+    gets its node from the SLURM layout (``node_from``: "layout"), else None."""
+    reports = _read_reports(directory, world_size)
+    stopped, why = stopped_ranks(reports, world_size)
+    steps = [s for rep in reports.values() if isinstance(s := rep.get("step"), int)]
+    layout = slurm_rank_nodes(os.environ if env is None else env)
+    ranks: list[dict[str, object]] = []
+    for r in stopped:
+        rep = reports.get(r, {})
+        host, node = rep.get("host"), rep.get("node")
+        entry: dict[str, object] = {
+            "rank": r,
+            "host": host if isinstance(host, str) else None,
+            "node": node if isinstance(node, str) and node else None,
+            "why": why[r],
+        }
+        if entry["node"] is None and len(layout) == world_size:
+            entry["node"], entry["node_from"] = layout[r], "layout"
+        ranks.append(entry)
+    return {
+        "step": max(steps, default=None),
+        "time": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        "world_size": world_size,
+        "ranks": ranks,
+    }
 
 
 def archive_previous(directory: Path) -> Path | None:

@@ -21,6 +21,7 @@ when the same rank stays above ``resilience.straggler_ratio`` for
 from __future__ import annotations
 
 import logging
+import os
 import socket
 import statistics
 import time
@@ -37,10 +38,23 @@ class StragglerMonitor:
     """One rank's side of the report; `report` is a collective (call it on every rank, same steps)."""
 
     def __init__(
-        self, *, rank: int, world_size: int, device: torch.device, ratio: float, windows: int, local_params: int
+        self,
+        *,
+        rank: int,
+        world_size: int,
+        device: torch.device,
+        ratio: float,
+        windows: int,
+        local_params: int,
+        exclude_ratio: float = 0.0,
+        exclude_windows: int = 0,
     ) -> None:
         self.rank, self.world_size, self.device = rank, world_size, device
         self.ratio, self.windows, self.local_params = ratio, windows, local_params
+        self.exclude_ratio, self.exclude_windows = exclude_ratio, exclude_windows  # 0 windows: never exclude
+        self.exclude_streak = 0
+        self.exclude_rank: int | None = None
+        self.exclusion: dict[str, object] | None = None  # set once: the straggler to leave behind
         self.cuda = device.type == "cuda"
         self._samples: list[float] = []  # seconds of local work per step, this window
         self._pending: list[
@@ -50,6 +64,7 @@ class StragglerMonitor:
         self.streak = 0
         self.streak_rank: int | None = None
         self.hosts: list[str] | None = None
+        self.nodes: list[str | None] | None = None  # SLURM node names (SLURMD_NODENAME), None outside SLURM
 
     # ---- every step -------------------------------------------------------------------------
 
@@ -97,9 +112,11 @@ class StragglerMonitor:
     def report(self, step: int) -> dict[str, float | int | str]:
         """Share this window's numbers (one all-gather) and return the metrics record's straggler fields."""
         if self.hosts is None:
-            hosts: list[object] = [None] * self.world_size
-            dist.all_gather_object(hosts, socket.gethostname())
-            self.hosts = [str(h) for h in hosts]
+            where: list[object] = [None] * self.world_size
+            dist.all_gather_object(where, (socket.gethostname(), os.environ.get("SLURMD_NODENAME") or None))
+            pairs = [w if isinstance(w, tuple) and len(w) == 2 else (w, None) for w in where]
+            self.hosts = [str(h) for h, _ in pairs]
+            self.nodes = [str(n) if n else None for _, n in pairs]
         mine = torch.tensor([self._take(), float(self.local_params)], dtype=torch.float64, device=self.device)
         everyone = torch.empty(self.world_size * 2, dtype=torch.float64, device=self.device)
         gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor  # torch 2.13 renamed it
@@ -110,12 +127,47 @@ class StragglerMonitor:
             return {}
         ratio, slowest, median = found
         self._track(step, ratio, slowest, rows[slowest][0], median)
-        return {
+        self._track_exclusion(step, ratio, slowest)
+        fields: dict[str, float | int | str] = {
             "straggler/max_over_median": ratio,
             "straggler/slowest_rank": slowest,
             "straggler/slowest_host": self.hosts[slowest],
             "straggler/slowest_ms": rows[slowest][0] * 1000.0,
             "straggler/median_ms": median * 1000.0,
+        }
+        node = self.nodes[slowest] if self.nodes else None
+        if node:
+            fields["straggler/slowest_node"] = node
+        return fields
+
+    def _track_exclusion(self, step: int, ratio: float, slowest: int) -> None:
+        if self.exclude_windows <= 0 or self.exclusion is not None:
+            return
+        if ratio > self.exclude_ratio:
+            self.exclude_streak = self.exclude_streak + 1 if slowest == self.exclude_rank else 1
+            self.exclude_rank = slowest
+        else:
+            self.exclude_streak, self.exclude_rank = 0, None
+        if self.exclude_streak < self.exclude_windows:
+            return
+        node = self.nodes[slowest] if self.nodes else None
+        if node is None:
+            if self.rank == 0 and self.exclude_streak == self.exclude_windows:
+                log.warning(
+                    "straggler: rank %d stays above resilience.exclude_straggler_ratio = %g, but it runs outside "
+                    "SLURM (no SLURMD_NODENAME): there is no node to exclude; training goes on",
+                    slowest,
+                    self.exclude_ratio,
+                )
+            return
+        self.exclusion = {
+            "step": step,
+            "rank": slowest,
+            "host": self.hosts[slowest] if self.hosts else None,
+            "node": node,
+            "ratio": round(ratio, 3),
+            "windows": self.exclude_streak,
+            "threshold": self.exclude_ratio,
         }
 
     def _track(self, step: int, ratio: float, slowest: int, slow_s: float, median_s: float) -> None:
@@ -126,6 +178,9 @@ class StragglerMonitor:
             self.streak, self.streak_rank = 0, None
         if self.streak >= self.windows and (self.streak - self.windows) % self.windows == 0 and self.rank == 0:
             host = self.hosts[slowest] if self.hosts else "?"
+            node = self.nodes[slowest] if self.nodes else None
+            if node:
+                host += f", SLURM node {node}"
             log.warning(
                 "straggler: rank %d (host %s) has done its local step work (data loading + optimizer update) "
                 "%.2fx slower than the median rank (%.1f ms vs %.1f ms per step) for %d logging intervals in a row, "
