@@ -272,3 +272,16 @@ def test_stopped_json_names_the_node_of_a_silent_rank_from_the_layout(tmp_path: 
     (entry,) = stopped_record(d, 2, env)["ranks"]  # type: ignore[misc]
     assert entry["rank"] == 1 and entry["node"] == "n2" and entry["node_from"] == "layout"
     assert stopped_record(d, 2, {})["ranks"][0]["node"] is None  # type: ignore[index]
+
+
+def test_a_job_that_may_shrink_needs_only_its_minimum_nodes_when_excluding() -> None:
+    """With slurm.min_nodes the cap leaves room for the minimum, not the full size (issue 46, shrink + exclude)."""
+    from kforge_cli.slurm.sbatch import exclude_command
+
+    def need(*overrides: str) -> str:
+        slurm = load_settings(overrides=list(overrides), use_env=False).settings.slurm
+        cmd = exclude_command(Path("/r"), "python", slurm)
+        return cmd[cmd.index("--need-nodes") + 1]
+
+    assert need("--slurm.nodes=4") == "4"
+    assert need("--slurm.nodes=4", "--slurm.min_nodes=2") == "2"

@@ -227,11 +227,19 @@ def train_command(run_dir: Path, python: str, hooks: Sequence[str] = ()) -> list
 
 
 def exclude_command(run_dir: Path, python: str, slurm: SlurmSettings) -> list[str]:
-    """The job script's exclusion decision (`kforge_cli.slurm.exclude`); the script adds --from and --partition-nodes."""
+    """The job script's exclusion decision (`kforge_cli.slurm.exclude`); the script adds --from and --partition-nodes.
+
+    The nodes the job needs: ``slurm.min_nodes`` when it may shrink, else ``slurm.nodes``."""
     return [
-        python, "-m", "kforge_cli.slurm.exclude", str(run_dir),
-        "--max", str(slurm.max_excluded_nodes), "--need-nodes", str(slurm.nodes),
-    ]  # fmt: skip
+        python,
+        "-m",
+        "kforge_cli.slurm.exclude",
+        str(run_dir),
+        "--max",
+        str(slurm.max_excluded_nodes),
+        "--need-nodes",
+        str(slurm.min_nodes or slurm.nodes),
+    ]  # fmt: skip (a job that may shrink needs only slurm.min_nodes)
 
 
 def _unsafe_paths(run_dir: Path, python: str, workdir: Path) -> list[ConfigIssue]:

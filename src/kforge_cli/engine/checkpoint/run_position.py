@@ -13,7 +13,7 @@ class TrainState:
 
     step: int = 0  # optimizer steps completed
     tokens_seen: int = 0
-    # Data windows skipped by loss-spike rewinds: {"spike_step", "detected_at", "rewound_to", "skipped_steps"}.
+    # Data windows skipped by rewinds: the records engine.train.rewind writes (step numbers, read back by the loader).
     data_skips: list[dict[str, int]] = field(default_factory=list)
 
     def state_dict(self) -> dict[str, object]:
