@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import math
 from pathlib import Path
-from typing import Any
 
 from kforge_cli.errors import InvalidInputError
 
@@ -53,7 +52,7 @@ HF_NESTED = ("text_config", "vision_config", "rope_parameters", "rope_scaling")
 
 
 def check_hf_numbers(
-    config: dict[str, Any], path: Path | str, where: str = "", error: type[InvalidInputError] = InvalidInputError
+    config: dict[str, object], path: Path | str, where: str = "", error: type[InvalidInputError] = InvalidInputError
 ) -> None:
     """Refuse (`error`, exit 2) any field of ``HF_INT_FIELDS`` that is not an integer in its
     range, a ``HF_FLOAT_FIELDS`` one that is not a finite number, and ``mlp_only_layers`` that is not
@@ -66,8 +65,11 @@ def check_hf_numbers(
         value = config.get(key)
         if value is None:
             continue
-        integral = isinstance(value, int) or (isinstance(value, float) and math.isfinite(value) and value.is_integer())
-        if isinstance(value, bool) or not integral or not least <= int(value) <= most:
+        number = value if isinstance(value, int | float) and not isinstance(value, bool) else None
+        integral = isinstance(number, int) or (
+            isinstance(number, float) and math.isfinite(number) and number.is_integer()
+        )
+        if number is None or not integral or not least <= int(number) <= most:
             raise error(
                 f"{path}: {where}{key} = {_short(value)} is not an integer from {least} to {most}: "
                 "not a model kforge can import (check the file)"
@@ -91,7 +93,7 @@ def check_hf_numbers(
             check_hf_numbers(nested, path, f"{where}{key}.", error)
 
 
-def _short(value: Any) -> str:
+def _short(value: object) -> str:
     text = (
         repr(value) if not isinstance(value, int) or abs(value) < 10**30 else f"an integer of {len(str(value))} digits"
     )

@@ -20,7 +20,7 @@ from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any, Literal
+from typing import Literal
 
 import torch
 from torch.distributed.checkpoint.state_dict_saver import AsyncSaveResponse, async_save, save
@@ -81,7 +81,7 @@ class SaveRecord:
 class _Pending:
     record: SaveRecord
     step_dir: Path
-    future: Future[Any]
+    future: Future[None]
     started: float
 
 

@@ -21,7 +21,6 @@ import math
 import os
 from collections.abc import Sequence
 from pathlib import Path, PurePath
-from typing import Any
 
 import torch
 from torch.distributed.checkpoint.filesystem import _StorageInfo
@@ -45,7 +44,7 @@ class MalformedMetadataError(CheckpointError):
     """A ``.metadata`` whose content is not what DCP writes (crafted or damaged): exit 2, names the entry."""
 
 
-def _ints(value: Any, what: str, path: Path) -> tuple[int, ...]:
+def _ints(value: object, what: str, path: Path) -> tuple[int, ...]:
     if not isinstance(value, Sequence) or isinstance(value, str | bytes) or len(value) > _MAX_DIMS:
         raise MalformedMetadataError(f"{path}: {what} is {value!r}, not a list of at most {_MAX_DIMS} integers")
     out = []
@@ -56,7 +55,7 @@ def _ints(value: Any, what: str, path: Path) -> tuple[int, ...]:
     return tuple(out)
 
 
-def plain_name(name: Any) -> str | None:
+def plain_name(name: object) -> str | None:
     """`name` as a file name directly inside a directory, or None when it is anything else."""
     if isinstance(name, PurePath):
         name = str(name)
@@ -67,7 +66,7 @@ def plain_name(name: Any) -> str | None:
     return name
 
 
-def _storage(md: Metadata, path: Path) -> dict[Any, _StorageInfo]:
+def _storage(md: Metadata, path: Path) -> dict[object, _StorageInfo]:
     storage = md.storage_data
     if storage is None:
         return {}
@@ -88,7 +87,7 @@ def _storage(md: Metadata, path: Path) -> dict[Any, _StorageInfo]:
     return storage
 
 
-def _check_tensor(key: str, item: TensorStorageMetadata, storage: dict[Any, _StorageInfo], path: Path) -> None:
+def _check_tensor(key: str, item: TensorStorageMetadata, storage: dict[object, _StorageInfo], path: Path) -> None:
     props = item.properties
     if not isinstance(props, TensorProperties) or not isinstance(getattr(props, "dtype", None), torch.dtype):
         raise MalformedMetadataError(f"{path}: tensor {key!r} has properties {props!r}, not a dtype")
@@ -123,7 +122,7 @@ def _check_tensor(key: str, item: TensorStorageMetadata, storage: dict[Any, _Sto
         )
 
 
-def check_structure(md: Any, path: Path) -> Metadata:
+def check_structure(md: object, path: Path) -> Metadata:
     """`md` if it is well-formed DCP metadata whose shapes its storage can back (no file access)."""
     if not isinstance(md, Metadata):
         raise MalformedMetadataError(f"{path} holds a {type(md).__name__}, not DCP Metadata")

@@ -16,7 +16,7 @@ import math
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 from torch.distributed.checkpoint.api import CheckpointException
@@ -32,6 +32,7 @@ from kforge_cli.rundir.names import COMMIT_FILE, DCP_METADATA, SUMMARY_FILE, TRA
 from kforge_cli.rundir.saved_config import read_saved_config
 from kforge_cli.settings.training import ModelSettings
 
+_V = TypeVar("_V")  # what a state dict given to _load holds (tensors, or None for byte items)
 MODEL_PREFIX = "model."
 DEFAULT_BATCH_BYTES = 512 * 2**20  # tensors read per dcp.load call: bounds memory on huge checkpoints
 
@@ -105,7 +106,7 @@ def _guess_dcp_dirs(path: Path) -> list[Path]:
     return sorted(stages, key=lambda p: int(p.name[3:]))
 
 
-def _read_json_if_present(path: Path) -> dict[str, Any]:
+def _read_json_if_present(path: Path) -> dict[str, object]:
     try:
         data = json.loads(path.read_text())
     except (OSError, ValueError):
@@ -156,7 +157,7 @@ def open_checkpoint(path: str | Path) -> CheckpointView:
     )
 
 
-def _load(state: dict[str, Any], source: Path, what: str) -> None:
+def _load(state: dict[str, _V], source: Path, what: str) -> None:
     """``dcp.load`` of a flat {DCP key: tensor} dict from one directory, on this process only."""
     try:
         with quiet_single_process():
@@ -214,19 +215,19 @@ def iter_tensors(
             yield e.key, loaded.pop(e.key)
 
 
-def read_byte_items(view: CheckpointView, keys: Iterable[str]) -> dict[str, Any]:
+def read_byte_items(view: CheckpointView, keys: Iterable[str]) -> dict[str, object]:
     """Non-tensor items (e.g. optimizer hyper-parameters), unpickled with ``weights_only=True``."""
-    by_source: dict[Path, dict[str, Any]] = {}
+    by_source: dict[Path, dict[str, object]] = {}
     for key in keys:
         by_source.setdefault(view.byte_items[key], {})[key] = None
-    out: dict[str, Any] = {}
+    out: dict[str, object] = {}
     for source, state in by_source.items():
         _load(state, source, f"{len(state)} non-tensor item(s)")
         out.update(state)
     return out
 
 
-def shaping_of(view: CheckpointView) -> dict[str, Any]:
+def shaping_of(view: CheckpointView) -> dict[str, object]:
     """The model-shaping config a kforge checkpoint was saved with (dotted keys), else from the run's config.toml."""
     for source in (view.train_state.get("shaping"), view.summary.get("model")):
         if isinstance(source, dict) and any(k.startswith(MODEL_PREFIX) for k in source):

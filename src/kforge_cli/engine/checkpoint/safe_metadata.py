@@ -17,7 +17,7 @@ import importlib
 import io
 import pickle
 from pathlib import Path
-from typing import Any
+from typing import IO, Any, NoReturn
 
 import torch
 from torch.distributed.checkpoint._traverse import set_element
@@ -70,7 +70,7 @@ def _is_dtype(module: str, name: str) -> bool:
 class _MetadataUnpickler(pickle.Unpickler):
     """Resolves only the globals DCP's ``Metadata`` is made of; refuses everything else by name."""
 
-    def __init__(self, file: Any, path: Path) -> None:
+    def __init__(self, file: IO[bytes], path: Path) -> None:
         super().__init__(file)
         self.path = path
 
@@ -83,7 +83,7 @@ class _MetadataUnpickler(pickle.Unpickler):
             "a kforge checkpoint never contains this."
         )
 
-    def persistent_load(self, pid: Any) -> Any:
+    def persistent_load(self, pid: object) -> NoReturn:
         raise UnsafeCheckpointError(f"refusing to open {self.path}: unexpected persistent id in DCP metadata")
 
 

@@ -15,12 +15,11 @@ from __future__ import annotations
 
 import copy
 from collections.abc import Callable
-from typing import Any
 
 import torch
 from torch.distributed.checkpoint.staging import AsyncStager
 
-KeyPath = tuple[Any, ...]  # the keys/indices leading to one tensor of the (nested) state dict
+KeyPath = tuple[str | int, ...]  # the keys/indices leading to one tensor of the (nested) state dict
 
 
 class HostStager(AsyncStager):
@@ -48,11 +47,11 @@ class HostStager(AsyncStager):
         return {k: b.data_ptr() for k, b in self._buffers.items()}
 
     @torch.no_grad()
-    def stage(self, state_dict: dict[str, Any]) -> dict[str, Any]:  # type: ignore[override]
+    def stage(self, state_dict: dict[str, object]) -> dict[str, object]:  # type: ignore[override]
         """A copy of `state_dict` whose tensors live in this stager's host buffers."""
-        seen: dict[int, Any] = {}  # a tensor under two keys (tied weights) is copied once
+        seen: dict[int, torch.Tensor] = {}  # a tensor under two keys (tied weights) is copied once
         device_copy = [False]
-        staged = self._copy(state_dict, (), seen, device_copy)
+        staged = {k: self._copy(v, (k,), seen, device_copy) for k, v in state_dict.items()}
         if device_copy[0] and self.pinned:
             torch.cuda.synchronize()  # the non-blocking copies have landed before DCP reads them
         return staged
@@ -66,7 +65,7 @@ class HostStager(AsyncStager):
 
     # ---- internals -------------------------------------------------------------------------
 
-    def _copy(self, value: Any, path: KeyPath, seen: dict[int, Any], device_copy: list[bool]) -> Any:
+    def _copy(self, value: object, path: KeyPath, seen: dict[int, torch.Tensor], device_copy: list[bool]) -> object:
         if isinstance(value, torch.Tensor):
             if id(value) not in seen:
                 seen[id(value)] = self._tensor(value, path, seen, device_copy)
@@ -78,8 +77,10 @@ class HostStager(AsyncStager):
             return items if isinstance(value, list) else type(value)(items)
         return copy.deepcopy(value)  # numbers, strings, param-group settings
 
-    def _tensor(self, t: torch.Tensor, path: KeyPath, seen: dict[int, Any], device_copy: list[bool]) -> torch.Tensor:
-        flatten: Callable[[], tuple[list[str], Any]] | None = getattr(t, "__tensor_flatten__", None)
+    def _tensor(
+        self, t: torch.Tensor, path: KeyPath, seen: dict[int, torch.Tensor], device_copy: list[bool]
+    ) -> torch.Tensor:
+        flatten: Callable[[], tuple[list[str], object]] | None = getattr(t, "__tensor_flatten__", None)
         if flatten is not None and type(t) is not torch.Tensor:
             # A wrapper subclass (DTensor): stage its inner tensors, rebuild the wrapper around them
             # with the same metadata (mesh and placements stay; only the local data moves to the host).

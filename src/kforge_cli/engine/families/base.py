@@ -28,7 +28,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, ClassVar, Literal, Protocol
+from typing import TYPE_CHECKING, ClassVar, Literal, Protocol
 
 import torch
 from torch import nn
@@ -128,7 +128,7 @@ class HFExport(Protocol):
 
     def tensors(self, key: str, t: torch.Tensor) -> dict[str, torch.Tensor]: ...
 
-    def config(self, torch_dtype: str) -> dict[str, Any]: ...
+    def config(self, torch_dtype: str) -> dict[str, object]: ...
 
 
 class HFMapping(Protocol):
@@ -141,14 +141,14 @@ class HFMapping(Protocol):
 
     model_types: tuple[str, ...]
 
-    def export_problems(self, fields: dict[str, Any]) -> list[str]: ...
+    def export_problems(self, fields: dict[str, object]) -> list[str]: ...
 
-    def exporter(self, fields: dict[str, Any], cfg: ModelSettings) -> HFExport: ...
+    def exporter(self, fields: dict[str, object], cfg: ModelSettings) -> HFExport: ...
 
-    def model_fields(self, config: dict[str, Any]) -> dict[str, Any]: ...
+    def model_fields(self, config: dict[str, object]) -> dict[str, object]: ...
 
     def read_tensors(
-        self, config: dict[str, Any], files: Sequence[Path], wanted: set[str] | None, where: Path
+        self, config: dict[str, object], files: Sequence[Path], wanted: set[str] | None, where: Path
     ) -> dict[str, torch.Tensor]: ...
 
 

@@ -16,7 +16,7 @@ import os
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Protocol
 
 import torch
 
@@ -54,7 +54,7 @@ class ExportPlan(Protocol):
 
     def tensors(self, key: str, t: torch.Tensor) -> dict[str, torch.Tensor]: ...
 
-    def config(self, torch_dtype: str) -> dict[str, Any]: ...
+    def config(self, torch_dtype: str) -> dict[str, object]: ...
 
     def write_extras(self, out: Path, tokenizer: ExportedTokenizer | None) -> None: ...
 
@@ -76,7 +76,7 @@ class TextPlan:
     def tensors(self, key: str, t: torch.Tensor) -> dict[str, torch.Tensor]:
         return self.export.tensors(key, t)
 
-    def config(self, torch_dtype: str) -> dict[str, Any]:
+    def config(self, torch_dtype: str) -> dict[str, object]:
         return self.export.config(torch_dtype)
 
     def write_extras(self, out: Path, tokenizer: ExportedTokenizer | None) -> None:
@@ -94,7 +94,7 @@ class ExportResult:
     params: int
     dtype: str
     step: int | None
-    config: dict[str, Any]
+    config: dict[str, object]
     tokenizer: ExportedTokenizer | None = None
     hf_class: str = "LlamaForCausalLM"
 
@@ -129,7 +129,7 @@ def _plan(entries: list[TensorEntry], itemsize: int, max_bytes: int) -> list[lis
     return shards
 
 
-def _check_exportable(view: CheckpointView) -> dict[str, Any]:
+def _check_exportable(view: CheckpointView) -> dict[str, object]:
     if not view.complete:
         raise CheckpointError(
             f"{view.path} is an incomplete checkpoint (its save never finished); export an earlier one"
@@ -238,8 +238,9 @@ def export_hf(
             # kforge trains documents separated by EOS (no BOS): EOS also starts a document.
             ids = {"bos_token_id": exported.eos_id, "eos_token_id": exported.eos_id}
             config.update(ids)
-            if isinstance(config.get("text_config"), dict):
-                config["text_config"].update(ids)
+            text_config = config.get("text_config")
+            if isinstance(text_config, dict):
+                text_config.update(ids)
             # No max_length: with it, every generate(max_new_tokens=...) warns that both are set
             # (config.json's max_position_embeddings already states the context length).
             generation = dict(ids)

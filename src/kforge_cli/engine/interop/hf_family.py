@@ -2,18 +2,16 @@
 
 from __future__ import annotations
 
-from typing import Any
-
 from kforge_cli.engine.families.base import ModelFamily
 from kforge_cli.engine.families.registry import DEFAULT_FAMILY, get_family
 
 
-def family_of_fields(fields: dict[str, Any]) -> ModelFamily:
+def family_of_fields(fields: dict[str, object]) -> ModelFamily:
     """The family of a saved model config (``model.family``; runs before families existed: the default)."""
     return get_family(str(fields.get("family") or DEFAULT_FAMILY))
 
 
-def export_problems(fields: dict[str, Any], has_vlm: bool = False) -> list[str]:
+def export_problems(fields: dict[str, object], has_vlm: bool = False) -> list[str]:
     """What no Hugging Face architecture of the model's family can hold (empty: exportable)."""
     family = family_of_fields(fields)
     problems = []

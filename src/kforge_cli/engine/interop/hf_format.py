@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any
 
 from kforge_cli.common.files import read_text_capped
 from kforge_cli.common.hf_numbers import check_hf_numbers
@@ -27,7 +26,7 @@ def _read_text(path: Path) -> str:
     return read_text_capped(path, MAX_JSON_BYTES, "file")  # a FIFO or device is refused, never read
 
 
-def read_hf_config(hf_dir: Path) -> dict[str, Any]:
+def read_hf_config(hf_dir: Path) -> dict[str, object]:
     """``HF_DIR/config.json``: read capped, a JSON object, its shape numbers bounded (:func:`check_hf_numbers`)."""
     path = hf_dir / CONFIG_FILE
     try:

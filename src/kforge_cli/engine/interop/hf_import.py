@@ -157,7 +157,7 @@ def read_hf_tensors(hf_dir: str | Path, names: Iterable[str] | None = None) -> d
     return family.hf.read_tensors(config, hf_weight_files(hf_dir), wanted, hf_dir)
 
 
-def _family_of(config: dict[str, Any]) -> ModelFamily:
+def _family_of(config: dict[str, object]) -> ModelFamily:
     """The family importing this HF config (the default one, whose mapping refuses it by name, when none does)."""
     family = family_for_hf(str(config.get("model_type")))
     return family if family is not None else get_family(DEFAULT_FAMILY)

@@ -14,7 +14,6 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 from kforge_cli.engine.checkpoint.checkpoint_errors import CheckpointError
 from kforge_cli.engine.data.tokenizer import ByteTokenizer, HFTokenizer
@@ -101,7 +100,7 @@ def write_tokenizer(spec: str, out: Path, max_len: int) -> ExportedTokenizer:
         tok = HFTokenizer(path)
         text, eos_token = _with_eos(path, tok)
         eos_id = tok.eos_id
-    special: dict[str, Any] = {"bos_token": eos_token, "eos_token": eos_token, "unk_token": eos_token}
+    special: dict[str, object] = {"bos_token": eos_token, "eos_token": eos_token, "unk_token": eos_token}
     config = {
         "tokenizer_class": "PreTrainedTokenizerFast",
         "model_max_length": max_len,

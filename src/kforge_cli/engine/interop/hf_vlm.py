@@ -29,7 +29,6 @@ import json
 import re
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 import torch
 
@@ -83,9 +82,9 @@ class VLMPlan:
 
     settings: JobSettings
     text: HFExport  # the text family's exporter (the decoder under ``language_model``)
-    fields: dict[str, Any]
+    fields: dict[str, object]
     family: str  # "vit" (written as SigLIP), "siglip" or "clip"
-    vision_config: dict[str, Any]
+    vision_config: dict[str, object]
     mean: list[float]
     std: list[float]
 
@@ -156,7 +155,7 @@ class VLMPlan:
             return {name: t.contiguous()}
         return {"language_model." + k: v for k, v in self.text.tensors(key, t).items()}
 
-    def config(self, torch_dtype: str) -> dict[str, Any]:
+    def config(self, torch_dtype: str) -> dict[str, object]:
         text = self.text.config(torch_dtype)
         text.pop("architectures", None)
         adapter = self.settings.adapter
@@ -196,7 +195,7 @@ class VLMPlan:
         (out / PREPROCESSOR_FILE).write_text(json.dumps(processor, indent=2) + "\n")
 
 
-def _vision_side(settings: JobSettings) -> tuple[str, dict[str, Any], list[float], list[float]]:
+def _vision_side(settings: JobSettings) -> tuple[str, dict[str, object], list[float], list[float]]:
     """(family, LLaVA's vision_config, pixel mean, pixel std) of the VLM's encoder."""
     enc = settings.vision_encoder
     assert enc is not None

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import math
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 from torch import nn
@@ -96,12 +96,12 @@ def empty_vlm(
     return model
 
 
-def _saved_run_config(view: CheckpointView) -> dict[str, Any]:
+def _saved_run_config(view: CheckpointView) -> dict[str, object]:
     """RUN_DIR/config.toml of a step dir inside RUN_DIR/checkpoints, or {} (absent, unreadable, elsewhere)."""
     return read_saved_config(view.path.parent.parent, missing_ok=True) if view.kforge else {}
 
 
-def _video_section(vlm: dict[str, Any], saved: dict[str, Any]) -> dict[str, Any] | None:
+def _video_section(vlm: dict[str, Any], saved: dict[str, object]) -> dict[str, object] | None:
     """The ``[video]`` section, which only decides which MoT expert visual tokens use.
 
     It is not part of the checkpoint's shaping record, so it comes from the run's
@@ -111,8 +111,9 @@ def _video_section(vlm: dict[str, Any], saved: dict[str, Any]) -> dict[str, Any]
     modalities = vlm.get("modalities") or []
     if vlm.get("arch") != "mot" or "video" not in modalities:
         return None
-    if isinstance(saved.get("video"), dict):
-        return dict(saved["video"])
+    video = saved.get("video")
+    if isinstance(video, dict):
+        return dict(video)
     return {} if "image" not in modalities else None
 
 
@@ -182,7 +183,14 @@ def check_claims(model: nn.Module, cfg: ModelSettings, stored: dict[str, tuple[i
         )
 
 
-def refuse_layer_count(cfg: Any, stored_tensors: int, where: str | Path, what: str = "n_layers") -> None:
+class _Layered(Protocol):
+    """Settings of a stack of layers (the text model's or the vision encoder's)."""
+
+    @property
+    def n_layers(self) -> int: ...
+
+
+def refuse_layer_count(cfg: _Layered | None, stored_tensors: int, where: str | Path, what: str = "n_layers") -> None:
     """A claimed ``n_layers`` beyond the number of stored tensors (each layer holds several) is refused
     before even a meta-device model is built layer by layer."""
     if cfg is not None and int(cfg.n_layers) > stored_tensors:

@@ -22,7 +22,7 @@ import re
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, cast
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 from torch import nn
@@ -31,6 +31,7 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_
 from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
 
 from kforge_cli.common.files import output_dir, private_dir_beside, swap_in
+from kforge_cli.common.json_values import dict_of
 from kforge_cli.engine.checkpoint.checkpoint_errors import CheckpointError
 from kforge_cli.engine.checkpoint.dcp_io import OPTIONS, load_from_dirs, quiet_single_process
 from kforge_cli.engine.checkpoint.resolve import freeze_config
@@ -42,6 +43,11 @@ from kforge_cli.rundir.fingerprint import fingerprint, shaping_config
 from kforge_cli.rundir.names import COMMIT_FILE, SUMMARY_FILE, TRAIN_STATE_FILE
 from kforge_cli.settings import JobSettings
 from kforge_cli.version import __version__
+
+if TYPE_CHECKING:
+    from torch.distributed import ProcessGroup
+
+    from kforge_cli.engine.checkpoint.restore import Restored
 
 log = logging.getLogger("kforge")
 
@@ -59,7 +65,7 @@ def dense_name(name: str) -> str | None:
 def _check_dense_shape(path: Path, settings: JobSettings) -> None:
     """The kforge source must be a text model of exactly this config's [model] shape."""
     state = read_json(path / TRAIN_STATE_FILE)
-    theirs: dict[str, Any] = state.get("shaping") or {}
+    theirs = dict_of(state.get("shaping") or {}, f"{path / TRAIN_STATE_FILE}: shaping")
     if any(k.startswith("vlm.") for k in theirs):
         raise CheckpointError(f"{path} is already a vision-language checkpoint; convert-mot takes a dense text one")
     ours = shaping_config(settings)
@@ -79,7 +85,9 @@ def _check_dense_shape(path: Path, settings: JobSettings) -> None:
         )
 
 
-def load_dense_into_mot(model: nn.Module, source: str | Path, settings: JobSettings, group: Any = None) -> list[str]:
+def load_dense_into_mot(
+    model: nn.Module, source: str | Path, settings: JobSettings, group: ProcessGroup | None = None
+) -> list[str]:
     """Copy a dense text model's weights into every modality of ``model`` (a MoT VLM, sharded or not).
 
     Collective under a process group (every rank loads its shards). Returns the MoT
@@ -119,7 +127,9 @@ def load_dense_into_mot(model: nn.Module, source: str | Path, settings: JobSetti
     return sorted(mapping)
 
 
-def maybe_mot_warm_start(settings: JobSettings, model: nn.Module, restored: Any, group: Any = None) -> bool:
+def maybe_mot_warm_start(
+    settings: JobSettings, model: nn.Module, restored: Restored | None, group: ProcessGroup | None = None
+) -> bool:
     """Apply ``vlm.mot_warm_start_from`` when this is a fresh run (step 0); True when applied."""
     vlm = settings.vlm
     if vlm is None or not vlm.mot_warm_start_from:
@@ -142,7 +152,7 @@ class ConvertResult:
     parameters: int
 
 
-def _summary(settings: JobSettings, src: Path) -> tuple[dict[str, Any], dict[str, Any]]:
+def _summary(settings: JobSettings, src: Path) -> tuple[dict[str, object], dict[str, object]]:
     shaping = shaping_config(settings)
     fp = fingerprint(shaping)
     state = {

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Literal
 
 import torch
 import torch.nn.functional as F
@@ -35,11 +35,14 @@ from kforge_cli.engine.model.sequence_shard import (
     ring_attention,
 )
 
+if TYPE_CHECKING:
+    from torch.nn.attention.flex_attention import BlockMask
+
 AttentionBackend = Literal["sdpa", "flex", "auto"]
 MaskKind = Literal["causal", "dense", "flex", "ring"]  # ring: torch's context-parallel SDPA
 
-_compiled_flex: Callable[..., Any] | None = None
-_compiled_block_mask: Callable[..., Any] | None = None
+_compiled_flex: Callable[..., object] | None = None  # its result is checked to be a tensor
+_compiled_block_mask: Callable[..., BlockMask] | None = None
 
 
 @dataclass
@@ -48,7 +51,7 @@ class AttentionMask:
 
     kind: MaskKind
     dense: torch.Tensor | None = None  # [B or 1, 1, Tq, Tk] bool, True = attend
-    block_mask: Any = None  # torch BlockMask
+    block_mask: BlockMask | None = None
     shard: SequenceShard | None = None  # gather K/V over this CP group before attending
     window: int | None = None  # sliding window: a query sees keys q - window < k <= q (global positions)
 
@@ -62,7 +65,7 @@ def resolve_backend(
     return "flex" if device.type == "cuda" and (documents or sharded) else "sdpa"
 
 
-def flex_attention_fn(device: torch.device) -> Callable[..., Any]:
+def flex_attention_fn(device: torch.device) -> Callable[..., object]:
     """``flex_attention``: compiled once per process on CUDA; eager elsewhere (CPU: forward only).
 
     Eager flex materialises the scores (correct, not fast); compiling it on CPU costs ~30 s
@@ -109,7 +112,7 @@ def _flex_block_mask(
     k_len: int,
     device: torch.device,
     window: int | None = None,
-) -> Any:
+) -> BlockMask:
     """A BlockMask for causal (within-document, within-``window``) attention; indices map local to
     global positions.
 
@@ -126,7 +129,7 @@ def _flex_block_mask(
             _compiled_block_mask = torch.compile(create_block_mask)
         make = _compiled_block_mask
 
-    def mask_mod(b: Any, h: Any, q: Any, kv: Any) -> Any:
+    def mask_mod(b: torch.Tensor, h: torch.Tensor, q: torch.Tensor, kv: torch.Tensor) -> torch.Tensor:
         gq = q if q_index is None else q_index[q]
         gk = kv if k_index is None else k_index[kv]
         keep = gk <= gq

@@ -21,11 +21,15 @@ no reordering.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+
+if TYPE_CHECKING:
+    from torch.distributed import ProcessGroup
+    from torch.distributed.device_mesh import DeviceMesh
 
 
 def load_balanced_indices(seqlen: int, size: int, rank: int, device: torch.device | str | None = None) -> torch.Tensor:
@@ -43,10 +47,10 @@ def load_balanced_indices(seqlen: int, size: int, rank: int, device: torch.devic
 class SequenceShard:
     """This rank's place in a context-parallel group (set on the model by the parallel builder)."""
 
-    group: Any  # the process group of the CP ranks
+    group: ProcessGroup | None  # the process group of the CP ranks
     size: int
     rank: int
-    ring_mesh: Any = None  # the 1-D cp DeviceMesh when attention runs torch's ring SDPA (cp_attention = ring)
+    ring_mesh: DeviceMesh | None = None  # the 1-D cp mesh when attention runs torch's ring SDPA (cp_attention = ring)
 
     def query_index(self, local_len: int, device: torch.device) -> torch.Tensor:
         """Global positions of this rank's ``local_len`` tokens."""
@@ -62,7 +66,7 @@ class _GatherSequence(torch.autograd.Function):
     """All-gather along ``dim``; backward: sum the gradient over the group, keep this rank's slice."""
 
     @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, dim: int, group: Any) -> torch.Tensor:
+    def forward(ctx: Any, x: torch.Tensor, dim: int, group: ProcessGroup | None) -> torch.Tensor:
         ctx.dim, ctx.group = dim, group
         size = dist.get_world_size(group)
         parts = [torch.empty_like(x) for _ in range(size)]

@@ -19,6 +19,7 @@ breaks the graph there. Modes:
 from __future__ import annotations
 
 from collections.abc import Callable
+from contextlib import AbstractContextManager
 from typing import Any
 
 import torch
@@ -45,7 +46,7 @@ SAVE_OPS = {
 }
 
 
-def save_decision(op: Any) -> CheckpointPolicy:
+def save_decision(op: object) -> CheckpointPolicy:
     """MUST_SAVE for a matmul/attention op in any overload (``mm.default``, ``mm.out``...), else recompute."""
     packet = getattr(op, "overloadpacket", op)
     return CheckpointPolicy.MUST_SAVE if packet in SAVE_OPS else CheckpointPolicy.PREFER_RECOMPUTE
@@ -73,22 +74,26 @@ def _ignore_profiler_ops_in_selective_ac() -> None:
     )
 
 
-def _op_policy(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
+def _op_policy(ctx: object, op: object, *args: object, **kwargs: object) -> CheckpointPolicy:
     del ctx, args, kwargs
     return save_decision(op)
 
 
-def _op_policy_context() -> Any:
+def _op_policy_context() -> tuple[AbstractContextManager[object], AbstractContextManager[object]]:
     return create_selective_checkpoint_contexts(_op_policy)
 
 
-def checkpoint_block(block: nn.Module, context_fn: Callable[[], Any] | None = None) -> None:
+def checkpoint_block(
+    block: nn.Module,
+    context_fn: Callable[[], tuple[AbstractContextManager[object], AbstractContextManager[object]]] | None = None,
+) -> None:
     """Run ``block``'s forward under non-reentrant checkpointing from now on (see module docstring)."""
     inner = block.forward
-    extra: dict[str, Any] = {"context_fn": context_fn} if context_fn is not None else {}
 
-    def forward(*args: Any, **kwargs: Any) -> Any:
-        return checkpoint(inner, *args, use_reentrant=False, **extra, **kwargs)
+    def forward(*args: Any, **kwargs: Any) -> Any:  # the block's own arguments and result, passed through
+        if context_fn is not None:
+            return checkpoint(inner, *args, use_reentrant=False, context_fn=context_fn, **kwargs)
+        return checkpoint(inner, *args, use_reentrant=False, **kwargs)
 
     block.forward = forward  # type: ignore[method-assign]
 

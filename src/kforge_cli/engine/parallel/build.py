@@ -166,9 +166,11 @@ def parallelize(module: nn.Module, settings: JobSettings, runtime: RuntimeContex
                 reshard_after_forward=resolve_reshard_after_forward(settings),
             )
         if runtime.ep_mesh() is not None:  # the experts first: their own FSDP units (see expert_parallel)
+            expert_mesh = runtime.expert_fsdp_mesh()
+            assert expert_mesh is not None  # distributed with ep > 1: there is a mesh
             shard_experts(
                 module,
-                runtime.expert_fsdp_mesh(),
+                expert_mesh,
                 param_dtype=compute_dtype(settings, runtime.device),
                 reshard_after_forward=resolve_reshard_after_forward(settings),
                 dp_size=runtime.dp_size,

@@ -31,7 +31,7 @@ tensor per weight, so checkpoints reshard between EP degrees.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
@@ -43,8 +43,11 @@ from kforge_cli.engine.parallel.cost_terms import Traffic
 from kforge_cli.engine.parallel.fsdp import mixed_precision_policy
 from kforge_cli.settings.training import ModelSettings
 
+if TYPE_CHECKING:
+    from torch.distributed.device_mesh import DeviceMesh
 
-def apply_expert_parallel(module: nn.Module, ep_mesh: Any) -> int:
+
+def apply_expert_parallel(module: nn.Module, ep_mesh: DeviceMesh | None) -> int:
     """Split every MoE layer's routed experts ``Shard(0)`` over ``ep_mesh``; returns the layer count."""
     if ep_mesh is None:
         return 0
@@ -61,7 +64,7 @@ def apply_expert_parallel(module: nn.Module, ep_mesh: Any) -> int:
 
 
 def shard_experts(
-    module: nn.Module, mesh: Any, *, param_dtype: torch.dtype, reshard_after_forward: bool, dp_size: int
+    module: nn.Module, mesh: DeviceMesh, *, param_dtype: torch.dtype, reshard_after_forward: bool, dp_size: int
 ) -> None:
     """``fully_shard`` each MoE layer's experts over ``mesh`` (before the blocks are sharded)."""
     policy = mixed_precision_policy(param_dtype)

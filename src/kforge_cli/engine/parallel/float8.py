@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
-from typing import Any
 
 import torch
 from torch import nn
@@ -109,7 +108,7 @@ def precompute_scales_after_each_step(optimizer: torch.optim.Optimizer, model: n
     """
     from torchao.float8 import precompute_float8_dynamic_scale_for_fsdp
 
-    def hook(opt: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+    def hook(opt: torch.optim.Optimizer, args: tuple[object, ...], kwargs: dict[str, object]) -> None:
         del opt, args, kwargs
         precompute_float8_dynamic_scale_for_fsdp(model)
 

@@ -14,7 +14,7 @@ tokens so the update equals the one of a single process on the global batch.
 
 from __future__ import annotations
 
-from typing import Any, cast
+from typing import TYPE_CHECKING, cast
 
 import torch
 from torch import nn
@@ -23,6 +23,9 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from kforge_cli.engine.families.base import BLOCKS
 from kforge_cli.engine.parallel.cost_terms import FP32, Traffic, ring_share
 from kforge_cli.settings import JobSettings
+
+if TYPE_CHECKING:
+    from torch.distributed.device_mesh import DeviceMesh
 
 
 def mixed_precision_policy(param_dtype: torch.dtype) -> MixedPrecisionPolicy:
@@ -44,7 +47,9 @@ def resolve_reshard_after_forward(settings: JobSettings) -> bool:
     return d.pp == 1
 
 
-def apply_fsdp(model: nn.Module, mesh: Any, *, param_dtype: torch.dtype, reshard_after_forward: bool) -> None:
+def apply_fsdp(
+    model: nn.Module, mesh: DeviceMesh | None, *, param_dtype: torch.dtype, reshard_after_forward: bool
+) -> None:
     """``fully_shard`` each block of ``model`` (a family's model or pipeline stage), then the root."""
     policy = mixed_precision_policy(param_dtype)
     blocks = list(cast(nn.ModuleDict, model.get_submodule(BLOCKS)).values())

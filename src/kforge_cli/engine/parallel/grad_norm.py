@@ -13,16 +13,20 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
-_Key = tuple[Any, ...]
+if TYPE_CHECKING:
+    from torch.distributed import ProcessGroup
+    from torch.distributed.device_mesh import DeviceMesh
+
+_Key = tuple[object, ...]  # (mesh dim names, mesh shape, sharded dims), or ("local",)
 
 
-def _group_key(grad: torch.Tensor) -> tuple[_Key, Any, list[int]]:
+def _group_key(grad: torch.Tensor) -> tuple[_Key, DeviceMesh | None, list[int]]:
     """(stable key, mesh, mesh dims the gradient is sharded over)."""
     if not isinstance(grad, DTensor):
         return ("local",), None, []
@@ -46,12 +50,12 @@ def _sum_of_squares_fp32(tensors: list[torch.Tensor]) -> torch.Tensor:
     return torch.stack(norms).square().sum()
 
 
-def total_grad_norm(params: Sequence[torch.Tensor], pp_group: Any = None) -> torch.Tensor:
+def total_grad_norm(params: Sequence[torch.Tensor], pp_group: ProcessGroup | None = None) -> torch.Tensor:
     """The L2 norm of all gradients of the whole model (fp32 scalar on the gradients' device)."""
     grads = [p.grad for p in params if p.grad is not None]
     if not grads:
         return torch.zeros(())
-    buckets: dict[_Key, tuple[Any, list[int], list[torch.Tensor]]] = {}
+    buckets: dict[_Key, tuple[DeviceMesh | None, list[int], list[torch.Tensor]]] = {}
     for g in grads:
         key, mesh, dims = _group_key(g)
         local = g.to_local() if isinstance(g, DTensor) else g
@@ -61,6 +65,7 @@ def total_grad_norm(params: Sequence[torch.Tensor], pp_group: Any = None) -> tor
     for mesh, dims, tensors in buckets.values():
         sq = _sum_of_squares_fp32(tensors)
         for dim in dims:
+            assert mesh is not None  # a sharded gradient is a DTensor: it has a mesh
             dist.all_reduce(sq, op=dist.ReduceOp.SUM, group=mesh.get_group(mesh_dim=dim))
         total = total + sq
     if pp_group is not None:
@@ -68,7 +73,9 @@ def total_grad_norm(params: Sequence[torch.Tensor], pp_group: Any = None) -> tor
     return total.sqrt()
 
 
-def clip_grad_norm(params: Sequence[torch.Tensor], max_norm: float, pp_group: Any = None) -> torch.Tensor:
+def clip_grad_norm(
+    params: Sequence[torch.Tensor], max_norm: float, pp_group: ProcessGroup | None = None
+) -> torch.Tensor:
     """Scale gradients so their global norm is at most ``max_norm`` (inf = measure only); returns the pre-clip norm.
 
     Nothing is read on the host: the coefficient ``min(max_norm / (norm + 1e-6), 1)`` stays a

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
@@ -27,6 +27,10 @@ from kforge_cli.engine.parallel.cost_terms import Traffic
 from kforge_cli.settings import JobSettings
 from kforge_cli.settings.pipeline_schedules import schedule_facts
 from kforge_cli.settings.training import ModelSettings
+
+if TYPE_CHECKING:
+    from torch.distributed import ProcessGroup
+    from torch.distributed.pipelining import PipelineStage
 
 
 def stage_layer_ids(n_layers: int, n_stages: int) -> list[list[int]]:
@@ -116,11 +120,11 @@ class StageLoss:
 class PipelineBundle:
     """This rank's pipeline stages, their modules and the schedule that runs them."""
 
-    stages: list[Any]  # torch PipelineStage, in increasing stage index
+    stages: list[PipelineStage]  # in increasing stage index
     modules: list[nn.Module]  # the stage modules, same order
     stage_ids: list[int]
     num_stages: int
-    schedule: Any
+    schedule: Any  # a torch schedule; engine/train/step passes it the stages' keyword inputs
     loss: StageLoss = field(default_factory=StageLoss)
 
     @property
@@ -134,7 +138,7 @@ class PipelineBundle:
         return self.num_stages - 1 in self.stage_ids
 
 
-def training_step_infers_metadata(schedule: Any) -> bool:
+def training_step_infers_metadata(schedule: object) -> bool:
     """Whether the schedule's next training ``step`` first runs its metadata inference.
 
     torch's schedules infer the stages' activation shapes with one extra forward (and an
@@ -162,7 +166,11 @@ def _schedule_class(name: str) -> type:
 
 
 def build_pipeline(
-    settings: JobSettings, stage_modules: list[nn.Module], stage_ids: list[int], device: torch.device, group: Any
+    settings: JobSettings,
+    stage_modules: list[nn.Module],
+    stage_ids: list[int],
+    device: torch.device,
+    group: ProcessGroup | None,
 ) -> PipelineBundle:
     """Wrap the (parallelised, initialised) stage modules in PipelineStages and build the schedule."""
     from torch.distributed.pipelining import PipelineStage

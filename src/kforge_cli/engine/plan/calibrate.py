@@ -18,8 +18,9 @@ import math
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any
+from typing import TypedDict
 
+from kforge_cli.common.json_values import int_of, list_of
 from kforge_cli.engine.plan.cost_model import KINDS, CostConstants, cost_constants
 from kforge_cli.errors import InvalidInputError
 
@@ -28,6 +29,16 @@ GBPS = [round(0.05 * 1.4**i, 3) for i in range(30)]  # 0.05 .. 870
 OVERLAPS = [0.0, 0.25, 0.5, 0.75, 0.9]
 FULL_SPEED = [256, 1024, 4096, 16384]
 Point = tuple[float, float, float, int]  # mfu, GB/s, overlap, full-speed tokens
+
+
+class CalibrationRow(TypedDict):
+    """One trial of a calibration: its index and layout as trials.json has them, and three step times (s)."""
+
+    trial: object
+    layout: object
+    measured_s: float
+    default_s: float
+    fitted_s: float
 
 
 @dataclass
@@ -41,11 +52,11 @@ class Calibration:
     steps: int
     launcher: str
     plan: dict[str, float | int]  # the fitted [plan] section
-    rows: list[dict[str, Any]] = field(default_factory=list)
+    rows: list[CalibrationRow] = field(default_factory=list)
     mean_abs_error_default: float = 0.0
     mean_abs_error_fitted: float = 0.0
 
-    def as_dict(self) -> dict[str, Any]:
+    def as_dict(self) -> dict[str, object]:
         return dict(self.__dict__)
 
 
@@ -68,7 +79,7 @@ def _with(c: CostConstants, point: Point) -> CostConstants:
     )
 
 
-def _trial_profile(trial_dir: Path, trial: dict[str, Any]) -> Path:
+def _trial_profile(trial_dir: Path, trial: dict[str, object]) -> Path:
     given = Path(str(trial.get("profile", "")))
     if given.is_file():
         return given
@@ -78,7 +89,7 @@ def _trial_profile(trial_dir: Path, trial: dict[str, Any]) -> Path:
     raise InvalidInputError(f"{trial_dir / 'trials.json'}: trial {trial.get('index')}'s profile {given} is missing")
 
 
-def _case(trial_dir: Path, trial: dict[str, Any]) -> tuple[CostConstants, Callable[[CostConstants], float]]:
+def _case(trial_dir: Path, trial: dict[str, object]) -> tuple[CostConstants, Callable[[CostConstants], float]]:
     """The trial's default constants and its step time as a function of the constants (the search's memo)."""
     from kforge_cli.engine.parallel.build import compute_dtype
     from kforge_cli.engine.plan.layouts import layout_of
@@ -89,7 +100,7 @@ def _case(trial_dir: Path, trial: dict[str, Any]) -> tuple[CostConstants, Callab
     from kforge_cli.settings import load_settings, resolve_dims
 
     settings = load_settings(profile=str(_trial_profile(trial_dir, trial)), use_env=False).settings
-    world = int(trial["world_size"])
+    world = int_of(trial["world_size"])
     dims = resolve_dims(settings, world)
     device = target_device(settings)
     cdtype = compute_dtype(settings, device)
@@ -98,7 +109,7 @@ def _case(trial_dir: Path, trial: dict[str, Any]) -> tuple[CostConstants, Callab
     return cost_constants(settings, dtype_name(cdtype)), lambda c: memo.estimate(settings, layout, dims, c).step_s
 
 
-def read_trials(trial_dir: Path) -> dict[str, Any]:
+def read_trials(trial_dir: Path) -> dict[str, object]:
     path = Path(trial_dir) / "trials.json"
     if not path.is_file():
         raise InvalidInputError(f"{path} does not exist: give a directory `kforge plan trial` wrote (--trial-dir)")
@@ -117,7 +128,7 @@ def calibrate(trial_dir: Path) -> Calibration:
     """Fit the constants to the finished trials of ``trial_dir`` (module docstring)."""
     trial_dir = Path(trial_dir)
     summary = read_trials(trial_dir)
-    trials = [t for t in summary["trials"] if isinstance(t, dict) and t.get("measured_step_s")]
+    trials = [t for t in list_of(summary["trials"]) if isinstance(t, dict) and t.get("measured_step_s")]
     if not trials:
         raise InvalidInputError(f"{trial_dir / 'trials.json'}: no trial finished: nothing to fit")
     cases = [_case(trial_dir, t) for t in trials]
@@ -137,7 +148,7 @@ def calibrate(trial_dir: Path) -> Calibration:
                         best = (value, (mfu, gbps, overlap, full))
     default = [step(c) for c, step in cases]
     fitted = [step(_with(c, best[1])) for c, step in cases]
-    rows = [
+    rows: list[CalibrationRow] = [
         {"trial": t["index"], "layout": t["layout"], "measured_s": m, "default_s": d, "fitted_s": f}
         for t, m, d, f in zip(trials, measured, default, fitted, strict=True)
     ]
@@ -146,8 +157,8 @@ def calibrate(trial_dir: Path) -> Calibration:
         trial_dir=str(trial_dir),
         profile=str(summary.get("profile") or _extends_of(first_profile)),
         gpu_type=str(summary.get("gpu_type", "")),
-        world_size=int(summary.get("world_size", 0)),
-        steps=int(summary.get("steps", 0)),
+        world_size=int_of(summary.get("world_size", 0)),
+        steps=int_of(summary.get("steps", 0)),
         launcher=str(summary.get("launcher", "")),
         plan=_plan_section(best[1]),
         rows=rows,
@@ -194,7 +205,7 @@ def fragment_toml(c: Calibration) -> str:
         f"# Written by `kforge plan calibrate` from {c.trial_dir} ({len(c.rows)} trials; in-sample mean |error| "
         f"{c.mean_abs_error_fitted:.0%}).\n"
     )
-    body: dict[str, Any] = {"description": f"{c.profile} with the cost model fitted to {c.trial_dir}"}
+    body: dict[str, object] = {"description": f"{c.profile} with the cost model fitted to {c.trial_dir}"}
     if c.profile:
         body["extends"] = c.profile
     return head + tomli_w.dumps({**body, "plan": c.plan})

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Any
 
 from kforge_cli.errors import ConfigError, InvalidInputError
 from kforge_cli.settings import JobSettings, ParallelDims, resolve_dims
@@ -39,7 +38,7 @@ class Layout:
     activation_checkpointing: str
     ac_selective_mode: str
 
-    def distributed(self) -> dict[str, Any]:
+    def distributed(self) -> dict[str, object]:
         return {
             "dp_replicate": self.dp_replicate,
             "dp_shard": self.dp_shard,
@@ -51,7 +50,7 @@ class Layout:
             "pp_stages_per_rank": self.pp_stages_per_rank,
         }
 
-    def train(self) -> dict[str, Any]:
+    def train(self) -> dict[str, object]:
         return {
             "batch_size": self.batch_size,
             "grad_accum_steps": self.grad_accum_steps,

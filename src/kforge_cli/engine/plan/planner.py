@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import time
 from dataclasses import asdict, dataclass, field, replace
-from typing import Any
 
 from kforge_cli.engine.families.registry import family_for
 from kforge_cli.engine.parallel.build import compute_dtype
@@ -97,7 +96,7 @@ class ParallelPlan:
                 return m
         raise KeyError(name)
 
-    def to_dict(self) -> dict[str, Any]:
+    def to_dict(self) -> dict[str, object]:
         """A JSON-ready view (``kforge plan --format json``)."""
         out = asdict(self)
         out["activations"] = self.activations.as_dict()

@@ -26,7 +26,6 @@ from __future__ import annotations
 import time
 from collections.abc import Hashable
 from dataclasses import dataclass, field
-from typing import Any
 
 from kforge_cli.engine.parallel.build import compute_dtype
 from kforge_cli.engine.parallel.fsdp import resolve_reshard_after_forward
@@ -86,7 +85,7 @@ class Candidate:
     def headroom_bytes(self) -> int:
         return self.capacity_bytes - self.peak_bytes
 
-    def as_dict(self) -> dict[str, Any]:
+    def as_dict(self) -> dict[str, object]:
         return {
             "layout": {**self.layout.distributed(), **self.layout.train()},
             "overrides": self.layout.overrides(),
@@ -122,7 +121,7 @@ class SearchResult:
     given: Candidate | None = None  # the settings' own layout, when in the search space, valid and within the limit
     given_note: str = ""  # why it is not listed (outside the search space, invalid, over the limit)
 
-    def as_dict(self) -> dict[str, Any]:
+    def as_dict(self) -> dict[str, object]:
         rejected = None
         if self.fastest_rejected is not None:
             layout, est, peak, bound = self.fastest_rejected

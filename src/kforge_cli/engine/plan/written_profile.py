@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from kforge_cli.engine.plan.search import Candidate
+    from kforge_cli.settings import JobSettings
 
 
-def candidate_profile(settings: Any, candidate: Any) -> str:
+def candidate_profile(settings: JobSettings, candidate: Candidate) -> str:
     """The profile text of ``candidate`` (its layout and cluster shape over ``settings``): it extends the
     profile ``settings`` came from, and its description carries the cost model's step and its parts."""
     from kforge_cli.engine.plan.cost_model import step_parts

@@ -25,10 +25,16 @@ import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING
 
 from kforge_cli.common.files import atomic_write, open_append, output_dir, real_dir
 from kforge_cli.errors import InvalidInputError
+
+if TYPE_CHECKING:
+    from pydantic import BaseModel
+
+    from kforge_cli.engine.plan.search import Candidate, SearchResult
+    from kforge_cli.settings import JobSettings
 
 TRIAL_OVERRIDES = [
     "--checkpoint.interval=0",
@@ -39,7 +45,7 @@ TRIAL_OVERRIDES = [
 ]
 
 
-def isolate(settings: Any, run_dir: Path) -> tuple[Any, list[str]]:
+def isolate(settings: JobSettings, run_dir: Path) -> tuple[JobSettings, list[str]]:
     """`settings` for a trial in `run_dir`: everything pointing outside it set by the trial; what was overridden.
 
     A trial never resumes from, loads, writes or deletes anything outside its run directory
@@ -51,8 +57,8 @@ def isolate(settings: Any, run_dir: Path) -> tuple[Any, list[str]]:
     """
     changes: list[str] = []
 
-    def own(section: str, values: dict[str, Any], quiet: tuple[str, ...] = ()) -> Any:
-        current = getattr(settings, section)
+    def own(section: str, values: dict[str, object], quiet: tuple[str, ...] = ()) -> BaseModel:
+        current: BaseModel = getattr(settings, section)
         update = {k: v for k, v in values.items() if getattr(current, k) != v}
         changes.extend(
             f"{section}.{k}={getattr(current, k)!r}"
@@ -156,7 +162,7 @@ def _trial_env(index: int, slurm: bool) -> dict[str, str]:
     return env
 
 
-def read_measurements(metrics: Path, steps: int) -> dict[str, Any]:
+def read_measurements(metrics: Path, steps: int) -> dict[str, object]:
     """Median step time and tokens/s over the timed steps, and the peak memory, from a run's metrics.jsonl."""
     from kforge_cli.common.json_values import float_of, int_of
     from kforge_cli.engine.observe.metrics_file import iter_metrics
@@ -184,9 +190,9 @@ def _stderr(message: str) -> None:
 
 
 def run_trials(
-    settings: Any,
-    result: Any,
-    candidates: list[Any],
+    settings: JobSettings,
+    result: SearchResult,
+    candidates: list[Candidate],
     steps: int,
     trial_dir: Path | None,
     *,
@@ -305,7 +311,7 @@ export OMP_NUM_THREADS=${{SLURM_CPUS_PER_TASK:-1}}
 
 
 def write_sweep_script(
-    settings: Any, argv: list[str], trial_dir: Path | None, *, say: Callable[[str], None] = _stderr
+    settings: JobSettings, argv: list[str], trial_dir: Path | None, *, say: Callable[[str], None] = _stderr
 ) -> tuple[Path, str]:
     """Write TRIAL_DIR/sweep.sbatch: this command (``argv``, without --sbatch) run inside the allocation;
     return its path and text."""

@@ -22,10 +22,10 @@ import logging
 import re
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any
 
 import torch
 
+from kforge_cli.common.json_values import dict_of, float_of, int_of
 from kforge_cli.errors import CheckpointError
 from kforge_cli.settings.training import ModelSettings
 
@@ -67,22 +67,23 @@ _HF_LAYER = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
 _HF_EXPERT = re.compile(r"^mlp\.experts\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
 
 
-def export_problems(model: Mapping[str, Any]) -> list[str]:
+def export_problems(model: Mapping[str, object]) -> list[str]:
     """What ``DeepseekV3ForCausalLM`` cannot hold of this ``model.*`` (empty: it holds it exactly)."""
     out: list[str] = []
     moe = model.get("moe")
     if not moe:
         out.append("no [model.moe] (DeepseekV3ForCausalLM's blocks after first_k_dense_replace are MoE)")
         return out
+    moe = dict_of(moe, "model.moe")
     if moe.get("score_func", "softmax") != "sigmoid":
         out.append("model.moe.score_func = 'softmax' (it routes with a sigmoid)")
-    if int(moe.get("every_n_layers", 1)) != 1:
+    if int_of(moe.get("every_n_layers", 1)) != 1:
         out.append("model.moe.every_n_layers > 1 (every block after the dense first ones is MoE)")
-    if int(moe.get("num_shared_experts", 0)) < 1:
+    if int_of(moe.get("num_shared_experts", 0)) < 1:
         out.append("model.moe.num_shared_experts = 0 (it always has shared experts)")
     if moe.get("capacity_factor") is not None:
         out.append("model.moe.capacity_factor is set (it drops no tokens)")
-    groups, experts = int(moe.get("n_groups", 1)), int(moe.get("num_experts", 8))
+    groups, experts = int_of(moe.get("n_groups", 1)), int_of(moe.get("num_experts", 8))
     if experts // groups < 2:
         out.append("model.moe.n_groups = num_experts (it scores a group by its two best experts)")
     if model.get("norm", "rmsnorm") != "rmsnorm":
@@ -90,41 +91,43 @@ def export_problems(model: Mapping[str, Any]) -> list[str]:
     return out
 
 
-def hf_config(model: Mapping[str, Any], *, dense_hidden: int, expert_hidden: int, torch_dtype: str) -> dict[str, Any]:
+def hf_config(
+    model: Mapping[str, object], *, dense_hidden: int, expert_hidden: int, torch_dtype: str
+) -> dict[str, object]:
     """``config.json`` of ``DeepseekV3ForCausalLM`` for this ``model.*`` (``export_problems`` empty)."""
     problems = export_problems(model)
     if problems:
         raise CheckpointError("DeepseekV3ForCausalLM cannot hold this model: " + "; ".join(problems))
-    mla, moe = model["mla"], model["moe"]
-    groups = int(moe.get("n_groups", 1))
-    theta = float(model.get("rope_theta", 10000.0))
+    mla, moe = dict_of(model["mla"], "model.mla"), dict_of(model["moe"], "model.moe")
+    groups = int_of(moe.get("n_groups", 1))
+    theta = float_of(model.get("rope_theta", 10000.0))
     return {
         "architectures": [HF_CLASS],
         "model_type": MODEL_TYPE,
-        "vocab_size": int(model["vocab_size"]),
-        "hidden_size": int(model["dim"]),
+        "vocab_size": int_of(model["vocab_size"]),
+        "hidden_size": int_of(model["dim"]),
         "intermediate_size": int(dense_hidden),
         "moe_intermediate_size": int(expert_hidden),
-        "num_hidden_layers": int(model["n_layers"]),
-        "num_attention_heads": int(model["n_heads"]),
-        "num_key_value_heads": int(model["n_heads"]),
-        "n_shared_experts": int(moe.get("num_shared_experts", 0)),
-        "n_routed_experts": int(moe.get("num_experts", 8)),
-        "routed_scaling_factor": float(moe.get("route_scale", 1.0)),
-        "kv_lora_rank": int(mla.get("kv_lora_rank", 512)),
-        "q_lora_rank": None if mla.get("q_lora_rank") is None else int(mla["q_lora_rank"]),
-        "qk_rope_head_dim": int(mla.get("qk_rope_head_dim", 64)),
-        "qk_nope_head_dim": int(mla.get("qk_nope_head_dim", 128)),
-        "v_head_dim": int(mla.get("v_head_dim", 128)),
+        "num_hidden_layers": int_of(model["n_layers"]),
+        "num_attention_heads": int_of(model["n_heads"]),
+        "num_key_value_heads": int_of(model["n_heads"]),
+        "n_shared_experts": int_of(moe.get("num_shared_experts", 0)),
+        "n_routed_experts": int_of(moe.get("num_experts", 8)),
+        "routed_scaling_factor": float_of(moe.get("route_scale", 1.0)),
+        "kv_lora_rank": int_of(mla.get("kv_lora_rank", 512)),
+        "q_lora_rank": None if mla.get("q_lora_rank") is None else int_of(mla["q_lora_rank"]),
+        "qk_rope_head_dim": int_of(mla.get("qk_rope_head_dim", 64)),
+        "qk_nope_head_dim": int_of(mla.get("qk_nope_head_dim", 128)),
+        "v_head_dim": int_of(mla.get("v_head_dim", 128)),
         "n_group": groups,
-        "topk_group": int(moe.get("topk_groups", 1)) if groups > 1 else 1,
-        "num_experts_per_tok": int(moe.get("top_k", 2)),
-        "first_k_dense_replace": int(moe.get("first_dense_layers", 0)),
+        "topk_group": int_of(moe.get("topk_groups", 1)) if groups > 1 else 1,
+        "num_experts_per_tok": int_of(moe.get("top_k", 2)),
+        "first_k_dense_replace": int_of(moe.get("first_dense_layers", 0)),
         "norm_topk_prob": bool(moe.get("renormalize", True)),
         "hidden_act": "silu",
-        "max_position_embeddings": int(model["max_seq_len"]),
-        "initializer_range": float(model.get("init_std", 0.02)),
-        "rms_norm_eps": float(model.get("norm_eps", 1e-5)),
+        "max_position_embeddings": int_of(model["max_seq_len"]),
+        "initializer_range": float_of(model.get("init_std", 0.02)),
+        "rms_norm_eps": float_of(model.get("norm_eps", 1e-5)),
         "tie_word_embeddings": bool(model.get("tie_embeddings", False)),
         "rope_parameters": {"rope_type": "default", "rope_theta": theta},
         "rope_theta": theta,
@@ -173,59 +176,59 @@ def to_hf_tensors(state: Mapping[str, torch.Tensor]) -> tuple[dict[str, torch.Te
     return out, dropped
 
 
-def model_fields_from_hf(config: Mapping[str, Any]) -> dict[str, Any]:
+def model_fields_from_hf(config: Mapping[str, object]) -> dict[str, object]:
     """kforge ``model.*`` fields of a ``DeepseekV3ForCausalLM`` config (refusing what kforge cannot compute)."""
     problems: list[str] = []
-    rope = dict(config.get("rope_parameters") or config.get("rope_scaling") or {})
+    rope = dict(dict_of(config.get("rope_parameters") or config.get("rope_scaling") or {}, "rope_parameters"))
     kind = rope.get("rope_type", rope.get("type", "default"))
     if kind not in (None, "default"):
         problems.append(f"rope scaling {kind!r} (kforge implements plain RoPE: no YaRN, no mscale)")
     if config.get("attention_bias"):
         problems.append("attention_bias = true (kforge's projections have no bias)")
-    heads = int(config["num_attention_heads"])
+    heads = int_of(config["num_attention_heads"])
     if config.get("hidden_act", "silu") != "silu":
         problems.append(f"hidden_act {config.get('hidden_act')!r} (kforge's MLPs are SwiGLU)")
-    experts = int(config.get("n_routed_experts") or 0)
+    experts = int_of(config.get("n_routed_experts") or 0)
     if experts < 1:
         problems.append("n_routed_experts = 0 (kforge's DeepSeek-V3 blocks after the dense ones are MoE)")
     if problems:
         raise CheckpointError("this DeepseekV3 model cannot be represented by kforge: " + "; ".join(problems))
-    theta = float(rope.get("rope_theta", config.get("rope_theta", 10000.0)))
-    groups = int(config.get("n_group") or 1)
-    n_layers = int(config["num_hidden_layers"])
-    first = int(config.get("first_k_dense_replace") or 0)
+    theta = float_of(rope.get("rope_theta", config.get("rope_theta", 10000.0)))
+    groups = int_of(config.get("n_group") or 1)
+    n_layers = int_of(config["num_hidden_layers"])
+    first = int_of(config.get("first_k_dense_replace") or 0)
     return {
         "family": "deepseek_v3",
-        "dim": int(config["hidden_size"]),
+        "dim": int_of(config["hidden_size"]),
         "n_layers": n_layers,
         "n_heads": heads,
-        "vocab_size": int(config["vocab_size"]),
-        "max_seq_len": int(config.get("max_position_embeddings", 4096)),
-        "ffn_hidden_dim": int(config["intermediate_size"]),
+        "vocab_size": int_of(config["vocab_size"]),
+        "max_seq_len": int_of(config.get("max_position_embeddings", 4096)),
+        "ffn_hidden_dim": int_of(config["intermediate_size"]),
         "rope_theta": theta,
         "norm": "rmsnorm",
-        "norm_eps": float(config.get("rms_norm_eps", 1e-6)),
+        "norm_eps": float_of(config.get("rms_norm_eps", 1e-6)),
         "activation": "swiglu",
         "tie_embeddings": bool(config.get("tie_word_embeddings", False)),
-        "init_std": float(config.get("initializer_range", 0.02)),
+        "init_std": float_of(config.get("initializer_range", 0.02)),
         "mla": {
-            "kv_lora_rank": int(config["kv_lora_rank"]),
-            "q_lora_rank": None if config.get("q_lora_rank") is None else int(config["q_lora_rank"]),
-            "qk_rope_head_dim": int(config["qk_rope_head_dim"]),
-            "qk_nope_head_dim": int(config["qk_nope_head_dim"]),
-            "v_head_dim": int(config["v_head_dim"]),
+            "kv_lora_rank": int_of(config["kv_lora_rank"]),
+            "q_lora_rank": None if config.get("q_lora_rank") is None else int_of(config["q_lora_rank"]),
+            "qk_rope_head_dim": int_of(config["qk_rope_head_dim"]),
+            "qk_nope_head_dim": int_of(config["qk_nope_head_dim"]),
+            "v_head_dim": int_of(config["v_head_dim"]),
         },
         "moe": {
             "num_experts": experts,
-            "top_k": int(config["num_experts_per_tok"]),
-            "num_shared_experts": int(config.get("n_shared_experts") or 0),
-            "expert_hidden_dim": int(config["moe_intermediate_size"]),
+            "top_k": int_of(config["num_experts_per_tok"]),
+            "num_shared_experts": int_of(config.get("n_shared_experts") or 0),
+            "expert_hidden_dim": int_of(config["moe_intermediate_size"]),
             "first_dense_layers": min(first, n_layers),
             "score_func": "sigmoid",
             "n_groups": groups,
-            "topk_groups": int(config.get("topk_group") or 1) if groups > 1 else 1,
+            "topk_groups": int_of(config.get("topk_group") or 1) if groups > 1 else 1,
             "renormalize": bool(config.get("norm_topk_prob", True)),
-            "route_scale": float(config.get("routed_scaling_factor") or 1.0),
+            "route_scale": float_of(config.get("routed_scaling_factor") or 1.0),
             "bias_update_rate": 1e-3,  # kforge routes with the bias only while it is being balanced
         },
     }
@@ -240,13 +243,13 @@ def _deinterleave(rows: torch.Tensor, rope: int, head: int) -> torch.Tensor:
 
 
 def from_hf_tensors(
-    tensors: Mapping[str, torch.Tensor], config: Mapping[str, Any]
+    tensors: Mapping[str, torch.Tensor], config: Mapping[str, object]
 ) -> tuple[dict[str, torch.Tensor], list[str]]:
     """HF tensors -> kforge tensors (experts stacked, interleaved RoPE rows permuted), and the HF names skipped."""
-    rope, nope = int(config["qk_rope_head_dim"]), int(config["qk_nope_head_dim"])
-    rank = int(config["kv_lora_rank"])
+    rope, nope = int_of(config["qk_rope_head_dim"]), int_of(config["qk_nope_head_dim"])
+    rank = int_of(config["kv_lora_rank"])
     interleaved = bool(config.get("rope_interleave", True))
-    n_layers = int(config["num_hidden_layers"])
+    n_layers = int_of(config["num_hidden_layers"])
     out: dict[str, torch.Tensor] = {}
     experts: dict[str, dict[int, torch.Tensor]] = {}
     skipped: list[str] = []
@@ -294,7 +297,7 @@ class DeepseekV3Export:
 
     hf_class = HF_CLASS
 
-    def __init__(self, fields: Mapping[str, Any], cfg: ModelSettings) -> None:
+    def __init__(self, fields: Mapping[str, object], cfg: ModelSettings) -> None:
         problems = export_problems(fields)
         if problems:
             raise CheckpointError("DeepseekV3ForCausalLM cannot hold this model: " + "; ".join(problems))
@@ -319,7 +322,7 @@ class DeepseekV3Export:
             return {hf: t.float().contiguous()}
         return {hf: t.contiguous()}
 
-    def config(self, torch_dtype: str) -> dict[str, Any]:
+    def config(self, torch_dtype: str) -> dict[str, object]:
         cfg = self.text_settings
         assert cfg.moe is not None
         return hf_config(
@@ -329,12 +332,12 @@ class DeepseekV3Export:
             torch_dtype=torch_dtype,
         )
 
-    def write_extras(self, out: Any, tokenizer: Any) -> None:
+    def write_extras(self, out: object, tokenizer: object) -> None:  # nothing beyond config.json and the weights
         return None
 
 
 def read_deepseek_v3_tensors(
-    config: dict[str, Any], files: Sequence[Path], wanted: set[str] | None, hf_dir: Path
+    config: dict[str, object], files: Sequence[Path], wanted: set[str] | None, hf_dir: Path
 ) -> dict[str, torch.Tensor]:
     """kforge name -> CPU tensor of a ``DeepseekV3ForCausalLM`` directory's safetensors (all, or ``wanted``);
     tensors of layers past ``num_hidden_layers`` (DeepSeek's own MTP layers) are skipped with a warning."""
@@ -353,7 +356,7 @@ def read_deepseek_v3_tensors(
         out, skipped = from_hf_tensors(raw, config)
     except (KeyError, ValueError, RuntimeError) as exc:
         raise CheckpointError(f"{hf_dir}: cannot map its DeepseekV3 tensors ({exc})") from None
-    n_layers = int(config.get("num_hidden_layers", 0))
+    n_layers = int_of(config.get("num_hidden_layers", 0))
     unknown = [k for k in skipped if not _beyond_layers(k, n_layers)]
     if unknown:
         shown = ", ".join(unknown[:5]) + (f" (and {len(unknown) - 5} more)" if len(unknown) > 5 else "")
@@ -376,17 +379,17 @@ class DeepseekV3HF:
     model_types: tuple[str, ...] = (MODEL_TYPE,)
     fresh_on_import: tuple[str, ...] = ("mtp.",)  # MTP modules: no transformers counterpart
 
-    def export_problems(self, fields: dict[str, Any]) -> list[str]:
+    def export_problems(self, fields: dict[str, object]) -> list[str]:
         return export_problems(fields)
 
-    def exporter(self, fields: dict[str, Any], cfg: ModelSettings) -> DeepseekV3Export:
+    def exporter(self, fields: dict[str, object], cfg: ModelSettings) -> DeepseekV3Export:
         return DeepseekV3Export(fields, cfg)
 
-    def model_fields(self, config: dict[str, Any]) -> dict[str, Any]:
+    def model_fields(self, config: dict[str, object]) -> dict[str, object]:
         return model_fields_from_hf(config)
 
     def read_tensors(
-        self, config: dict[str, Any], files: Sequence[Path], wanted: set[str] | None, where: Path
+        self, config: dict[str, object], files: Sequence[Path], wanted: set[str] | None, where: Path
     ) -> dict[str, torch.Tensor]:
         return read_deepseek_v3_tensors(config, files, wanted, where)
 

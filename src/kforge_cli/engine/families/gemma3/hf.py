@@ -8,10 +8,10 @@ import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 import torch
 
+from kforge_cli.common.json_values import float_of, int_of, list_of
 from kforge_cli.engine.families.base import HFExport
 from kforge_cli.errors import CheckpointError
 from kforge_cli.settings.gemma3 import Gemma3Settings
@@ -39,7 +39,7 @@ _LAYER = re.compile(r"layers\.(\d+)\.(.+)\.weight")
 # Where a Gemma3ForConditionalGeneration keeps its language model (transformers 5 / 4 layouts).
 _LM_PREFIXES = ("model.language_model.", "language_model.model.")
 _SKIPPED_PREFIXES = ("model.vision_tower.", "vision_tower.", "model.multi_modal_projector.", "multi_modal_projector.")
-_TEXT_DEFAULTS: dict[str, Any] = {  # Gemma3TextConfig's defaults (a multimodal config.json may omit them)
+_TEXT_DEFAULTS: dict[str, object] = {  # Gemma3TextConfig's defaults (a multimodal config.json may omit them)
     "vocab_size": 262_208,
     "hidden_size": 2304,
     "intermediate_size": 9216,
@@ -103,7 +103,7 @@ class Gemma3Export:
         name = self.name(key)
         return {} if name is None else {name: t.contiguous()}
 
-    def config(self, torch_dtype: str) -> dict[str, Any]:
+    def config(self, torch_dtype: str) -> dict[str, object]:
         c = self.cfg
         g = c.gemma3 if c.gemma3 is not None else Gemma3Settings()
         return {
@@ -139,14 +139,14 @@ class Gemma3Export:
         }
 
 
-def _text_config(config: dict[str, Any]) -> dict[str, Any]:
+def _text_config(config: dict[str, object]) -> dict[str, object]:
     text = config.get("text_config") if config.get("model_type") == "gemma3" else config
     if not isinstance(text, dict):
         text = {}
     return {**_TEXT_DEFAULTS, **{k: v for k, v in text.items() if v is not None or k.endswith("softcapping")}}
 
 
-def _global_every(types: list[str]) -> int | None:
+def _global_every(types: list[object]) -> int | None:
     """The ``model.gemma3.global_every`` of transformers' ``layer_types`` (None: all global)."""
     if all(t == "full_attention" for t in types):
         return None
@@ -158,13 +158,14 @@ def _global_every(types: list[str]) -> int | None:
     return n
 
 
-def _rope(text: dict[str, Any], kind: str, legacy: str, default: float) -> tuple[float, float]:
+def _rope(text: dict[str, object], kind: str, legacy: str, default: float) -> tuple[float, float]:
     """(theta, linear factor) of one layer kind; the local layers take no scaling, the global ones linear."""
     params = text.get("rope_parameters") or {}
     one = params.get(kind) if isinstance(params, dict) else None
-    if not isinstance(one, dict) and kind == "full_attention" and isinstance(text.get("rope_scaling"), dict):
-        one = {"rope_theta": text.get(legacy, default), **text["rope_scaling"]}  # the transformers 4 layout
-    theta, factor = float(text.get(legacy, default)), 1.0
+    scaling = text.get("rope_scaling")
+    if not isinstance(one, dict) and kind == "full_attention" and isinstance(scaling, dict):
+        one = {"rope_theta": text.get(legacy, default), **scaling}  # the transformers 4 layout
+    theta, factor = float_of(text.get(legacy, default)), 1.0
     if isinstance(one, dict):
         kind_of = one.get("rope_type", one.get("type", "default"))
         if kind_of == "linear" and kind == "full_attention":
@@ -180,15 +181,15 @@ class Gemma3HF:
 
     model_types: tuple[str, ...] = ("gemma3_text", "gemma3")
 
-    def export_problems(self, fields: dict[str, Any]) -> list[str]:
+    def export_problems(self, fields: dict[str, object]) -> list[str]:
         del fields
         return []
 
-    def exporter(self, fields: dict[str, Any], cfg: ModelSettings) -> HFExport:
+    def exporter(self, fields: dict[str, object], cfg: ModelSettings) -> HFExport:
         del fields
         return Gemma3Export(cfg)
 
-    def model_fields(self, config: dict[str, Any]) -> dict[str, Any]:
+    def model_fields(self, config: dict[str, object]) -> dict[str, object]:
         text = _text_config(config)
         problems = []
         if text.get("hidden_activation") not in ("gelu_pytorch_tanh", "gelu_tanh"):
@@ -201,20 +202,30 @@ class Gemma3HF:
             problems.append("use_bidirectional_attention = true (kforge trains causal models)")
         if problems:
             raise CheckpointError("this Hugging Face model cannot be represented by kforge: " + "; ".join(problems))
-        n_layers = int(text["num_hidden_layers"])
-        types = text.get("layer_types") or [
-            "full_attention" if (i + 1) % int(text.get("sliding_window_pattern", 6)) == 0 else "sliding_attention"
-            for i in range(n_layers)
-        ]
+        n_layers = int_of(text["num_hidden_layers"])
+        types = list_of(
+            text.get("layer_types")
+            or [
+                "full_attention"
+                if (i + 1) % int_of(text.get("sliding_window_pattern", 6)) == 0
+                else "sliding_attention"
+                for i in range(n_layers)
+            ],
+            "layer_types",
+        )
         every = _global_every(list(types))
-        dim, n_heads, head_dim = int(text["hidden_size"]), int(text["num_attention_heads"]), int(text["head_dim"])
+        dim, n_heads, head_dim = (
+            int_of(text["hidden_size"]),
+            int_of(text["num_attention_heads"]),
+            int_of(text["head_dim"]),
+        )
         gemma3 = {
             "head_dim": head_dim,
-            "sliding_window": None if every is None else int(text["sliding_window"]),
+            "sliding_window": None if every is None else int_of(text["sliding_window"]),
             "global_every": every or 6,
             "rope_local_theta": _rope(text, "sliding_attention", "rope_local_base_freq", 10_000.0)[0],
             "rope_linear_factor": _rope(text, "full_attention", "rope_theta", 1_000_000.0)[1],
-            "query_pre_attn_scalar": int(text["query_pre_attn_scalar"]),
+            "query_pre_attn_scalar": int_of(text["query_pre_attn_scalar"]),
             "final_logit_softcapping": text.get("final_logit_softcapping"),
         }
         return {
@@ -222,13 +233,13 @@ class Gemma3HF:
             "dim": dim,
             "n_layers": n_layers,
             "n_heads": n_heads,
-            "n_kv_heads": int(text.get("num_key_value_heads") or n_heads),
-            "vocab_size": int(text["vocab_size"]),
-            "ffn_hidden_dim": int(text["intermediate_size"]),
-            "max_seq_len": int(text["max_position_embeddings"]),
+            "n_kv_heads": int_of(text.get("num_key_value_heads") or n_heads),
+            "vocab_size": int_of(text["vocab_size"]),
+            "ffn_hidden_dim": int_of(text["intermediate_size"]),
+            "max_seq_len": int_of(text["max_position_embeddings"]),
             "rope_theta": _rope(text, "full_attention", "rope_theta", 1_000_000.0)[0],
             "norm": "rmsnorm",
-            "norm_eps": float(text["rms_norm_eps"]),
+            "norm_eps": float_of(text["rms_norm_eps"]),
             "activation": "gelu",
             "qk_norm": True,
             "tie_embeddings": bool(text.get("tie_word_embeddings", True)),
@@ -236,7 +247,7 @@ class Gemma3HF:
         }
 
     def read_tensors(
-        self, config: dict[str, Any], files: Sequence[Path], wanted: set[str] | None, where: Path
+        self, config: dict[str, object], files: Sequence[Path], wanted: set[str] | None, where: Path
     ) -> dict[str, torch.Tensor]:
         from safetensors import SafetensorError, safe_open
 

@@ -5,10 +5,10 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
 
 import torch
 
+from kforge_cli.common.json_values import int_of
 from kforge_cli.engine.families.base import HFExport
 from kforge_cli.engine.families.llama.hf_layout import Layout, LlamaExport, from_interleaved_rope
 from kforge_cli.engine.families.llama.hf_moe import BY_MODEL_TYPE, EXPERT_BIAS, ROUTER_GATE, from_hf_moe_name
@@ -26,23 +26,23 @@ class LlamaHF:
 
     model_types: tuple[str, ...] = ("llama", "qwen3", *BY_MODEL_TYPE)
 
-    def export_problems(self, fields: dict[str, Any]) -> list[str]:
+    def export_problems(self, fields: dict[str, object]) -> list[str]:
         return export_problems(fields)
 
-    def exporter(self, fields: dict[str, Any], cfg: ModelSettings) -> HFExport:
+    def exporter(self, fields: dict[str, object], cfg: ModelSettings) -> HFExport:
         return LlamaExport(Layout.of(fields), fields, cfg)
 
-    def model_fields(self, config: dict[str, Any]) -> dict[str, Any]:
+    def model_fields(self, config: dict[str, object]) -> dict[str, object]:
         return model_fields_from_hf(config)
 
     def read_tensors(
-        self, config: dict[str, Any], files: Sequence[Path], wanted: set[str] | None, where: Path
+        self, config: dict[str, object], files: Sequence[Path], wanted: set[str] | None, where: Path
     ) -> dict[str, torch.Tensor]:
         return read_llama_tensors(config, files, wanted, where)
 
 
 def read_llama_tensors(
-    config: dict[str, Any], files: Sequence[Path], wanted: set[str] | None, hf_dir: Path
+    config: dict[str, object], files: Sequence[Path], wanted: set[str] | None, hf_dir: Path
 ) -> dict[str, torch.Tensor]:
     """kforge name -> CPU tensor for every (or every wanted) weight in the directory's safetensors.
 
@@ -95,8 +95,8 @@ def read_llama_tensors(
         if bias not in out and (wanted is None or bias in wanted):
             out[bias] = torch.zeros(out[name].shape[0], dtype=torch.float32)
     if arch is not None and arch.interleaved_rope:
-        n_heads = int(config["num_attention_heads"])
-        kv_heads = int(config.get("num_key_value_heads") or n_heads)
+        n_heads = int_of(config["num_attention_heads"])
+        kv_heads = int_of(config.get("num_key_value_heads") or n_heads)
         for name in out:
             if name.endswith("attention.wq.weight"):
                 out[name] = from_interleaved_rope(out[name], n_heads)

@@ -6,10 +6,10 @@ and ``interop.hf_vlm`` write from through the family's HF mapping.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 
+from kforge_cli.common.json_values import dict_of, float_of, int_of
 from kforge_cli.engine.families.llama.hf_moe import (
     ERNIE_MOE,
     EXPERT_BIAS,
@@ -38,9 +38,9 @@ class Layout:
     use_bias: bool  # the selection bias routes (else it is written as zeros, as kforge ignores it)
 
     @staticmethod
-    def of(fields: dict[str, Any]) -> Layout:
-        n_heads = int(fields["n_heads"])
-        kv_heads = int(fields.get("n_kv_heads") or n_heads)
+    def of(fields: dict[str, object]) -> Layout:
+        n_heads = int_of(fields["n_heads"])
+        kv_heads = int_of(fields.get("n_kv_heads") or n_heads)
         qk_norm = bool(fields.get("qk_norm"))
         if not fields.get("moe"):
             cls = "Qwen3ForCausalLM" if qk_norm else "LlamaForCausalLM"
@@ -48,7 +48,7 @@ class Layout:
         arch, why = choose_moe_arch(fields)
         if arch is None:
             raise CheckpointError("no transformers MoE architecture holds this model: " + "; ".join(why))
-        scale = float(fields["moe"].get("route_scale", 1.0))
+        scale = float_of(dict_of(fields["moe"], "model.moe").get("route_scale", 1.0))
         fold = 1.0 if arch.scale_in_router else scale
         return Layout(arch.hf_class, arch, qk_norm, n_heads, kv_heads, fold, bias_in_use(fields))
 
@@ -97,7 +97,7 @@ class LlamaExport:
     """The family's :class:`~kforge_cli.engine.families.base.HFExport`: a :class:`Layout` and its config."""
 
     layout: Layout
-    fields: dict[str, Any]
+    fields: dict[str, object]
     cfg: ModelSettings
 
     @property
@@ -110,11 +110,11 @@ class LlamaExport:
     def tensors(self, key: str, t: torch.Tensor) -> dict[str, torch.Tensor]:
         return self.layout.tensors(key, t)
 
-    def config(self, torch_dtype: str) -> dict[str, Any]:
+    def config(self, torch_dtype: str) -> dict[str, object]:
         return text_config(self.layout, self.fields, self.cfg, torch_dtype)
 
 
-def text_config(layout: Layout, fields: dict[str, Any], cfg: ModelSettings, torch_dtype: str) -> dict[str, Any]:
+def text_config(layout: Layout, fields: dict[str, object], cfg: ModelSettings, torch_dtype: str) -> dict[str, object]:
     """``config.json`` of the text architecture `layout` names."""
     config = hf_config(fields, ffn_hidden_dim=cfg.resolved_ffn_hidden_dim, torch_dtype=torch_dtype)
     if layout.moe is not None and cfg.moe is not None:

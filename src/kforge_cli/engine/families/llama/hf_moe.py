@@ -27,9 +27,10 @@ Imports no torch: the tensor transforms live in ``hf_export`` / ``hf_import``.
 from __future__ import annotations
 
 import re
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
 
+from kforge_cli.common.json_values import dict_of, float_of, int_of, list_of
 from kforge_cli.errors import CheckpointError
 
 
@@ -71,22 +72,22 @@ _HF_LAYER = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
 _HF_EXPERT = re.compile(r"^mlp\.experts\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
 
 
-def _moe(model: dict[str, Any]) -> dict[str, Any]:
-    return model.get("moe") or {}
+def _moe(model: dict[str, object]) -> dict[str, object]:
+    return dict_of(model.get("moe") or {}, "model.moe")
 
 
-def bias_in_use(model: dict[str, Any]) -> bool:
+def bias_in_use(model: dict[str, object]) -> bool:
     """kforge routes with ``expert_bias`` only while balancing updates it (``bias_update_rate > 0``)."""
-    return float(_moe(model).get("bias_update_rate", 0.0)) > 0
+    return float_of(_moe(model).get("bias_update_rate", 0.0)) > 0
 
 
-def _common_problems(moe: dict[str, Any]) -> list[str]:
+def _common_problems(moe: dict[str, object]) -> list[str]:
     if moe.get("capacity_factor") is not None:
         return ["model.moe.capacity_factor is set (it drops tokens over capacity; no transformers MoE does)"]
     return []
 
 
-def _qwen3_problems(model: dict[str, Any]) -> list[str]:
+def _qwen3_problems(model: dict[str, object]) -> list[str]:
     moe = _moe(model)
     out = _common_problems(moe)
     if not model.get("qk_norm"):
@@ -95,27 +96,27 @@ def _qwen3_problems(model: dict[str, Any]) -> list[str]:
         out.append("model.moe.score_func = 'sigmoid' (it routes with softmax)")
     if moe.get("num_shared_experts", 0):
         out.append("model.moe.num_shared_experts > 0 (no shared experts)")
-    if int(moe.get("n_groups", 1)) != 1:
+    if int_of(moe.get("n_groups", 1)) != 1:
         out.append("model.moe.n_groups > 1 (no group-limited routing)")
     if bias_in_use(model):
         out.append("model.moe.bias_update_rate > 0 (no expert selection bias)")
     return out
 
 
-def _glm4_problems(model: dict[str, Any]) -> list[str]:
+def _glm4_problems(model: dict[str, object]) -> list[str]:
     moe = _moe(model)
     out = _common_problems(moe)
     if moe.get("score_func", "softmax") != "sigmoid":
         out.append("model.moe.score_func = 'softmax' (it routes with a sigmoid)")
-    if int(moe.get("every_n_layers", 1)) != 1:
+    if int_of(moe.get("every_n_layers", 1)) != 1:
         out.append("model.moe.every_n_layers > 1 (every block after the dense first ones is MoE)")
-    groups = int(moe.get("n_groups", 1))
-    if groups > 1 and int(moe.get("num_experts", 8)) // groups < 2:
+    groups = int_of(moe.get("n_groups", 1))
+    if groups > 1 and int_of(moe.get("num_experts", 8)) // groups < 2:
         out.append("model.moe.n_groups = num_experts (it scores a group by its two best experts)")
     return out
 
 
-def _ernie_problems(model: dict[str, Any]) -> list[str]:
+def _ernie_problems(model: dict[str, object]) -> list[str]:
     moe = _moe(model)
     out = _common_problems(moe)
     if moe.get("score_func", "softmax") != "softmax":
@@ -124,9 +125,9 @@ def _ernie_problems(model: dict[str, Any]) -> list[str]:
         out.append("model.qk_norm = true (no query/key norm)")
     if not moe.get("renormalize", True):
         out.append("model.moe.renormalize = false (it always renormalises the top-k weights)")
-    if int(moe.get("n_groups", 1)) != 1:
+    if int_of(moe.get("n_groups", 1)) != 1:
         out.append("model.moe.n_groups > 1 (no group-limited routing)")
-    every, first = int(moe.get("every_n_layers", 1)), int(moe.get("first_dense_layers", 0))
+    every, first = int_of(moe.get("every_n_layers", 1)), int_of(moe.get("first_dense_layers", 0))
     if every > 1 and (first + 1) % every:
         out.append(
             f"model.moe.every_n_layers = {every} with first_dense_layers = {first} (its MoE blocks are those "
@@ -138,7 +139,7 @@ def _ernie_problems(model: dict[str, Any]) -> list[str]:
 _PROBLEMS = {QWEN3_MOE: _qwen3_problems, GLM4_MOE: _glm4_problems, ERNIE_MOE: _ernie_problems}
 
 
-def choose_moe_arch(model: dict[str, Any]) -> tuple[MoEArch | None, list[str]]:
+def choose_moe_arch(model: dict[str, object]) -> tuple[MoEArch | None, list[str]]:
     """The first architecture holding this MoE model (``model.*`` fields without prefix), or None and why not."""
     why = []
     for arch in MOE_ARCHES:
@@ -149,18 +150,18 @@ def choose_moe_arch(model: dict[str, Any]) -> tuple[MoEArch | None, list[str]]:
     return None, why
 
 
-def moe_export_problems(model: dict[str, Any]) -> list[str]:
+def moe_export_problems(model: dict[str, object]) -> list[str]:
     """Empty when some architecture holds the model; else one line per architecture naming what it lacks."""
     arch, why = choose_moe_arch(model)
     return [] if arch is not None else ["no transformers MoE architecture holds this router (" + "; ".join(why) + ")"]
 
 
-def is_moe_layer(moe: dict[str, Any], layer: int) -> bool:
-    first, every = int(moe.get("first_dense_layers", 0)), int(moe.get("every_n_layers", 1))
+def is_moe_layer(moe: dict[str, object], layer: int) -> bool:
+    first, every = int_of(moe.get("first_dense_layers", 0)), int_of(moe.get("every_n_layers", 1))
     return layer >= first and (layer - first) % every == 0
 
 
-def to_hf_moe_name(name: str, arch: MoEArch, llama_name: Any) -> str | None:
+def to_hf_moe_name(name: str, arch: MoEArch, llama_name: Callable[[str], str | None]) -> str | None:
     """kforge name -> HF name; ``{e}`` marks a per-expert name; None: not written (a bias the arch lacks)."""
     m = _KF_LAYER.match(name)
     if m:
@@ -174,15 +175,17 @@ def to_hf_moe_name(name: str, arch: MoEArch, llama_name: Any) -> str | None:
     return llama_name(name)
 
 
-def moe_config(arch: MoEArch, model: dict[str, Any], llama: dict[str, Any], *, expert_hidden: int) -> dict[str, Any]:
+def moe_config(
+    arch: MoEArch, model: dict[str, object], llama: dict[str, object], *, expert_hidden: int
+) -> dict[str, object]:
     """``config.json`` of `arch`: the Llama config plus the MoE fields."""
     moe = _moe(model)
     if not moe:
         raise CheckpointError("not an MoE model")
-    n_layers = int(model["n_layers"])
-    experts, top_k = int(moe.get("num_experts", 8)), int(moe.get("top_k", 2))
-    shared = int(moe.get("num_shared_experts", 0))
-    first = int(moe.get("first_dense_layers", 0))
+    n_layers = int_of(model["n_layers"])
+    experts, top_k = int_of(moe.get("num_experts", 8)), int_of(moe.get("top_k", 2))
+    shared = int_of(moe.get("num_shared_experts", 0))
+    first = int_of(moe.get("first_dense_layers", 0))
     cfg = dict(llama)
     cfg.pop("mlp_bias", None)
     cfg.update(
@@ -192,7 +195,7 @@ def moe_config(arch: MoEArch, model: dict[str, Any], llama: dict[str, Any], *, e
             "moe_intermediate_size": int(expert_hidden),
             "num_experts_per_tok": top_k,
             "output_router_logits": False,
-            "router_aux_loss_coef": float(moe.get("aux_loss_weight", 0.0)),
+            "router_aux_loss_coef": float_of(moe.get("aux_loss_weight", 0.0)),
         }
     )
     if arch is QWEN3_MOE:
@@ -207,15 +210,15 @@ def moe_config(arch: MoEArch, model: dict[str, Any], llama: dict[str, Any], *, e
             }
         )
     elif arch is GLM4_MOE:
-        theta = float(model["rope_theta"])
+        theta = float_of(model["rope_theta"])
         cfg.update(
             {
                 "n_routed_experts": experts,
                 "n_shared_experts": shared,
-                "n_group": int(moe.get("n_groups", 1)),
-                "topk_group": int(moe.get("topk_groups", 1)) if int(moe.get("n_groups", 1)) > 1 else 1,
+                "n_group": int_of(moe.get("n_groups", 1)),
+                "topk_group": int_of(moe.get("topk_groups", 1)) if int_of(moe.get("n_groups", 1)) > 1 else 1,
                 "norm_topk_prob": bool(moe.get("renormalize", True)),
-                "routed_scaling_factor": float(moe.get("route_scale", 1.0)),
+                "routed_scaling_factor": float_of(moe.get("route_scale", 1.0)),
                 "first_k_dense_replace": first,
                 "use_qk_norm": bool(model.get("qk_norm")),
                 "num_nextn_predict_layers": 0,
@@ -225,7 +228,7 @@ def moe_config(arch: MoEArch, model: dict[str, Any], llama: dict[str, Any], *, e
             }
         )
     else:
-        every = int(moe.get("every_n_layers", 1))
+        every = int_of(moe.get("every_n_layers", 1))
         cfg.pop("attention_bias", None)
         cfg.update(
             {
@@ -283,14 +286,16 @@ def _refuse(problems: list[str]) -> None:
         raise CheckpointError("this Hugging Face model cannot be represented by kforge: " + "; ".join(problems))
 
 
-def moe_fields_from_hf(config: dict[str, Any], llama_fields: Any) -> dict[str, Any]:
+def moe_fields_from_hf(
+    config: dict[str, object], llama_fields: Callable[[dict[str, object]], dict[str, object]]
+) -> dict[str, object]:
     """kforge ``model.*`` settings of a Qwen3-MoE, GLM-4-MoE or ERNIE-4.5-MoE config."""
     kind = config.get("model_type")
-    n_layers = int(config.get("num_hidden_layers", 0))
+    n_layers = int_of(config.get("num_hidden_layers", 0))
     problems: list[str] = []
     if kind == "qwen3_moe":
-        dense = sorted(int(i) for i in config.get("mlp_only_layers") or [])
-        step = int(config.get("decoder_sparse_step", 1))
+        dense = sorted(int_of(i) for i in list_of(config.get("mlp_only_layers") or [], "mlp_only_layers"))
+        step = int_of(config.get("decoder_sparse_step", 1))
         if step != 1:
             problems.append(f"decoder_sparse_step {step} (kforge expresses dense blocks as a prefix)")
         if dense != list(range(len(dense))) or len(dense) >= n_layers:
@@ -299,48 +304,48 @@ def moe_fields_from_hf(config: dict[str, Any], llama_fields: Any) -> dict[str, A
         fields = dict(llama_fields({**config, "model_type": "llama"}))
         fields["qk_norm"] = True
         fields["moe"] = {
-            "num_experts": int(config["num_experts"]),
-            "top_k": int(config["num_experts_per_tok"]),
-            "expert_hidden_dim": int(config["moe_intermediate_size"]),
+            "num_experts": int_of(config["num_experts"]),
+            "top_k": int_of(config["num_experts_per_tok"]),
+            "expert_hidden_dim": int_of(config["moe_intermediate_size"]),
             "first_dense_layers": len(dense),
             "renormalize": bool(config.get("norm_topk_prob", False)),
         }
         return fields
     if kind == "glm4_moe":
-        params = config.get("rope_parameters") or {}
-        partial = float(params.get("partial_rotary_factor", config.get("partial_rotary_factor", 0.5)))
+        params = dict_of(config.get("rope_parameters") or {}, "rope_parameters")
+        partial = float_of(params.get("partial_rotary_factor", config.get("partial_rotary_factor", 0.5)))
         if partial != 1.0:
             problems.append(f"partial_rotary_factor {partial} (kforge rotates every dimension of a head)")
         if config.get("attention_bias"):
             problems.append("attention_bias = true (kforge's projections have no bias)")
-        groups = int(config.get("n_group") or 1)
+        groups = int_of(config.get("n_group") or 1)
         _refuse(problems)
         fields = dict(llama_fields({**config, "model_type": "llama", "attention_bias": False}))
         fields["qk_norm"] = bool(config.get("use_qk_norm", False))
         fields["moe"] = {
-            "num_experts": int(config["n_routed_experts"]),
-            "top_k": int(config["num_experts_per_tok"]),
-            "num_shared_experts": int(config.get("n_shared_experts") or 0),
-            "expert_hidden_dim": int(config["moe_intermediate_size"]),
-            "first_dense_layers": int(config.get("first_k_dense_replace") or 0),
+            "num_experts": int_of(config["n_routed_experts"]),
+            "top_k": int_of(config["num_experts_per_tok"]),
+            "num_shared_experts": int_of(config.get("n_shared_experts") or 0),
+            "expert_hidden_dim": int_of(config["moe_intermediate_size"]),
+            "first_dense_layers": int_of(config.get("first_k_dense_replace") or 0),
             "score_func": "sigmoid",
             "n_groups": groups,
-            "topk_groups": int(config.get("topk_group") or 1) if groups > 1 else 1,
+            "topk_groups": int_of(config.get("topk_group") or 1) if groups > 1 else 1,
             "renormalize": bool(config.get("norm_topk_prob", True)),
-            "route_scale": float(config.get("routed_scaling_factor") or 1.0),
+            "route_scale": float_of(config.get("routed_scaling_factor") or 1.0),
             "bias_update_rate": 1e-3,  # kforge routes with the bias only while it is being balanced
         }
         return fields
     # ernie4_5_moe
     if config.get("use_bias"):
         problems.append("use_bias = true (kforge's projections have no bias)")
-    norm_min = float(config.get("moe_norm_min", 1e-12))
+    norm_min = float_of(config.get("moe_norm_min", 1e-12))
     if norm_min > 1e-6:
         problems.append(f"moe_norm_min {norm_min} (kforge renormalises by the plain sum)")
-    start = int(config.get("moe_layer_start_index", 1))
+    start = int_of(config.get("moe_layer_start_index", 1))
     end = config.get("moe_layer_end_index", -1)
-    end = n_layers - 1 if end in (None, -1) else int(end)
-    every = int(config.get("moe_layer_interval", 1))
+    end = n_layers - 1 if end in (None, -1) else int_of(end)
+    every = int_of(config.get("moe_layer_interval", 1))
     layers = [i for i in range(n_layers) if (i + 1) % every == 0 and start <= i <= end]
     first = layers[0] if layers else n_layers
     if layers != [i for i in range(n_layers) if i >= first and (i - first) % every == 0]:
@@ -348,10 +353,10 @@ def moe_fields_from_hf(config: dict[str, Any], llama_fields: Any) -> dict[str, A
     _refuse(problems)
     fields = dict(llama_fields({**config, "model_type": "llama", "attention_bias": False}))
     fields["moe"] = {
-        "num_experts": int(config.get("moe_num_experts") or config["num_experts"]),
-        "top_k": int(config.get("moe_k") or config["num_experts_per_tok"]),
-        "num_shared_experts": int(config.get("moe_num_shared_experts") or 0),
-        "expert_hidden_dim": int(config["moe_intermediate_size"]),
+        "num_experts": int_of(config.get("moe_num_experts") or config["num_experts"]),
+        "top_k": int_of(config.get("moe_k") or config["num_experts_per_tok"]),
+        "num_shared_experts": int_of(config.get("moe_num_shared_experts") or 0),
+        "expert_hidden_dim": int_of(config["moe_intermediate_size"]),
         "first_dense_layers": first,
         "every_n_layers": every,
         "score_func": "softmax",

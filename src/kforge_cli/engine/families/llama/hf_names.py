@@ -16,8 +16,8 @@ Imports no torch.
 from __future__ import annotations
 
 import re
-from typing import Any
 
+from kforge_cli.common.json_values import dict_of, float_of, int_of
 from kforge_cli.errors import CheckpointError
 
 _TOP = {
@@ -77,7 +77,7 @@ def from_hf_name(name: str) -> str | None:
     return None
 
 
-def export_problems(model: dict[str, Any], has_vlm: bool = False) -> list[str]:
+def export_problems(model: dict[str, object], has_vlm: bool = False) -> list[str]:
     """What in a kforge text model config no ``transformers`` architecture kforge writes can hold (empty: exportable).
 
     Dense: ``LlamaForCausalLM`` (``Qwen3ForCausalLM`` with QK-norm); MoE: see ``hf_moe``.
@@ -97,27 +97,27 @@ def export_problems(model: dict[str, Any], has_vlm: bool = False) -> list[str]:
     return problems
 
 
-def hf_config(model: dict[str, Any], *, ffn_hidden_dim: int, torch_dtype: str) -> dict[str, Any]:
+def hf_config(model: dict[str, object], *, ffn_hidden_dim: int, torch_dtype: str) -> dict[str, object]:
     """``config.json`` of ``LlamaForCausalLM`` for a kforge model config (``model.*`` fields without prefix).
 
     RoPE theta is written both the transformers 4 way (``rope_theta``) and the 5 way
     (``rope_parameters``) so either version reads it.
     """
-    n_heads = int(model["n_heads"])
-    theta = float(model["rope_theta"])
+    n_heads = int_of(model["n_heads"])
+    theta = float_of(model["rope_theta"])
     return {
         "architectures": ["LlamaForCausalLM"],
         "model_type": "llama",
-        "vocab_size": int(model["vocab_size"]),
-        "hidden_size": int(model["dim"]),
+        "vocab_size": int_of(model["vocab_size"]),
+        "hidden_size": int_of(model["dim"]),
         "intermediate_size": int(ffn_hidden_dim),
-        "num_hidden_layers": int(model["n_layers"]),
+        "num_hidden_layers": int_of(model["n_layers"]),
         "num_attention_heads": n_heads,
-        "num_key_value_heads": int(model.get("n_kv_heads") or n_heads),
-        "head_dim": int(model["dim"]) // n_heads,
+        "num_key_value_heads": int_of(model.get("n_kv_heads") or n_heads),
+        "head_dim": int_of(model["dim"]) // n_heads,
         "hidden_act": "silu",
-        "max_position_embeddings": int(model["max_seq_len"]),
-        "rms_norm_eps": float(model["norm_eps"]),
+        "max_position_embeddings": int_of(model["max_seq_len"]),
+        "rms_norm_eps": float_of(model["norm_eps"]),
         "rope_theta": theta,
         "rope_scaling": None,
         "rope_parameters": {"rope_type": "default", "rope_theta": theta},
@@ -125,13 +125,13 @@ def hf_config(model: dict[str, Any], *, ffn_hidden_dim: int, torch_dtype: str) -
         "attention_bias": False,
         "attention_dropout": 0.0,
         "mlp_bias": False,
-        "initializer_range": float(model.get("init_std", 0.02)),
+        "initializer_range": float_of(model.get("init_std", 0.02)),
         "torch_dtype": torch_dtype,
         "use_cache": True,
     }
 
 
-def qwen3_config(llama: dict[str, Any], n_layers: int) -> dict[str, Any]:
+def qwen3_config(llama: dict[str, object], n_layers: int) -> dict[str, object]:
     """``config.json`` of ``Qwen3ForCausalLM`` (a dense model with QK-norm) from the Llama one."""
     cfg = {k: v for k, v in llama.items() if k != "mlp_bias"}
     cfg.update(
@@ -147,16 +147,16 @@ def qwen3_config(llama: dict[str, Any], n_layers: int) -> dict[str, Any]:
     return cfg
 
 
-def _rope_theta(config: dict[str, Any], problems: list[str]) -> float:
-    params = config.get("rope_parameters") or {}
-    scaling = config.get("rope_scaling") or {}
+def _rope_theta(config: dict[str, object], problems: list[str]) -> float:
+    params = dict_of(config.get("rope_parameters") or {}, "rope_parameters")
+    scaling = dict_of(config.get("rope_scaling") or {}, "rope_scaling")
     kind = params.get("rope_type") or scaling.get("rope_type") or scaling.get("type") or "default"
     if kind != "default":
         problems.append(f"RoPE scaling {kind!r} (kforge implements plain RoPE)")
-    return float(params.get("rope_theta") or config.get("rope_theta") or 10000.0)
+    return float_of(params.get("rope_theta") or config.get("rope_theta") or 10000.0)
 
 
-def model_fields_from_hf(config: dict[str, Any]) -> dict[str, Any]:
+def model_fields_from_hf(config: dict[str, object]) -> dict[str, object]:
     """kforge ``model.*`` settings equivalent to a Hugging Face Llama config; refuses what kforge lacks."""
     from kforge_cli.engine.families.llama.hf_moe import BY_MODEL_TYPE, moe_fields_from_hf
 
@@ -179,18 +179,18 @@ def model_fields_from_hf(config: dict[str, Any]) -> dict[str, Any]:
             problems.append(f"{flag} = true (kforge's projections have no bias)")
     theta = _rope_theta(config, problems)
     try:
-        dim, n_heads = int(config["hidden_size"]), int(config["num_attention_heads"])
+        dim, n_heads = int_of(config["hidden_size"]), int_of(config["num_attention_heads"])
         fields = {
             "dim": dim,
-            "n_layers": int(config["num_hidden_layers"]),
+            "n_layers": int_of(config["num_hidden_layers"]),
             "n_heads": n_heads,
-            "n_kv_heads": int(config.get("num_key_value_heads") or n_heads),
-            "vocab_size": int(config["vocab_size"]),
-            "ffn_hidden_dim": int(config["intermediate_size"]),
-            "max_seq_len": int(config.get("max_position_embeddings") or 2048),
+            "n_kv_heads": int_of(config.get("num_key_value_heads") or n_heads),
+            "vocab_size": int_of(config["vocab_size"]),
+            "ffn_hidden_dim": int_of(config["intermediate_size"]),
+            "max_seq_len": int_of(config.get("max_position_embeddings") or 2048),
             "rope_theta": theta,
             "norm": "rmsnorm",
-            "norm_eps": float(config.get("rms_norm_eps", 1e-6)),
+            "norm_eps": float_of(config.get("rms_norm_eps", 1e-6)),
             "activation": "swiglu",
             "qk_norm": False,
             "tie_embeddings": bool(config.get("tie_word_embeddings", False)),
@@ -198,7 +198,7 @@ def model_fields_from_hf(config: dict[str, Any]) -> dict[str, Any]:
     except (KeyError, TypeError, ValueError, AttributeError) as exc:
         raise CheckpointError(f"Hugging Face config lacks or mangles {exc} (a Llama config.json is expected)") from None
     head_dim = config.get("head_dim")
-    if head_dim is not None and int(head_dim) != dim // n_heads:
+    if head_dim is not None and int_of(head_dim) != dim // n_heads:
         problems.append(f"head_dim {head_dim} != hidden_size / num_attention_heads = {dim // n_heads}")
     if problems:
         raise CheckpointError("this Hugging Face model cannot be represented by kforge: " + "; ".join(problems))

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from types import ModuleType
 from typing import Any
 
 import torch
@@ -30,7 +31,7 @@ from kforge_cli.settings.vlm import VisionEncoderSettings
 _SUPPORTED = {"siglip": "siglip", "siglip_vision_model": "siglip", "clip": "clip", "clip_vision_model": "clip"}
 
 
-def _require_transformers() -> Any:
+def _require_transformers() -> ModuleType:
     try:
         import transformers
     except ImportError:
