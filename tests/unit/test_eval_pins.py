@@ -88,11 +88,8 @@ def test_a_running_evaluation_whose_process_is_gone_counts_as_failed(
 def test_task_code_in_after_checkpoint_tasks_needs_allow_hooks(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    from kforge_cli.engine.evaluation.after_checkpoint import (
-        consented_code,
-        eval_command,
-        refuse_unallowed_eval_code,
-    )
+    from kforge_cli.engine.evaluation.after_checkpoint import eval_command
+    from kforge_cli.settings.task_code import consented_code, refuse_unallowed_eval_code
 
     task = tmp_path / "mine.yaml"
     task.write_text("task: mine\ndataset_path: json\nprocess_docs: !function my_utils.process\n")

@@ -73,7 +73,8 @@ def test_class2_a_task_file_runs_python_only_when_allowed(tmp_path: Path, capsys
     assert not marker.exists()  # nothing imported
     code, _, err = run_cli(["eval", missing, "--task", f"lm-eval:{task}", "--allow-hooks=other"], capsys)
     assert code == 2 and not marker.exists(), err
-    from kforge_cli.engine.evaluation.lm_eval_adapter import task_code, task_config
+    from kforge_cli.engine.evaluation.lm_eval_adapter import task_config
+    from kforge_cli.settings.task_code import task_code
 
     assert task_config(task, ["utils"])["task"] == "mine" and marker.read_text() == "ran"  # the explicit yes
     import lm_eval.tasks
@@ -86,7 +87,7 @@ def test_class2_a_task_file_is_bounded_before_it_is_parsed(tmp_path: Path, capsy
     import time
 
     pytest.importorskip("lm_eval")
-    import kforge_cli.engine.evaluation.lm_eval_adapter as adapter
+    import kforge_cli.settings.task_code as adapter
 
     nodes, size = getattr(adapter, "MAX_TASK_YAML_NODES", 100_000), getattr(adapter, "MAX_TASK_YAML_BYTES", 1 << 20)
     bomb = ["task: bomb", 'a0: &a0 ["x","x","x","x","x","x","x","x","x"]']

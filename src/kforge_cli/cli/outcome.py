@@ -151,7 +151,7 @@ def train_and_exit(settings: JobSettings) -> int:
     except BaseException:
         record(EXIT_FAILURE)
         raise
-    from kforge_cli.engine.evaluation.after_checkpoint import consented_code
+    from kforge_cli.settings.task_code import consented_code
 
     code = exit_code(outcome, consented_code(settings), main=launch.rank == 0)
     record(code, outcome.step)

@@ -54,8 +54,8 @@ def resume(
 
         nproc = nproc_per_node if nproc_per_node is not None else run_processes(run_dir)
         if nproc is not None:
-            from kforge_cli.engine.evaluation.after_checkpoint import consented_code
             from kforge_cli.settings.hook_policy import allow_flag
+            from kforge_cli.settings.task_code import consented_code
 
             child = ["resume", str(run_dir), *allow_flag(consented_code(resolved.settings)), *overrides]
             raise typer.Exit(launch_local_job(resolved, nproc, child))
@@ -208,7 +208,7 @@ def resolve_continuation(
 
     refuse_unallowed_hooks(resolved, allow_hooks, f"kforge {command}")  # code named by a file: only when allowed
     if settings.eval.after_checkpoint:  # the evaluations it starts run task code only when allowed
-        from kforge_cli.engine.evaluation.after_checkpoint import refuse_unallowed_eval_code
+        from kforge_cli.settings.task_code import refuse_unallowed_eval_code
 
         refuse_unallowed_eval_code(settings, allow_hooks, f"kforge {command}")
     return resolved

@@ -50,6 +50,7 @@ def runs(
     left no exit record). Runs written by --sbatch show their SLURM job's state
     (squeue/sacct when available): queued, running, not submitted, unknown, or the state SLURM
     ended it with. Steps: the newest complete checkpoint's or the last logged, whichever is later.
+
     Evals (when a run has eval.after_checkpoint evaluations): done/running/failed.
     """
     from kforge_cli.cli.runs_table import list_runs

@@ -74,7 +74,7 @@ def train(
         resolved = resolve(profile, config, overrides, for_run=True)
         refuse_unallowed_hooks(resolved, allow_hooks, "kforge train")  # before anything of them is imported
         if resolved.settings.eval.after_checkpoint:  # the evaluations it starts run task code only when allowed
-            from kforge_cli.engine.evaluation.after_checkpoint import refuse_unallowed_eval_code
+            from kforge_cli.settings.task_code import refuse_unallowed_eval_code
 
             refuse_unallowed_eval_code(resolved.settings, allow_hooks, "kforge train")
         if resolved.settings.train.run_dir and not (sbatch or submit):
@@ -90,7 +90,7 @@ def train(
     if nproc_per_node is not None:
         child = ["train", *(["--profile", profile] if profile is not None else [])]
         child += ["--config", str(config)] if config is not None else []
-        from kforge_cli.engine.evaluation.after_checkpoint import consented_code
+        from kforge_cli.settings.task_code import consented_code
 
         child += [*allow_flag(consented_code(resolved.settings)), *overrides]  # allowed above
         raise typer.Exit(launch_local_job(resolved, nproc_per_node, child))

@@ -190,6 +190,7 @@ def load_settings(
             sources[path] = source
 
     from kforge_cli.settings.rules import config_warnings
+    from kforge_cli.settings.shrink import shrink_warnings  # builds on the rules: asked beside them, not by them
 
     try:
         with nullcontext() if use_env else without_environment():  # use_env=False: not even JobSettings' own read
@@ -211,7 +212,7 @@ def load_settings(
         for e in chain
         if e.shadows_shipped is not None and e.source == ENV_PATH
     ]
-    return ResolvedSettings(settings, sources, warnings + config_warnings(settings), chain)
+    return ResolvedSettings(settings, sources, warnings + config_warnings(settings) + shrink_warnings(settings), chain)
 
 
 def _rule_issues(settings: JobSettings, for_run: bool) -> list[ConfigIssue]:

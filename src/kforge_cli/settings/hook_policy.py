@@ -6,8 +6,8 @@ check anything about it. Hooks the user typed now (``--train.hooks=...`` or
 ``--config`` file, a run's saved ``config.toml``, which a colleague may have written) are
 imported only when ``--allow-hooks`` lists their modules; otherwise the command is refused
 (exit 2) before anything is imported, naming the file and the modules. The same consent
-covers an lm-eval task YAML's ``!function`` tags (``kforge eval``,
-``engine/evaluation/lm_eval_adapter.py``). Torch-free.
+covers an lm-eval task YAML's ``!function`` tags (``kforge eval``, ``eval.after_checkpoint``:
+:mod:`kforge_cli.settings.task_code`). Torch-free.
 """
 
 from __future__ import annotations

@@ -195,9 +195,6 @@ def config_warnings(s: JobSettings) -> list[ConfigIssue]:
                 "and is usually slower than bf16; add --train.compile_model=true",
             )
         )
-    from kforge_cli.settings.shrink import shrink_warnings  # it builds on this module's rules
-
-    out += shrink_warnings(s)
     if s.slurm.nodes > 1:
         for name in ("partition", "account"):
             if getattr(s.slurm, name) is None:

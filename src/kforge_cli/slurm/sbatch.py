@@ -262,7 +262,7 @@ def _unsafe_paths(run_dir: Path, python: str, workdir: Path) -> list[ConfigIssue
 
 def render_sbatch(settings: JobSettings, run_dir: Path, *, python: str, workdir: Path) -> str:
     """The job script for `settings` in `run_dir` (absolute); raises ConfigError when the settings cannot work."""
-    from kforge_cli.engine.evaluation.after_checkpoint import consented_code  # torch-free
+    from kforge_cli.settings.task_code import consented_code
 
     issues = _unsafe_paths(run_dir, python, workdir) + slurm_issues(settings)
     if issues:

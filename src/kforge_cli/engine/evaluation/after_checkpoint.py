@@ -28,7 +28,7 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -47,6 +47,7 @@ from kforge_cli.rundir.eval_records import (
 from kforge_cli.rundir.layout import RunDir
 from kforge_cli.rundir.names import COMMIT_FILE
 from kforge_cli.settings import JobSettings
+from kforge_cli.settings.task_code import task_code_modules
 
 log = logging.getLogger("kforge")
 
@@ -54,53 +55,6 @@ Results = dict[str, dict[str, float]]
 
 
 # ---- the consent for task code --------------------------------------------------------------
-
-
-def _yaml_tasks(tasks: Sequence[str]) -> list[str]:
-    return [t[len("lm-eval:") :] for t in tasks if t.startswith("lm-eval:") and t.endswith((".yaml", ".yml"))]
-
-
-def task_code_modules(tasks: Sequence[str]) -> list[str]:
-    """The modules the lm-eval task files among ``tasks`` would import (``!function`` tags), each once."""
-    files = _yaml_tasks(tasks)
-    if not files:
-        return []
-    from kforge_cli.engine.evaluation.lm_eval_adapter import task_code
-
-    modules: list[str] = []
-    for path in files:
-        for spec, _ in task_code(path):
-            module = spec.rpartition(".")[0]
-            if module and module not in modules:
-                modules.append(module)
-    return modules
-
-
-def consented_code(settings: JobSettings) -> list[str]:
-    """What a later command on this run passes in ``--allow-hooks`` (the job script, a resume line, a
-    local launch's children): the hooks and the eval.after_checkpoint task code, allowed when it started.
-    Torch-free unless task files are named."""
-    code = list(settings.train.hooks)
-    if settings.eval.after_checkpoint:
-        code += task_code_modules(settings.eval.after_checkpoint_tasks)
-    return code
-
-
-def refuse_unallowed_eval_code(settings: JobSettings, allow_hooks: list[str] | None, command: str) -> None:
-    """Exit 2 unless ``--allow-hooks`` lists the Python every eval.after_checkpoint task file names
-    (the evaluations it starts are given the same consent)."""
-    if not settings.eval.after_checkpoint:
-        return
-    files = _yaml_tasks(settings.eval.after_checkpoint_tasks)
-    if not files:
-        return
-    from kforge_cli.engine.evaluation.lm_eval_adapter import refuse_unallowed_task_code
-
-    try:
-        for path in files:
-            refuse_unallowed_task_code(path, allow_hooks)
-    except InvalidInputError as exc:
-        raise InvalidInputError(f"eval.after_checkpoint_tasks: {exc}".replace("kforge eval", command)) from None
 
 
 # ---- the training's side ----------------------------------------------------------------------

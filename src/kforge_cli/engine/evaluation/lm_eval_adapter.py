@@ -24,6 +24,9 @@ from kforge_cli.engine.interop.open_checkpoint import LoadedCheckpoint
 from kforge_cli.engine.model.generation import Sampling
 from kforge_cli.engine.model.scoring import continuation_logliks
 from kforge_cli.errors import InvalidInputError
+from kforge_cli.settings.task_code import (  # the consent for task code is torch-free: it lives with the settings
+    refuse_unallowed_task_code,
+)
 
 
 def _lm_base() -> type:
@@ -103,139 +106,6 @@ def _resolve_files(files: object, base: Path) -> object:
     if isinstance(files, dict):
         return {k: _resolve_files(v, base) for k, v in files.items()}
     return files
-
-
-MAX_TASK_YAML_BYTES = 1 << 20  # a task YAML is KBs
-MAX_TASK_YAML_NODES = 100_000  # scalars and collections with every alias expanded (an honest task: hundreds)
-MAX_TASK_YAML_FILES = 32  # the file and everything it includes
-
-
-def _builtin_tasks_dir() -> Path | None:
-    """The installed harness's own task folder (its YAMLs and their Python ship with the harness)."""
-    try:
-        import lm_eval.tasks
-    except ImportError:
-        return None
-    return Path(lm_eval.tasks.__file__).resolve().parent
-
-
-def _scan_yaml(path: Path, text: str) -> list[str]:
-    """Bound one task YAML without building it; the ``!function`` references it holds, in order.
-
-    Walks the parser's event stream (no object is built, no alias expanded) and counts the
-    nodes the document would have with every alias expanded: an alias bomb (a few anchors
-    each repeating the one before) is refused here, at a cost linear in the file's size.
-    """
-    import yaml
-
-    loader = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
-    anchors: dict[str, int] = {}
-    stack: list[list[Any]] = [[None, 0]]  # [anchor, expanded size so far] per open collection
-    functions: list[str] = []
-    try:
-        for event in yaml.parse(text, Loader=loader):
-            if isinstance(event, yaml.ScalarEvent | yaml.AliasEvent):
-                if isinstance(event, yaml.AliasEvent):
-                    if event.anchor not in anchors:
-                        raise InvalidInputError(f"lm-eval task file {path}: alias *{event.anchor} has no anchor")
-                    size = anchors[event.anchor]
-                else:
-                    size = 1
-                    if event.tag == "!function" and event.value not in functions:
-                        functions.append(event.value)
-                    if event.anchor:
-                        anchors[event.anchor] = size
-                stack[-1][1] += size
-            elif isinstance(event, yaml.CollectionStartEvent):
-                stack.append([event.anchor, 1])
-            elif isinstance(event, yaml.CollectionEndEvent):
-                anchor, size = stack.pop()
-                if anchor:
-                    anchors[anchor] = size
-                stack[-1][1] += size
-            if stack[0][1] + sum(s for _, s in stack[1:]) > MAX_TASK_YAML_NODES:
-                raise InvalidInputError(
-                    f"lm-eval task file {path} expands to more than {MAX_TASK_YAML_NODES} YAML nodes (its aliases "
-                    "repeat what they name): not a task file; refusing to load it"
-                )
-    except yaml.YAMLError as exc:
-        raise InvalidInputError(f"lm-eval task file {path} is not readable YAML ({exc})") from None
-    return functions
-
-
-def _includes(path: Path, text: str) -> list[Path]:
-    """The files `path`'s ``include:`` names, resolved as the harness does (beside the file)."""
-    import yaml
-
-    class _Inert(getattr(yaml, "CSafeLoader", yaml.SafeLoader)):  # type: ignore[misc]
-        pass
-
-    _Inert.add_constructor("!function", lambda loader, node: None)  # never imported here
-    try:
-        config = yaml.load(text, Loader=_Inert)  # a safe loader; bounded by _scan_yaml
-    except yaml.YAMLError as exc:
-        raise InvalidInputError(f"lm-eval task file {path} is not readable YAML ({exc})") from None
-    include = config.get("include") if isinstance(config, dict) else None
-    names = include if isinstance(include, list) else [] if include is None else [include]
-    if not all(isinstance(n, str) for n in names):
-        raise InvalidInputError(f"lm-eval task file {path}: `include` must name files")
-    return [Path(n) if Path(n).is_absolute() else path.parent / n for n in names]
-
-
-def task_code(path: str | Path) -> list[tuple[str, Path]]:
-    """Check a task YAML and what it includes against the bounds above; the Python it names.
-
-    Returns each ``!function module.func`` of a file outside the harness's own task folder
-    with that file (the harness imports ``module`` from beside the file, or as an installed
-    module, when it loads the YAML). Nothing is imported. Exit 2 for a missing, oversized,
-    unreadable or bombed file.
-    """
-    from kforge_cli.common.files import read_text_capped
-
-    builtin = _builtin_tasks_dir()
-    todo, seen, found = [Path(path).expanduser()], set[Path](), list[tuple[str, Path]]()
-    while todo:
-        current = todo.pop(0)
-        resolved = current.resolve()
-        if resolved in seen:
-            continue
-        seen.add(resolved)
-        if len(seen) > MAX_TASK_YAML_FILES:
-            raise InvalidInputError(
-                f"lm-eval task file {path} includes more than {MAX_TASK_YAML_FILES} files: refusing to load it"
-            )
-        try:
-            text = read_text_capped(current, MAX_TASK_YAML_BYTES, "lm-eval task file")
-        except FileNotFoundError:
-            raise InvalidInputError(f"lm-eval task file {current} does not exist") from None
-        except OSError as exc:
-            raise InvalidInputError(f"cannot read lm-eval task file {current}: {exc.strerror or exc}") from None
-        functions = _scan_yaml(current, text)
-        if builtin is None or not resolved.is_relative_to(builtin):
-            found += [(spec, current) for spec in functions]
-        todo += _includes(current, text)
-    return found
-
-
-def refuse_unallowed_task_code(path: str | Path, allowed: list[str] | None) -> None:
-    """Exit 2 unless ``--allow-hooks`` names every module the task file would import (see :func:`task_code`)."""
-    from kforge_cli.settings.hook_policy import refuse_unallowed_code
-
-    found = task_code(path)
-    if not found:
-        return
-    where = {}
-    for spec, yaml_file in found:
-        module = spec.rpartition(".")[0]
-        local = yaml_file.parent / f"{module.replace('.', '/')}.py"
-        where[spec] = f"{spec} ({local if local.exists() else 'an installed module'}, named by {yaml_file})"
-    refuse_unallowed_code(
-        [spec.rpartition(".")[0] + ":" + spec.rpartition(".")[2] for spec, _ in found],
-        allowed,
-        what=f"lm-eval task file {path} (its `!function` tags)",
-        described=list(where.values()),
-        command="kforge eval",
-    )
 
 
 def task_config(path: str | Path, allowed: list[str] | None = None) -> dict[str, object]:

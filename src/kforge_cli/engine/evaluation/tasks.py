@@ -154,7 +154,7 @@ def check_task(spec: str, allow_hooks: list[str] | None = None) -> None:
             "rename the file"
         )
     if spec.startswith("lm-eval:") and spec.endswith((".yaml", ".yml")):
-        from kforge_cli.engine.evaluation.lm_eval_adapter import refuse_unallowed_task_code
+        from kforge_cli.settings.task_code import refuse_unallowed_task_code
 
         refuse_unallowed_task_code(spec[len("lm-eval:") :], allow_hooks)
 
