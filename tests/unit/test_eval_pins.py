@@ -139,3 +139,18 @@ def test_settings_refuse_an_evaluation_per_checkpoint_that_cannot_work() -> None
         load_settings(overrides=typed, use_env=False)
     assert [i.path for i in refused.value.issues] == ["eval.after_checkpoint", "eval.after_checkpoint_tasks"]
     load_settings(overrides=["--eval.after_checkpoint=true"], use_env=False)  # the default tasks: fine
+
+
+def test_an_evaluation_log_planted_as_a_link_is_never_written_through(tmp_path: Path) -> None:
+    """The evaluation process's log in RUN_DIR/eval is opened without following a link (exit 2, not a write)."""
+    from kforge_cli.common.files import SymlinkRefusedError
+    from kforge_cli.engine.evaluation.after_checkpoint import _popen
+
+    outside = tmp_path / "outside.txt"
+    outside.write_text("")
+    log = tmp_path / "step_2.log"
+    log.symlink_to(outside)
+    with pytest.raises(SymlinkRefusedError):
+        _popen([sys.executable, "-c", "print('written')"], log, {})
+    time.sleep(0.2)
+    assert outside.read_text() == ""

@@ -34,7 +34,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from types import FrameType
 
-from kforge_cli.common.files import real_dir
+from kforge_cli.common.files import open_append, real_dir
 from kforge_cli.errors import InvalidInputError
 from kforge_cli.rundir.checkpoints import commit_record, step_of
 from kforge_cli.rundir.eval_records import (
@@ -280,7 +280,7 @@ def _numbers(tasks: dict[str, object]) -> Results:
 def _popen(cmd: list[str], log_path: Path, env: dict[str, str]) -> subprocess.Popen[bytes]:
     """A detached process (its own session: the training's Ctrl-C and end leave it running)."""
     sbatch = cmd[0] == "sbatch"
-    with open(log_path, "ab") as out:
+    with open_append(log_path) as out:  # never through a link planted in the run directory
         return subprocess.Popen(
             cmd,
             stdin=subprocess.DEVNULL,
