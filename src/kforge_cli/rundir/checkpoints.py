@@ -18,7 +18,6 @@ import re
 import secrets
 import shutil
 from pathlib import Path
-from typing import Any
 
 from kforge_cli.common.files import atomic_write, open_regular
 from kforge_cli.errors import CheckpointError, KforgeError
@@ -62,7 +61,7 @@ def _read_small(path: Path) -> bytes:
     return data
 
 
-def read_json(path: Path) -> dict[str, Any]:  # TODO(types): dict[str, object] once engine/interop narrows its reads
+def read_json(path: Path) -> dict[str, object]:
     try:
         data = json.loads(_read_small(path))
     except FileNotFoundError:

@@ -13,10 +13,10 @@ from __future__ import annotations
 
 import json
 import math
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import TypeVar
 
 import torch
 from torch.distributed.checkpoint.api import CheckpointException
@@ -74,8 +74,7 @@ class CheckpointView:
     kforge: bool  # written by kforge (step dir with train_state.json / metadata.json)
     complete: bool  # kforge: the commit marker and every .metadata exist; plain DCP: .metadata exists
     summary: dict[str, object] = field(default_factory=dict)  # metadata.json (as read: check before use)
-    # train_state.json; TODO(types): dict[str, object] once engine/evaluation/tasks.py narrows what it reads
-    train_state: dict[str, Any] = field(default_factory=dict)
+    train_state: dict[str, object] = field(default_factory=dict)  # train_state.json (as read: check before use)
 
     @property
     def step(self) -> int | None:
@@ -260,3 +259,12 @@ def is_vlm(view: CheckpointView) -> bool:
     except CheckpointError:
         return False
     return shaping.get("vlm") is not None or any(k.startswith("vlm.") for k in shaping)
+
+
+def metrics_run_ids(train_state: Mapping[str, object]) -> dict[str, str]:
+    """The trackers' run ids a checkpoint's train_state.json recorded (``{backend: id}``); what is not a
+    string is not an id (the file is read back untrusted)."""
+    ids = train_state.get("metrics_run_ids")
+    if not isinstance(ids, dict):
+        return {}
+    return {str(k): v for k, v in ids.items() if isinstance(v, str)}

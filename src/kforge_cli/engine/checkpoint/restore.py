@@ -24,6 +24,7 @@ from kforge_cli.engine.checkpoint.dcp_io import (
     training_state_dict,
 )
 from kforge_cli.engine.checkpoint.groups import CheckpointGroups
+from kforge_cli.engine.checkpoint.reader import metrics_run_ids
 from kforge_cli.engine.checkpoint.resolve import RestoreDecision, Stateful, check_compatible, decide_restore
 from kforge_cli.engine.checkpoint.train_state import read_rank_state, restore_rng
 from kforge_cli.engine.runtime import seed_everything
@@ -173,7 +174,7 @@ def _resume(manager: CheckpointedState, decision: RestoreDecision, path: Path) -
     if manager.parts.loader is not None and state.get("data") is not None:
         manager.parts.loader.load_state_dict(state["data"])  # the data order continues exactly
     log.info("resumed from %s (step %d)", path, step)
-    return Restored(kind="resume", path=path, step=step, metrics_run_ids=dict(state.get("metrics_run_ids") or {}))
+    return Restored(kind="resume", path=path, step=step, metrics_run_ids=metrics_run_ids(state))
 
 
 def _reapply_schedule(scheduler: torch.optim.lr_scheduler.LRScheduler, optimizer: torch.optim.Optimizer) -> None:

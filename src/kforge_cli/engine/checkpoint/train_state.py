@@ -138,8 +138,9 @@ def read_rank_state(step_dir: Path, rank: int) -> tuple[dict[str, Any], dict[str
     problem = _rng_problem(record, tensors, json_path, pt_path)
     if problem:
         raise CheckpointError(problem)
-    assert isinstance(tensors, dict)  # _rng_problem checked it
-    return record["rng"], tensors
+    rng = record["rng"]
+    assert isinstance(tensors, dict) and isinstance(rng, dict)  # _rng_problem checked both
+    return rng, tensors
 
 
 _LIST_MISSING = 16  # more missing ranks than this are one line, not one each

@@ -218,14 +218,14 @@ def log_to_trackers(loaded: LoadedCheckpoint, results: Results, *, to_file: bool
     """
     if loaded.run_dir is None or loaded.step is None:
         return []
-    from kforge_cli.engine.checkpoint.reader import open_checkpoint
+    from kforge_cli.engine.checkpoint.reader import metrics_run_ids, open_checkpoint
     from kforge_cli.engine.observe.metrics_file import MetricsFile
     from kforge_cli.engine.observe.mlflow_backend import MlflowBackend
     from kforge_cli.engine.observe.tensorboard_backend import TensorboardBackend
     from kforge_cli.engine.observe.tracker import Tracker, run_info, tracker_backends
 
     settings = run_settings(loaded)
-    run_ids = open_checkpoint(loaded.path).train_state.get("metrics_run_ids") or {}
+    run_ids = metrics_run_ids(open_checkpoint(loaded.path).train_state)
     wanted = set(settings.metrics.backends) - {"jsonl"}
     if "wandb" in wanted:
         log.warning("wandb: kforge eval does not log to W&B (a second process would end the training's run)")
