@@ -41,20 +41,19 @@ from collections.abc import Iterable, Mapping
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from kforge_cli.common.files import open_regular, read_text_capped
+from kforge_cli.common.files import read_text_capped
 from kforge_cli.errors import InvalidInputError, KforgeError
 from kforge_cli.rundir.checkpoints import newest_complete, step_of
 from kforge_cli.rundir.eval_records import eval_counts
 from kforge_cli.rundir.launch import read_exit
 from kforge_cli.rundir.layout import RunDir
 from kforge_cli.rundir.lock import probe_run_lock
+from kforge_cli.rundir.metrics_tail import last_values
 from kforge_cli.rundir.names import HANG_DIR, HANG_SUMMARY_FILE, SUMMARY_FILE
 from kforge_cli.rundir.saved_config import read_saved_config
 
 SLURM_TIMEOUT_S = 5.0
 MAX_SMALL_FILE = 1 << 20  # a job list or checkpoint summary kforge writes is a few KB
-_TAIL_BLOCK = 64 * 1024
-_TAIL_LIMIT = 8 * 1024 * 1024  # look back at most this far for the last eval loss
 _SQUEUE_LIVE = {"PENDING": "queued", "REQUEUED": "queued", "CONFIGURING": "running", "RUNNING": "running"}
 EXIT_STATUS = {0: "done", 75: "stopped (signal)", 76: "hung (watchdog)", 130: "interrupted"}
 STOPPED = EXIT_STATUS[75]
@@ -140,46 +139,6 @@ def job_ids(run: RunDir) -> list[str]:
     return list(dict.fromkeys(ids))
 
 
-def _tail_values(path: Path, keys: tuple[str, ...]) -> dict[str, tuple[int, float]]:
-    """The last (step, value) of each of `keys` in a metrics.jsonl, read backwards from its end."""
-    found: dict[str, tuple[int, float]] = {}
-    try:
-        f = open_regular(path)  # a FIFO or device in a run directory is skipped, never read (it could block)
-    except (OSError, KforgeError):
-        return found
-    with f:
-        end = f.seek(0, 2)
-        pos, carry = end, b""
-        while pos > 0 and len(found) < len(keys) and end - pos < _TAIL_LIMIT:
-            start = max(0, pos - _TAIL_BLOCK)
-            f.seek(start)
-            chunk = f.read(pos - start) + carry
-            lines = chunk.split(b"\n")
-            carry = lines.pop(0) if start > 0 else b""  # maybe a partial line: join it to the next block
-            pos = start
-            for line in reversed(lines):
-                _take(line, keys, found)
-        if pos == 0 and carry:
-            _take(carry, keys, found)
-    return found
-
-
-def _take(line: bytes, keys: tuple[str, ...], found: dict[str, tuple[int, float]]) -> None:
-    wanted = [k for k in keys if k not in found and f'"{k}"'.encode() in line]
-    if not wanted:
-        return
-    from kforge_cli.common.json_values import record_of  # torch-free: kforge runs imports no engine
-
-    record = record_of(line)  # damaged, or holding an integer no float takes: skipped
-    step = record.get("step") if record is not None else None
-    if record is None or not isinstance(step, int):
-        return
-    for key in wanted:
-        value = record.get(key)
-        if isinstance(value, int | float) and not isinstance(value, bool):
-            found[key] = (step, float(value))
-
-
 def _logs(run: RunDir) -> list[Path]:
     return sorted(run.logs.glob("*")) if run.logs.is_dir() else []
 
@@ -226,7 +185,7 @@ def describe_run(
     train = config.get("train")
     max_steps = train.get("max_steps") if isinstance(train, dict) else None
     planned = max_steps if isinstance(max_steps, int) else None
-    last = _tail_values(run.metrics, ("loss", "eval_loss"))
+    last = last_values(run.metrics, ("loss", "eval_loss"))
     logged = last["loss"][0] if "loss" in last else 0
     latest, reason = _checkpoint(run, config)
     saved = step_of(Path(latest)) if latest is not None else None

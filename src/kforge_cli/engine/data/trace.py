@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from kforge_cli.common.files import read_toml_file
-from kforge_cli.common.json_values import int_of, list_of, record_of
+from kforge_cli.common.json_values import int_of, list_of
 from kforge_cli.engine.data.mixture import MixtureSchedule
 from kforge_cli.engine.data.sampler import Cursor, SampleOrder
 from kforge_cli.engine.data.sources import Source, training_sources
@@ -28,6 +28,7 @@ from kforge_cli.rundir.checkpoints import newest_complete, step_of
 from kforge_cli.rundir.data_positions import DataPosition, read_data_positions
 from kforge_cli.rundir.launch import read_launch
 from kforge_cli.rundir.layout import RunDir
+from kforge_cli.rundir.metrics_tail import last_values
 from kforge_cli.rundir.saved_config import apply_changes, read_changes
 from kforge_cli.settings.job import JobSettings
 
@@ -95,18 +96,12 @@ def _settings(raw: dict[str, object], changes: list[dict[str, object]], run: Run
 
 
 def _trained_steps(run: RunDir, settings: JobSettings) -> int:
-    """The furthest step the run reached: its newest complete checkpoint's or the last logged, whichever is later."""
+    """How far the run trained: its newest complete checkpoint's step or the last logged, whichever is later
+    (as ``kforge runs`` counts it; after a rewind the last logged step is where training is now)."""
     newest, _ = newest_complete(run.checkpoint_root(settings))
     done = (step_of(newest) or 0) if newest is not None else 0
-    try:
-        with run.metrics.open("rb") as f:
-            for line in f:
-                record = record_of(line)
-                if record is not None and "loss" in record and isinstance(record.get("step"), int):
-                    done = max(done, int_of(record["step"]))
-    except FileNotFoundError:
-        pass
-    return done
+    logged = last_values(run.metrics, ("loss",)).get("loss")
+    return max(done, logged[0]) if logged is not None else done
 
 
 def _legacy_start(run: RunDir, changes: list[dict[str, object]]) -> DataPosition:
